@@ -1,0 +1,1 @@
+"""The Ray side of etrain: controller, worker group, policies, run store and CLI."""

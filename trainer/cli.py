@@ -1,0 +1,115 @@
+"""``python -m trainer``: train one config under any launcher.
+
+    torchrun --nproc_per_node=2 -m trainer --config examples/tiny.toml \\
+        --set parallel.tp=2 --log-file steps.jsonl
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun
+sets them; a lone process needs none), validates the config against the world
+size and loads the corpus before any process group starts, then trains,
+printing progress on rank 0 and writing one JSON line per step to
+``--log-file``. Exit status: 0 done, 2 invalid config, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from checkpointing.errors import ConfigError
+
+from .config import load_config
+from .data import load_corpus
+from .loop import StepStats, Trainer
+from .parallel import ParallelDims, resolve_device
+from .world import World, init_distributed, shutdown_distributed
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m trainer", description="Train one etrain run config.")
+    ap.add_argument("--config", help="run config (TOML); the built-in defaults if omitted")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set parallel.tp=2 (repeatable)")
+    ap.add_argument("--log-file", help="write one JSON line per step here (rank 0)")
+    ap.add_argument("--quiet", action="store_true", help="print only the summary")
+    return ap.parse_args(argv)
+
+
+def format_step(s: StepStats, total: int) -> str:
+    return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
+            f"{s.tokens_per_s / 1e3:7.1f}k tok/s | {s.step_seconds:.3f} s/step | world {s.world_size}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def format_memory(measured: dict[str, int], predicted: dict[str, int], rank: int) -> str:
+    parts = [f"{k} {_mb(measured[k])} (predicted {_mb(predicted[k])})" for k in ("params", "grads", "optimizer")]
+    return f"memory rank {rank}: " + ", ".join(parts)
+
+
+def setup_logging(world: World) -> None:
+    """Warnings from rank 0 only: every rank would say the same thing."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("etrain: %(levelname)s: %(message)s"))
+    root = logging.getLogger("etrain")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if world.is_main else logging.ERROR)
+    root.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = None
+    try:
+        world = World.from_env()
+        setup_logging(world)
+        cfg = load_config(args.config, args.set)
+        ParallelDims.from_config(cfg, world.size)
+        device = resolve_device(cfg.parallel, world.local_rank)
+        corpus = load_corpus(cfg.data)
+    except ConfigError as e:
+        # One message, from rank 0 only: every rank sees the same config.
+        if world is None or world.is_main:
+            print(f"etrain: invalid config: {e}", file=sys.stderr)
+        return 2
+
+    init_distributed(world, device)
+    log = open(args.log_file, "a") if (args.log_file and world.is_main) else None
+    try:
+        trainer = Trainer(cfg, world, corpus=corpus, device=device)
+        total = cfg.train.steps
+        if world.is_main and not args.quiet:
+            print(f"etrain: {cfg.model.preset} model, world {world.size} "
+                  f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
+                  f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}, {trainer.device.type}; "
+                  f"corpus {corpus.describe()}", flush=True)
+        first = last = None
+        t0 = time.monotonic()
+        while trainer.step < total:
+            s = trainer.train_step()
+            first = first or s
+            last = s
+            if log:
+                log.write(json.dumps(s.to_dict()) + "\n")
+                log.flush()
+            if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
+                                                      or s.step == total):
+                print(format_step(s, total), flush=True)
+            if s.step == 1 and world.is_main and not args.quiet:
+                print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
+        if world.is_main and last is not None:
+            print(f"etrain: trained {total} steps in {time.monotonic() - t0:.1f} s; "
+                  f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)
+        return 0
+    except ConfigError as e:
+        if world.is_main:
+            print(f"etrain: invalid config: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if log:
+            log.close()
+        shutdown_distributed()

@@ -1,0 +1,446 @@
+"""Run configuration: keyword-only dataclasses loaded from one TOML file.
+
+    from trainer.config import load_config
+    cfg = load_config("examples/tiny.toml", overrides=["parallel.tp=2"])
+
+A whole run is one TOML file with the sections ``[model]``, ``[data]``,
+``[train]``, ``[parallel]`` and ``[checkpoint]``; ``--set section.field=value``
+overrides any field (the value is parsed as TOML, falling back to a string).
+Each section validates itself in ``__post_init__``; checks that span sections
+run in :class:`TrainConfig`; checks that need the world size run in
+:class:`trainer.parallel.ParallelDims`, still before any process group starts.
+Every error is a :class:`ConfigError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from checkpointing.errors import ConfigError
+
+# Model sizes by name. A preset fills every model field that the [model]
+# section does not set itself.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.9M parameters: fast enough for multi-process tests on two CPU cores.
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=384, max_seq_len=256),
+    # ~25M parameters.
+    "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden=1536, max_seq_len=1024),
+    # GPU sizes.
+    "125m": dict(dim=768, n_layers=18, n_heads=12, n_kv_heads=12, ffn_hidden=2048, max_seq_len=2048),
+    "1b": dict(dim=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_hidden=5632, max_seq_len=2048),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_list(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (", ..." if len(values) > limit else "")
+
+
+def _or_join(values: list[int]) -> str:
+    if len(values) == 1:
+        return str(values[0])
+    return ", ".join(str(v) for v in values[:-1]) + f" or {values[-1]}"
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Llama-style decoder sizes. ``preset`` fills the fields not given."""
+
+    preset: str = "tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.preset not in MODEL_PRESETS:
+            raise ConfigError(
+                f"model.preset={self.preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}"
+            )
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}; "
+                f"use one of {_fmt_list(_divisors(self.dim))}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}; "
+                f"use one of {_fmt_list(_divisors(self.n_heads))}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the training text or tokens come from, and how samples are cut."""
+
+    # "stdlib": this machine's Python standard library sources (the default
+    # corpus). Otherwise an fsspec URL or glob of text files, or of pre-tokenized
+    # ``.bin`` token files (format "tokens").
+    source: str = "stdlib"
+    format: Literal["auto", "text", "tokens"] = "auto"
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int = 64
+    # Read at most this many bytes of text (0 = all); keeps tests quick.
+    max_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be >= 2")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 reads everything)")
+        if not self.source:
+            raise ConfigError('data.source is empty; use "stdlib" or an fsspec URL such as "file:///data/*.txt"')
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimisation: steps, batch, AdamW and the learning-rate schedule."""
+
+    steps: int = 200
+    # Samples per optimizer step, fixed for the whole run whatever the world
+    # size: gradient accumulation absorbs the data-parallel degree.
+    global_batch: int = 8
+    # Samples per forward pass on one data-parallel rank.
+    micro_batch: int = 4
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.micro_batch > self.global_batch:
+            raise ConfigError(
+                f"train.micro_batch={self.micro_batch} is larger than train.global_batch={self.global_batch}; "
+                f"use micro_batch <= {self.global_batch}"
+            )
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The parallel layout: dp_replicate x dp_shard x tp x pp = world size."""
+
+    dp_replicate: int = 1
+    # -1: whatever the world size leaves after dp_replicate, tp and pp. This is
+    # the elastic axis: resizing a run changes it and nothing else.
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # 0 replicate (DDP), 1 + optimizer state sharded, 2 + gradients sharded,
+    # 3 + parameters sharded (FSDP2 fully_shard).
+    zero_stage: int = 3
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    # Pipeline stages held by each pp rank (> 1 with interleaved_1f1b).
+    pp_stages_per_rank: int = 1
+    # Pipeline micro-batches per step on one data-parallel rank; 0 = the local
+    # batch divided by train.micro_batch.
+    pp_microbatches: int = 0
+    activation_checkpoint: Literal["none", "full", "every_k"] = "none"
+    ac_every_k: int = 2
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    offload: Literal["none", "cpu"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "pp_stages_per_rank", "ac_every_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.pp_microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches={self.pp_microbatches} must be >= 0 (0 = automatic)")
+        if self.pp_stages_per_rank > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={self.pp_stages_per_rank} needs "
+                f'parallel.pp_schedule="interleaved_1f1b" (got {self.pp_schedule!r})'
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank < 2:
+            raise ConfigError(
+                'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp_stages_per_rank >= 2; '
+                'use 2, or pp_schedule="1f1b"'
+            )
+        if self.offload == "cpu" and self.zero_stage != 3:
+            raise ConfigError(
+                f'parallel.offload="cpu" needs parallel.zero_stage=3 (got {self.zero_stage}); '
+                "offload moves the FSDP-sharded parameters and optimizer state to host memory"
+            )
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one model replica's fixed part: tp x pp."""
+        return self.tp * self.pp
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written (see the checkpointing package)."""
+
+    url: str = ""
+    interval_steps: int = 0
+    # Upload in the background after a short blocking copy to host memory.
+    async_save: bool = True
+    # A save requested while another is in flight: "wait" for it or "skip".
+    when_busy: Literal["wait", "skip"] = "wait"
+    keep_last: int = 3
+    keep_every: int = 0
+    # Resume from the newest committed checkpoint under url, if there is one.
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 0:
+            raise ConfigError(f"checkpoint.interval_steps={self.interval_steps} must be >= 0 (0 disables)")
+        if self.interval_steps > 0 and not self.url:
+            raise ConfigError(
+                f"checkpoint.interval_steps={self.interval_steps} needs checkpoint.url; "
+                'set it to a directory such as "file:///tmp/ckpt" or "s3://bucket/prefix"'
+            )
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
+        if self.keep_every < 0:
+            raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0 (0 keeps none extra)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Cross-section checks live here."""
+
+    run_id: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        m, p, d, t = self.model, self.parallel, self.data, self.train
+        if m.n_heads % p.tp:
+            good = [v for v in _divisors(m.n_heads) if m.n_kv_heads % v == 0]
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}; use {_or_join(good)}"
+            )
+        if m.n_kv_heads % p.tp:
+            good = _divisors(m.n_kv_heads)
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.n_kv_heads={m.n_kv_heads}; use {_or_join(good)}"
+            )
+        if m.ffn_hidden % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.ffn_hidden={m.ffn_hidden}; "
+                f"use one of {_fmt_list(_divisors(m.ffn_hidden))}"
+            )
+        if m.vocab_size % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}; "
+                f"use one of {_fmt_list(_divisors(m.vocab_size))}"
+            )
+        stages = p.pp * p.pp_stages_per_rank
+        if stages > m.n_layers:
+            raise ConfigError(
+                f"parallel.pp={p.pp} x parallel.pp_stages_per_rank={p.pp_stages_per_rank} = {stages} "
+                f"pipeline stages exceed model.n_layers={m.n_layers}; use at most {m.n_layers} stages"
+            )
+        if d.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len"
+            )
+        if self.checkpoint.resume and not self.checkpoint.url:
+            raise ConfigError("checkpoint.resume=true needs checkpoint.url")
+        if t.global_batch % t.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "
+                f"use one of {_fmt_list(_divisors(t.global_batch))}"
+            )
+        if not self.run_id or any(c in self.run_id for c in "/\\ "):
+            raise ConfigError(f"run_id={self.run_id!r} must be non-empty without '/', '\\' or spaces")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """A short hash of what determines the training math (not the layout).
+
+        The parallel layout and checkpoint settings are left out on purpose: a
+        run resumed on another layout still trains the same model on the same
+        data.
+        """
+        d = self.to_dict()
+        d.pop("parallel")
+        d.pop("checkpoint")
+        d.pop("run_id")
+        d["train"].pop("log_every")
+        blob = json.dumps(d, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": OptimConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+}
+_TOP_LEVEL = {"run_id": str}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(options))}"
+
+
+def _check_type(where: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to ``tp`` or raise a ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r} is not allowed; use one of {', '.join(repr(c) for c in choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _check_type(where, value, arm)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}={value!r} has the wrong type; expected {tp}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{name}] must be a table, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    if name == "model":
+        preset = raw.get("preset", "tiny")
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
+        values.update(MODEL_PRESETS[preset])
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
+        values[key] = _check_type(f"{name}.{key}", value, hints[key])
+    return cls(**values)
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from a parsed TOML document."""
+    sections: dict[str, Any] = {}
+    top: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            sections[key] = _build_section(key, _SECTIONS[key], value)
+        elif key in _TOP_LEVEL:
+            top[key] = _check_type(key, value, _TOP_LEVEL[key])
+        else:
+            raise ConfigError(f"unknown section or key {key!r}{_suggest(key, list(_SECTIONS) + list(_TOP_LEVEL))}")
+    return TrainConfig(**top, **sections)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` strings to a raw TOML dict (a copy)."""
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like section.field=value, e.g. parallel.tp=2")
+        path, _, text = item.partition("=")
+        keys = path.strip().split(".")
+        if not all(keys):
+            raise ConfigError(f"--set {item!r}: the field path {path!r} is malformed")
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {k!r} is not a section")
+        node[keys[-1]] = _parse_value(text.strip())
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load a run config from a TOML file (or the defaults) plus overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    return config_from_dict(apply_overrides(raw, overrides or []))

@@ -1,0 +1,182 @@
+"""The training step loop.
+
+    init_distributed(world, device)
+    trainer = Trainer(cfg, world)
+    for _ in range(n):
+        stats = trainer.train_step()
+
+A step trains on a fixed global batch of ``train.global_batch`` samples: each
+data-parallel rank takes its contiguous share, split into micro-batches of
+``train.micro_batch`` (gradient accumulation absorbs the data-parallel
+degree) or fed to the pipeline schedule. Per-step randomness (dropout) is
+seeded from (seed, step, sample index) before each micro-batch, never from
+per-rank RNG state, so nothing rank-specific has to be saved. The learning
+rate is a pure function of the step: linear warmup, then cosine decay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from checkpointing.errors import ConfigError
+
+from . import memory
+from .config import TrainConfig
+from .data import Batcher, Corpus, load_corpus
+from .optim import build_optimizer
+from .parallel import ParallelDims, build_model_parts, lm_loss, resolve_device, resolve_precision
+from .world import World
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did; a line of the step log."""
+
+    step: int  # steps completed, after this one
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_seconds: float
+    data_seconds: float
+    world_size: int
+    samples_consumed: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup, then cosine to ``lr * min_lr_ratio``."""
+    t = cfg.train
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def step_seed(seed: int, step: int, sample_index: int) -> int:
+    """Seed for the randomness of one micro-batch, from (seed, step, first sample index)."""
+    return xxhash.xxh64_intdigest(f"step:{seed}:{step}:{sample_index}") & ((1 << 63) - 1)
+
+
+class Trainer:
+    """Model parts, optimizer and data for this rank; one call trains one step.
+
+    Expects the default process group to exist (``trainer.world.init_distributed``).
+    """
+
+    def __init__(self, cfg: TrainConfig, world: World, *, corpus: Corpus | None = None,
+                 device: torch.device | None = None):
+        self.cfg = cfg
+        self.world = world
+        self.dims = ParallelDims.from_config(cfg, world.size)
+        self.device = device or resolve_device(cfg.parallel, world.local_rank)
+        self.corpus = corpus or load_corpus(cfg.data)
+        if self.corpus.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the corpus vocabulary "
+                f"({self.corpus.vocab_size} = largest token id + 1); set model.vocab_size >= {self.corpus.vocab_size}"
+            )
+        self.coords = self.dims.coords(world.rank)
+        self.dp_rank = self.dims.dp_rank(world.rank)
+        self.batcher = Batcher(self.corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch,
+                               self.dp_rank, self.dims.dp)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.parts = build_model_parts(cfg, self.dims, self.mesh, world.rank, self.device)
+        self.optimizer = build_optimizer(self.parts, cfg, self.dims, self.mesh, world.rank)
+        self.mixed = resolve_precision(cfg.parallel, self.device) != torch.float32
+        self.step = 0
+        self.samples_consumed = 0
+        self.memory_measured: dict[str, int] | None = None
+        self.parts.train()
+
+    # --- state the checkpoint carries ----------------------------------------
+
+    def train_state(self) -> dict:
+        """Everything besides tensors needed to resume: the step and the data cursor."""
+        return {
+            "step": self.step,
+            "samples_consumed": self.samples_consumed,
+            "epoch": self.batcher.order.epoch_of(self.samples_consumed),
+            "corpus_digest": self.corpus.digest,
+        }
+
+    def load_train_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.samples_consumed = int(state["samples_consumed"])
+
+    def memory_predicted(self) -> dict[str, int]:
+        return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
+
+    # --- the step ------------------------------------------------------------
+
+    def train_step(self) -> StepStats:
+        cfg, t0 = self.cfg, time.monotonic()
+        lr = lr_at(cfg, self.step)
+        positions = self.batcher.local_positions(self.samples_consumed)
+        inputs, targets = self.batcher.tokens(positions)
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        t_data = time.monotonic() - t0
+
+        if self.parts.pipeline is not None:
+            self._seed(positions.start)
+            loss_sum = self.parts.pipeline.step(inputs, targets)
+            self.optimizer.after_backward(final=True)
+        else:
+            model = self.parts.modules[0]
+            mb = cfg.train.micro_batch
+            n_micro = len(positions) // mb
+            loss_sum = torch.zeros((), device=self.device)
+            for i in range(n_micro):
+                self._seed(positions.start + i * mb)
+                logits = model(inputs[i * mb : (i + 1) * mb])
+                loss = lm_loss(logits, targets[i * mb : (i + 1) * mb]) / n_micro
+                loss.backward()
+                loss_sum += loss.detach()
+                self.optimizer.after_backward(final=i == n_micro - 1)
+
+        norm_sq, loss = self._reduce_norm_and_loss(loss_sum)
+        grad_norm = math.sqrt(norm_sq)
+        clip = cfg.train.grad_clip
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        self.optimizer.step(lr, coef)
+        if self.memory_measured is None:
+            self.memory_measured = self.optimizer.memory_bytes()
+        self.optimizer.zero_grad()
+
+        self.step += 1
+        self.samples_consumed += cfg.train.global_batch
+        dt = time.monotonic() - t0
+        return StepStats(
+            step=self.step, loss=loss, lr=lr, grad_norm=grad_norm,
+            tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt,
+            data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
+        )
+
+    def _seed(self, sample_index: int) -> None:
+        if self.cfg.model.dropout > 0:
+            torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
+
+    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None) -> tuple[float, float]:
+        """One all-reduce for the global gradient norm and the mean loss.
+
+        The loss is counted once per data-parallel rank: by the last pipeline
+        stage's first tensor-parallel rank.
+        """
+        counts = self.parts.has_last_stage and self.coords["tp"] == 0
+        contrib = loss_sum.float() if (counts and loss_sum is not None) else torch.zeros((), device=self.device)
+        both = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device)])
+        if self.world.size > 1:
+            dist.all_reduce(both)
+        norm_sq, loss = both.tolist()
+        return norm_sq, loss / self.dims.dp

@@ -1,0 +1,198 @@
+"""A small Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, causal SDPA.
+
+    model = Transformer(cfg.model)             # on any device, meta included
+    model.init_weights(seed)                   # deterministic, layout-free
+    logits = model(tokens)                     # (batch, seq, vocab)
+
+Parameter names (FQNs) never depend on the parallel layout: blocks live in a
+``ModuleDict`` keyed "0".."n-1", so a pipeline stage that keeps blocks 4..7
+still calls them ``layers.4`` .. ``layers.7``; activation checkpointing is a
+flag on the block, not a wrapper module. Initial values come from a generator
+seeded by (seed, FQN), so every layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(max_seq_len, head_dim // 2, 2) table of cos and sin for rotary embeddings."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    ang = torch.outer(pos, inv)
+    return torch.stack([ang.cos(), ang.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by position; pairs are interleaved as in Llama."""
+    seq = x.shape[1]
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos = table[:seq, None, :, 0]
+    sin = table[:seq, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = cfg.dropout
+        # Set by trainer.parallel.apply_ac; recomputes this block in backward.
+        self.checkpoint_activations = False
+
+    def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = self.attention(self.attention_norm(x), rope)
+        if self.dropout and self.training:
+            h = F.dropout(h, self.dropout)
+        x = x + h
+        h = self.feed_forward(self.ffn_norm(x))
+        if self.dropout and self.training:
+            h = F.dropout(h, self.dropout)
+        return x + h
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
+
+class Transformer(nn.Module):
+    """The decoder. A pipeline stage is this class with some parts set to None."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) in; logits or hidden states out."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter from a generator seeded by (seed, FQN).
+
+        Call on real (non-meta) parameters before any parallel wrapper, so
+        that every layout, pipeline stage and world size starts identical.
+        """
+        self.rope = rope_table(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope.device)
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for fqn, p in self.named_parameters():
+            g = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
+            t = torch.empty(p.shape, dtype=torch.float32)
+            leaf = fqn.rsplit(".", 2)
+            if fqn.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif fqn == "tok_embeddings.weight":
+                nn.init.normal_(t, std=1.0, generator=g)
+            elif fqn == "output.weight":
+                std = self.cfg.dim**-0.5
+                nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+            elif leaf[-2] in ("wo", "w2"):
+                nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
+            else:
+                nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
+            p.copy_(t)
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def layer_split(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous block ranges per pipeline stage, as even as possible."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def cut_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
+    """Keep only what pipeline stage ``stage`` of ``n_stages`` runs, in place.
+
+    Kept blocks keep their FQNs (``layers.5`` stays ``layers.5``).
+    """
+    keep = layer_split(len(model.layers), n_stages)[stage]
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != n_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of the whole model, computed from its sizes."""
+    d, hd = cfg.dim, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    ffn = 3 * d * cfg.ffn_hidden
+    block = attn + ffn + 2 * d
+    return cfg.vocab_size * d * 2 + d + cfg.n_layers * block

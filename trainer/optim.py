@@ -1,0 +1,359 @@
+"""Data-parallel gradient reduction and AdamW, by ZeRO stage.
+
+    opt = build_optimizer(parts, cfg, dims, mesh)
+    ...loss.backward(); opt.after_backward(final=last_micro_batch)
+    norm_sq = opt.local_norm_sq()            # all-reduced over the world by the caller
+    opt.step(lr, clip_coef); opt.zero_grad()
+
+Stages 0-2 (:class:`ZeroOptimizer`) keep every parameter whole on each
+data-parallel rank and differ in what they shard:
+
+* 0: nothing (DDP semantics). Gradients live in one flat buffer (``p.grad`` are
+  views into it, so autograd accumulates in place); one all-reduce per step.
+* 1: the optimizer state. Same all-reduced full gradients; each rank updates
+  its chunk of every parameter, then the chunks are all-gathered.
+* 2: + gradients. Each backward's gradients are reduce-scattered at once and
+  only this rank's chunk is kept.
+
+Chunks follow DTensor's ``Shard`` rule (``torch.chunk`` along one dim: the
+first dim that tensor parallelism does not already shard), so a chunk of the
+optimizer state is exactly a DTensor shard and checkpoints reshard between
+stages. Stage 3 (:class:`FSDPOptimizer`) is FSDP2: parameters, gradients and
+state are DTensors sharded by ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .config import OptimConfig, TrainConfig
+from .parallel import ModelParts, ParallelDims, axis_group, grad_replicas
+
+
+def chunk_bounds(size: int, n: int, r: int) -> tuple[int, int]:
+    """(start, length) of chunk ``r`` of ``n`` along a dim of ``size`` (torch.chunk rule)."""
+    cs = math.ceil(size / n) if size else 0
+    start = min(r * cs, size)
+    return start, max(0, min(cs, size - start))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tp_shard_dim(p: torch.Tensor) -> int | None:
+    """The tensor dim that tensor parallelism shards, if any."""
+    if isinstance(p, DTensor):
+        for pl in p.placements:
+            if pl.is_shard():
+                return pl.dim
+    return None
+
+
+def _decays(fqn: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices (linear and embedding weights), not on norms."""
+    return p.ndim >= 2
+
+
+def _make_adamw(groups: list[dict], ocfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=ocfg.lr,
+        betas=(ocfg.beta1, ocfg.beta2),
+        eps=ocfg.eps,
+        foreach=True,
+    )
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = local_tensor(t).untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+@dataclass
+class _Slot:
+    """One parameter as ZeRO sees it on this rank."""
+
+    fqn: str
+    param: nn.Parameter
+    local: torch.Tensor  # the whole local tensor (the TP shard, if any)
+    dim: int  # the dim ZeRO chunks
+    starts: list[int]  # chunk start per shard rank
+    lengths: list[int]  # chunk length per shard rank
+    inner: int  # elements per index along ``dim``
+    offset: int  # position in a rank's section of the packed buffer
+    width: int  # elements reserved per rank for this parameter
+    flat_offset: int  # position in the flat full-gradient buffer (stages 0/1)
+    replicas: int  # identical copies of this rank's gradient chunk, world-wide
+    decay: bool
+    master: nn.Parameter | None = None  # what AdamW updates (a view of ``chunk`` in fp32)
+
+    def chunk(self, r: int) -> torch.Tensor:
+        return self.local.narrow(self.dim, self.starts[r], self.lengths[r])
+
+    def chunk_shape(self, r: int) -> torch.Size:
+        s = list(self.local.shape)
+        s[self.dim] = self.lengths[r]
+        return torch.Size(s)
+
+
+class ZeroOptimizer:
+    """ZeRO stages 0, 1 and 2 over whole-parameter replicas (see module docstring)."""
+
+    def __init__(self, parts: ModelParts, cfg: TrainConfig, dims: ParallelDims, mesh, rank: int):
+        self.stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+        self.cfg = cfg.train
+        self.dims = dims
+        self.dp_group = axis_group(mesh, dims, "dp")
+        self.shard_group = axis_group(mesh, dims, "dp_shard") if self.stage > 0 else None
+        self.replicate_group = axis_group(mesh, dims, "dp_replicate") if self.stage > 0 else None
+        self.n = dims.dp_shard if self.stage > 0 else 1
+        self.r = dims.coords(rank)["dp_shard"] if self.stage > 0 else 0
+        self.grad_accumulated = False
+        params = list(parts.named_parameters())
+        self.dtype = params[0][1].dtype if params else torch.float32
+        self.slots: list[_Slot] = []
+        offset = flat = 0
+        for fqn, p in params:
+            local = local_tensor(p.data)
+            tpd = tp_shard_dim(p)
+            dim = next((d for d in range(local.ndim) if d != tpd), 0) if local.ndim > 1 else 0
+            bounds = [chunk_bounds(local.shape[dim], self.n, r) for r in range(self.n)]
+            inner = local.numel() // max(1, local.shape[dim])
+            width = max(L for _, L in bounds) * inner
+            tp_rep = dims.tp if tpd is None else 1
+            dp_rep = dims.dp if self.stage == 0 else dims.dp_replicate
+            self.slots.append(_Slot(fqn, p, local, dim, [b[0] for b in bounds], [b[1] for b in bounds], inner,
+                                    offset, width, flat, tp_rep * dp_rep, _decays(fqn, p)))
+            offset += width
+            flat += local.numel()
+        self.section = offset
+        self._reduced: torch.Tensor | None = None  # stages 0/1: all-reduced fp32 gradients
+        self.flat_grad: torch.Tensor | None = None  # stages 0/1: the full gradients
+        self.grad_shard: torch.Tensor | None = None  # stage 2: this rank's chunk of them
+        if self.stage < 2:
+            self._attach_flat_grads()
+        groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
+        for s in self.slots:
+            mine = s.chunk(self.r)
+            if mine.numel() == 0:
+                continue
+            # fp32: AdamW updates the parameter in place through a view. bf16: a
+            # separate fp32 master copy, cast back after each step.
+            s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
+            groups[0 if s.decay else 1]["params"].append(s.master)
+        self.optimizer = _make_adamw(groups, self.cfg)
+
+    # --- gradients -----------------------------------------------------------
+
+    def _attach_flat_grads(self) -> None:
+        numel = sum(s.local.numel() for s in self.slots)
+        device = self.slots[0].local.device if self.slots else torch.device("cpu")
+        self.flat_grad = torch.zeros(numel, dtype=self.dtype, device=device)
+        self._grad_views = [self._flat_view(self.flat_grad, s) for s in self.slots]
+        self._point_grads_at_views()
+
+    @staticmethod
+    def _flat_view(flat: torch.Tensor, s: _Slot) -> torch.Tensor:
+        return flat[s.flat_offset : s.flat_offset + s.local.numel()].view(s.local.shape)
+
+    def _point_grads_at_views(self) -> None:
+        for s, view in zip(self.slots, self._grad_views):
+            p = s.param
+            if isinstance(p, DTensor):
+                p.grad = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+            else:
+                p.grad = view
+
+    def _adopt_stray_grads(self) -> None:
+        """Autograd normally accumulates into our views; copy in any grad it replaced."""
+        for s, view in zip(self.slots, self._grad_views):
+            g = s.param.grad
+            if g is None:
+                continue
+            lg = local_tensor(g)
+            if lg.data_ptr() != view.data_ptr():
+                view.copy_(lg)
+        self._point_grads_at_views()
+
+    def after_backward(self, final: bool) -> None:
+        """Call after each backward; ``final`` after the last micro-batch of the step."""
+        if self.stage == 2:
+            self._reduce_scatter_grads()
+            if final and self.replicate_group is not None:
+                dist.all_reduce(self.grad_shard, group=self.replicate_group)
+            if final:
+                self.grad_shard.div_(self.dims.dp)
+        elif final:
+            self._adopt_stray_grads()
+            reduced = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
+            if self.dp_group is not None:
+                dist.all_reduce(reduced, group=self.dp_group)
+            reduced.div_(self.dims.dp)
+            self._reduced = reduced
+        if final:
+            self._set_master_grads()
+
+    def _reduce_scatter_grads(self) -> None:
+        slots = self.slots
+        device = slots[0].local.device
+        packed = torch.zeros(self.n, self.section, dtype=torch.float32, device=device)
+        for s in slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            g = local_tensor(g)
+            for r in range(self.n):
+                if s.lengths[r]:
+                    n = s.lengths[r] * s.inner
+                    packed[r, s.offset : s.offset + n] = g.narrow(s.dim, s.starts[r], s.lengths[r]).reshape(-1)
+            s.param.grad = None
+        out = torch.empty(self.section, dtype=torch.float32, device=device)
+        if self.shard_group is not None:
+            dist.reduce_scatter_single(out, packed.view(-1), group=self.shard_group)
+        else:
+            out.copy_(packed.view(-1))
+        if self.grad_shard is None:
+            self.grad_shard = out
+        else:
+            self.grad_shard.add_(out)
+
+    def _set_master_grads(self) -> None:
+        for s in self.slots:
+            if s.master is None:
+                continue
+            if self.stage == 2:
+                n = s.master.numel()
+                s.master.grad = self.grad_shard[s.offset : s.offset + n].view(s.chunk_shape(self.r))
+            else:
+                full = self._flat_view(self._reduced, s)
+                s.master.grad = full.narrow(s.dim, s.starts[self.r], s.lengths[self.r])
+
+    def local_norm_sq(self) -> torch.Tensor:
+        """Sum of squared gradient entries this rank owns, each divided by its replica count."""
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
+        for s in self.slots:
+            if s.master is not None and s.master.grad is not None:
+                total += s.master.grad.float().pow(2).sum() / s.replicas
+        return total
+
+    def _device(self) -> torch.device:
+        return self.slots[0].local.device if self.slots else torch.device("cpu")
+
+    # --- update ------------------------------------------------------------------
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        grads = [s.master.grad for s in self.slots if s.master is not None]
+        if clip_coef < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coef)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        for s in self.slots:
+            if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
+                s.chunk(self.r).copy_(s.master)
+        if self.stage > 0 and self.n > 1:
+            self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        device = self._device()
+        mine = torch.zeros(self.section, dtype=self.dtype, device=device)
+        for s in self.slots:
+            if s.lengths[self.r]:
+                c = s.chunk(self.r)
+                mine[s.offset : s.offset + c.numel()] = c.reshape(-1)
+        full = torch.empty(self.n * self.section, dtype=self.dtype, device=device)
+        dist.all_gather_single(full, mine, group=self.shard_group)
+        full = full.view(self.n, self.section)
+        with torch.no_grad():
+            for s in self.slots:
+                for r in range(self.n):
+                    if r == self.r or not s.lengths[r]:
+                        continue
+                    shape = s.chunk_shape(r)
+                    s.chunk(r).copy_(full[r, s.offset : s.offset + shape.numel()].view(shape))
+
+    def zero_grad(self) -> None:
+        for s in self.slots:
+            if s.master is not None:
+                s.master.grad = None
+        self._reduced = None
+        if self.stage == 2:
+            self.grad_shard = None
+        else:
+            self.flat_grad.zero_()
+            self._point_grads_at_views()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        params = _storage_bytes(s.local for s in self.slots)
+        held = [self.flat_grad, self.grad_shard] + [s.param.grad for s in self.slots if self.stage == 2]
+        grads = _storage_bytes(held)
+        state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        masters = [s.master for s in self.slots if s.master is not None
+                   and s.master.data_ptr() != s.chunk(self.r).data_ptr()]
+        return {"params": params, "grads": grads, "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
+
+
+class FSDPOptimizer:
+    """ZeRO stage 3: AdamW over FSDP2's sharded DTensor parameters."""
+
+    def __init__(self, parts: ModelParts, cfg: TrainConfig, dims: ParallelDims):
+        self.cfg = cfg.train
+        self.dims = dims
+        self.params = [p for _, p in parts.named_parameters()]
+        groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
+        for fqn, p in parts.named_parameters():
+            groups[0 if _decays(fqn, p) else 1]["params"].append(p)
+        self.optimizer = _make_adamw(groups, self.cfg)
+
+    def after_backward(self, final: bool) -> None:
+        """FSDP reduce-scatters inside backward; nothing to do here."""
+
+    def local_norm_sq(self) -> torch.Tensor:
+        device = local_tensor(self.params[0]).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for p in self.params:
+            if p.grad is not None:
+                total += local_tensor(p.grad).float().pow(2).sum() / grad_replicas(p.grad, self.dims, {})
+        return total
+
+    def step(self, lr: float, clip_coef: float) -> None:
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        if clip_coef < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coef)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def memory_bytes(self) -> dict[str, int]:
+        state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        return {
+            "params": _storage_bytes(self.params),
+            "grads": _storage_bytes(p.grad for p in self.params),
+            "optimizer": _storage_bytes(state),
+        }
+
+
+def build_optimizer(parts: ModelParts, cfg: TrainConfig, dims: ParallelDims, mesh, rank: int):
+    if parts.uses_fsdp:
+        return FSDPOptimizer(parts, cfg, dims)
+    return ZeroOptimizer(parts, cfg, dims, mesh, rank)

@@ -1,0 +1,82 @@
+"""Who this process is in the job, and its process group.
+
+    world = World.from_env()                   # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT
+    init_distributed(world, device)            # gloo on CPU, NCCL on CUDA
+    ...
+    shutdown_distributed()
+
+Launcher-agnostic: torchrun, a Ray actor or a test harness only has to set
+the usual environment variables (or pass a ``World`` built by hand). A single
+process with no launcher gets a one-rank group on an in-memory store, so the
+training code has no special case for world size 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from checkpointing.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @classmethod
+    def from_env(cls) -> "World":
+        def num(name: str, default: int) -> int:
+            raw = os.environ.get(name)
+            if raw is None:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None
+
+        size = num("WORLD_SIZE", 1)
+        rank = num("RANK", 0)
+        if not 0 <= rank < size:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={size}")
+        port = os.environ.get("MASTER_PORT")
+        return cls(rank=rank, size=size, local_rank=num("LOCAL_RANK", rank),
+                   master_addr=os.environ.get("MASTER_ADDR"), master_port=int(port) if port else None)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(world: World, device: torch.device, *, store: dist.Store | None = None,
+                     timeout_s: float = 300.0) -> None:
+    """Create the default process group for ``world`` (gloo or NCCL by device)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = backend_for(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if store is None and world.size == 1 and world.master_addr is None:
+        store = dist.HashStore()
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout,
+                                **kwargs)
+    else:
+        if world.master_addr is None or world.master_port is None:
+            raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them)")
+        dist.init_process_group(backend, init_method=f"tcp://{world.master_addr}:{world.master_port}",
+                                rank=world.rank, world_size=world.size, timeout=timeout, **kwargs)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
