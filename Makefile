@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=0 \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 \
 		-m trainer --config examples/tiny.toml --set train.steps=100
 
 test: $(STAMP)
