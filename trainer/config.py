@@ -30,12 +30,12 @@ from checkpointing.errors import ConfigError
 # section does not set itself.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # ~0.9M parameters: fast enough for multi-process tests on two CPU cores.
-    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=384, max_seq_len=256),
+    "tiny": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 384, "max_seq_len": 256},
     # ~25M parameters.
-    "small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden=1376, max_seq_len=1024),
+    "small": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "ffn_hidden": 1376, "max_seq_len": 1024},
     # GPU sizes.
-    "125m": dict(dim=768, n_layers=18, n_heads=12, n_kv_heads=12, ffn_hidden=2048, max_seq_len=2048),
-    "1b": dict(dim=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_hidden=5632, max_seq_len=2048),
+    "125m": {"dim": 768, "n_layers": 18, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 2048, "max_seq_len": 2048},
+    "1b": {"dim": 2048, "n_layers": 20, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "max_seq_len": 2048},
 }
 
 

@@ -72,7 +72,7 @@ def predict(cfg: TrainConfig, dims: ParallelDims, rank: int, mixed: bool = False
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
     n = dims.dp_shard if stage > 0 else 1
     count = local_param_count(cfg, dims, rank)
-    return {k: int(round(v * count)) for k, v in bytes_per_param(stage, n, mixed).items()}
+    return {k: round(v * count) for k, v in bytes_per_param(stage, n, mixed).items()}
 
 
 def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, float]:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import OptimConfig, TrainConfig
-from .parallel import ModelParts, ParallelDims, axis_group, grad_replicas
+from .parallel import ModelParts, ParallelDims, axis_group
 
 
 def chunk_bounds(size: int, n: int, r: int) -> tuple[int, int]:
@@ -54,6 +54,20 @@ def tp_shard_dim(p: torch.Tensor) -> int | None:
             if pl.is_shard():
                 return pl.dim
     return None
+
+
+def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
+    """World-wide identical copies of a DTensor's local shard (for the global norm).
+
+    Every data-parallel or tensor-parallel axis counts that is Replicate in its
+    placements or absent from its mesh; pipeline stages hold different tensors.
+    """
+    names = t.device_mesh.mesh_dim_names or ()
+    reps = 1
+    for axis in ("dp_replicate", "dp_shard", "tp"):
+        if dims.size(axis) > 1 and (axis not in names or t.placements[names.index(axis)].is_replicate()):
+            reps *= dims.size(axis)
+    return reps
 
 
 def _decays(fqn: str, p: torch.Tensor) -> bool:
@@ -330,7 +344,7 @@ class FSDPOptimizer:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p in self.params:
             if p.grad is not None:
-                total += local_tensor(p.grad).float().pow(2).sum() / grad_replicas(p.grad, self.dims, {})
+                total += local_tensor(p.grad).float().pow(2).sum() / dtensor_replicas(p.grad, self.dims)
         return total
 
     def step(self, lr: float, clip_coef: float) -> None:

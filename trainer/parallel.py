@@ -20,12 +20,10 @@ per block.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from checkpointing.errors import ConfigError
@@ -48,7 +46,7 @@ class ParallelDims:
     tp: int
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: TrainConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard = -1`` and check the layout against the world and the batch."""
         p = cfg.parallel
         fixed = p.dp_replicate * p.tp * p.pp
@@ -292,7 +290,7 @@ class ModelParts:
     modules: list[Transformer]
     stage_ids: list[int]
     n_stages: int
-    pipeline: "Pipeline | None"
+    pipeline: Pipeline | None
     uses_fsdp: bool
 
     @property
@@ -367,8 +365,7 @@ class Pipeline:
     """
 
     def __init__(self, modules, stage_ids, n_stages, device, group, schedule: str, n_microbatches: int):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches
         self.has_first = 0 in stage_ids
@@ -389,26 +386,3 @@ class Pipeline:
         if not self.has_last:
             return None
         return torch.stack([x.detach().float() for x in losses]).sum()
-
-
-def grad_replicas(grad: torch.Tensor, dims: ParallelDims, fallback: dict[str, int]) -> int:
-    """How many ranks hold an identical copy of this gradient (for the global norm).
-
-    For a DTensor, every world axis that is either Replicate in its placements
-    or absent from its mesh counts; ``fallback`` gives the degree for axes a
-    plain tensor is replicated over.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(grad, DTensor):
-        return math.prod(fallback.values()) if fallback else 1
-    names = grad.device_mesh.mesh_dim_names or ()
-    reps = 1
-    for axis in ("dp_replicate", "dp_shard", "tp"):
-        if dims.size(axis) == 1:
-            continue
-        if axis not in names:
-            reps *= dims.size(axis)
-        elif grad.placements[names.index(axis)].is_replicate():
-            reps *= dims.size(axis)
-    return reps

@@ -32,7 +32,7 @@ class World:
     master_port: int | None = None
 
     @classmethod
-    def from_env(cls) -> "World":
+    def from_env(cls) -> World:
         def num(name: str, default: int) -> int:
             raw = os.environ.get(name)
             if raw is None:
