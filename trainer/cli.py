@@ -22,7 +22,7 @@ from checkpointing.errors import ConfigError
 
 from .config import load_config
 from .data import load_corpus
-from .loop import StepStats, Trainer
+from .loop import StepStats, Trainer, checkpoint_manager
 from .parallel import ParallelDims, resolve_device
 from .world import World, init_distributed, shutdown_distributed
 
@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set parallel.tp=2 (repeatable)")
     ap.add_argument("--log-file", help="write one JSON line per step here (rank 0)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest committed checkpoint under checkpoint.url (any world size)")
     ap.add_argument("--quiet", action="store_true", help="print only the summary")
     return ap.parse_args(argv)
 
@@ -51,6 +53,15 @@ def format_memory(measured: dict[str, int], predicted: dict[str, int], rank: int
     return f"memory rank {rank}: " + ", ".join(parts)
 
 
+def report_saves(ckpt, world: World) -> None:
+    if ckpt is None:
+        return
+    for r in ckpt.poll():
+        if world.is_main and r.ok:
+            print(f"etrain: checkpoint step {r.step} committed: {r.bytes / 2**20:.1f} MiB, "
+                  f"blocked {r.blocking_s * 1e3:.0f} ms, persisted in {r.persist_s:.2f} s", flush=True)
+
+
 def setup_logging(world: World) -> None:
     """Warnings from rank 0 only: every rank would say the same thing."""
     handler = logging.StreamHandler(sys.stderr)
@@ -67,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = World.from_env()
         setup_logging(world)
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set + (["checkpoint.resume=true"] if args.resume else []))
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         corpus = load_corpus(cfg.data)
@@ -81,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     log = open(args.log_file, "a") if (args.log_file and world.is_main) else None
     try:
         trainer = Trainer(cfg, world, corpus=corpus, device=device)
+        ckpt = checkpoint_manager(cfg, world)
+        if ckpt is not None and cfg.checkpoint.resume:
+            manifest = trainer.load_checkpoint(ckpt)
+            if world.is_main:
+                print(f"etrain: resumed from step {manifest.step} (saved at world {manifest.world_size})"
+                      if manifest else "etrain: no checkpoint to resume from; starting at step 0", flush=True)
         total = cfg.train.steps
         if world.is_main and not args.quiet:
             print(f"etrain: {cfg.model.preset} model, world {world.size} "
@@ -99,8 +116,15 @@ def main(argv: list[str] | None = None) -> int:
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
                 print(format_step(s, total), flush=True)
-            if s.step == 1 and world.is_main and not args.quiet:
+            if first is s and world.is_main and not args.quiet:
                 print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
+            every = cfg.checkpoint.interval_steps
+            if ckpt is not None and every and (s.step % every == 0 or s.step == total):
+                trainer.save_checkpoint(ckpt)
+            report_saves(ckpt, world)
+        if ckpt is not None:
+            ckpt.wait()
+            report_saves(ckpt, world)
         if world.is_main and last is not None:
             print(f"etrain: trained {total} steps in {time.monotonic() - t0:.1f} s; "
                   f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)

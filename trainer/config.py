@@ -237,6 +237,12 @@ class CheckpointConfig:
     keep_every: int = 0
     # Resume from the newest committed checkpoint under url, if there is one.
     resume: bool = False
+    # Bound on one save's upload and commit; past it the save fails (training goes on).
+    timeout_s: float = 600.0
+    # Files and multipart parts in flight per rank.
+    concurrency: int = 8
+    # Storage fault injection for chaos testing (see checkpointing.faults.StorageFaults).
+    faults: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
@@ -250,6 +256,17 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
         if self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be >= 0 (0 keeps none extra)")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"checkpoint.timeout_s={self.timeout_s} must be > 0")
+        if self.concurrency < 1:
+            raise ConfigError(f"checkpoint.concurrency={self.concurrency} must be >= 1")
+        if self.faults:
+            from checkpointing.faults import StorageFaults
+
+            try:
+                StorageFaults.from_dict(self.faults)
+            except TypeError as e:
+                raise ConfigError(f"checkpoint.faults: {e}; see checkpointing.faults.StorageFaults") from None
 
 
 @dataclass(kw_only=True)
@@ -370,6 +387,10 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, got {value!r}")
         return value
     return value
 

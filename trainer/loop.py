@@ -16,6 +16,7 @@ rate is a pure function of the step: linear warmup, then cosine decay.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -25,6 +26,11 @@ import torch.distributed as dist
 import xxhash
 
 from checkpointing.errors import ConfigError
+from checkpointing.faults import StorageFaults
+from checkpointing.manager import CheckpointManager, SaveResult
+from checkpointing.manifest import Manifest
+from checkpointing.retry import RetryPolicy
+from checkpointing.storage import Storage
 
 from . import memory
 from .config import TrainConfig
@@ -32,6 +38,9 @@ from .data import Batcher, Corpus, load_corpus
 from .optim import build_optimizer
 from .parallel import ParallelDims, build_model_parts, lm_loss, resolve_device, resolve_precision
 from .world import World
+
+
+log = logging.getLogger("etrain")
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,32 @@ class Trainer:
         self.step = int(state["step"])
         self.samples_consumed = int(state["samples_consumed"])
 
+    def layout(self) -> dict:
+        d = self.dims
+        return {"world_size": self.world.size, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+                "tp": d.tp, "zero_stage": self.cfg.parallel.zero_stage,
+                "pp_stages_per_rank": self.cfg.parallel.pp_stages_per_rank}
+
+    def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
+        """Checkpoint the current step (collective). Blocks only for staging when the manager is async."""
+        return manager.save(self.step, self.optimizer.checkpoint_state(), layout=self.layout(),
+                            config_hash=self.cfg.config_hash(), trainer_state=self.train_state())
+
+    def load_checkpoint(self, manager: CheckpointManager, step: int | None = None) -> Manifest | None:
+        """Restore the newest valid checkpoint (or ``step``), resharded to this layout (collective)."""
+        manifest = manager.load(self.optimizer.checkpoint_state(), step=step)
+        if manifest is None:
+            return None
+        self.optimizer.after_load()
+        self.load_train_state(manifest.trainer_state)
+        if manifest.config_hash != self.cfg.config_hash():
+            log.warning("checkpoint step %d was written with a different config (hash %s, now %s); "
+                        "resuming with the current one", manifest.step, manifest.config_hash, self.cfg.config_hash())
+        if manifest.trainer_state.get("corpus_digest") not in (None, self.corpus.digest):
+            log.warning("checkpoint step %d trained on another corpus (digest %s, now %s): the data order differs",
+                        manifest.step, manifest.trainer_state.get("corpus_digest"), self.corpus.digest)
+        return manifest
+
     def memory_predicted(self) -> dict[str, int]:
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
@@ -180,3 +215,15 @@ class Trainer:
             dist.all_reduce(both)
         norm_sq, loss = both.tolist()
         return norm_sq, loss / self.dims.dp
+
+
+def checkpoint_manager(cfg: TrainConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:
+    """The run's checkpoint manager per ``[checkpoint]``, or None without a URL."""
+    c = cfg.checkpoint
+    if not c.url:
+        return None
+    faults = StorageFaults.from_dict(c.faults) if c.faults else None
+    storage = Storage(c.url, retry=RetryPolicy(deadline_s=c.timeout_s), concurrency=c.concurrency, faults=faults)
+    return CheckpointManager(c.url, cfg.run_id, rank=world.rank, world_size=world.size, async_save=c.async_save,
+                             when_busy=c.when_busy, keep_last=c.keep_last, keep_every=c.keep_every, epoch=epoch,
+                             fence=fence, storage=storage, commit_timeout_s=c.timeout_s)

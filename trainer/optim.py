@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import OptimConfig, TrainConfig
-from .parallel import ModelParts, ParallelDims, axis_group
+from .parallel import ModelParts, ParallelDims, axis_group, sub_mesh
 
 
 def chunk_bounds(size: int, n: int, r: int) -> tuple[int, int]:
@@ -73,6 +73,24 @@ def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
 def _decays(fqn: str, p: torch.Tensor) -> bool:
     """Weight decay on matrices (linear and embedding weights), not on norms."""
     return p.ndim >= 2
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state now (it is otherwise made at the first step), so a checkpoint can load into it.
+
+    Zeros with step 0 are exactly what AdamW would create itself.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _adam_entries(st: dict, wrap) -> dict:
+    return {"exp_avg": wrap(st["exp_avg"]), "exp_avg_sq": wrap(st["exp_avg_sq"]), "step": st["step"]}
 
 
 def _make_adamw(groups: list[dict], ocfg: OptimConfig) -> torch.optim.AdamW:
@@ -171,6 +189,49 @@ class ZeroOptimizer:
             s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = _make_adamw(groups, self.cfg)
+        # Checkpoints see each chunk as a DTensor shard of the whole parameter.
+        self.state_mesh = sub_mesh(mesh, dims, "dp_replicate", "dp_shard", "tp")
+
+    # --- checkpoints ----------------------------------------------------------
+
+    def _as_global(self, s: _Slot, chunk: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of ``s`` as a DTensor of the parameter's global shape."""
+        if self.state_mesh is None:
+            return chunk
+        tp_placement = s.param.placements[0] if isinstance(s.param, DTensor) else Replicate()
+        if isinstance(tp_placement, Shard) and tp_placement.dim == s.dim and self.stage > 0:
+            raise NotImplementedError(f"{s.fqn}: ZeRO and tensor parallelism shard the same dim")
+        placements = []
+        for name in self.state_mesh.mesh_dim_names:
+            if name == "dp_shard" and self.stage > 0:
+                placements.append(Shard(s.dim))
+            elif name == "tp":
+                placements.append(tp_placement)
+            else:
+                placements.append(Replicate())
+        shape = s.param.shape
+        return DTensor.from_local(chunk, self.state_mesh, placements, run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    def checkpoint_state(self) -> dict:
+        """Model weights (the fp32 masters) and AdamW state, each a shard of its global tensor."""
+        ensure_adam_state(self.optimizer)
+        model, optim = {}, {}
+        for s in self.slots:
+            if s.master is None:
+                continue
+            model[s.fqn] = self._as_global(s, s.master)
+            optim[s.fqn] = _adam_entries(self.optimizer.state[s.master], lambda t, s=s: self._as_global(s, t))
+        return {"model": model, "optim": optim}
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Loaded masters -> parameters, then every rank gets every chunk."""
+        for s in self.slots:
+            if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
+                s.chunk(self.r).copy_(s.master)
+        if self.stage > 0 and self.n > 1:
+            self._all_gather_params()
 
     # --- gradients -----------------------------------------------------------
 
@@ -331,10 +392,21 @@ class FSDPOptimizer:
         self.cfg = cfg.train
         self.dims = dims
         self.params = [p for _, p in parts.named_parameters()]
+        self.fqns = [fqn for fqn, _ in parts.named_parameters()]
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for fqn, p in parts.named_parameters():
             groups[0 if _decays(fqn, p) else 1]["params"].append(p)
         self.optimizer = _make_adamw(groups, self.cfg)
+
+    def checkpoint_state(self) -> dict:
+        """FSDP2's sharded parameters and AdamW state: DTensors of the global shapes."""
+        ensure_adam_state(self.optimizer)
+        model = dict(zip(self.fqns, self.params))
+        optim = {fqn: _adam_entries(self.optimizer.state[p], lambda t: t) for fqn, p in zip(self.fqns, self.params)}
+        return {"model": model, "optim": optim}
+
+    def after_load(self) -> None:
+        """Nothing to do: DCP loaded straight into the sharded parameters and state."""
 
     def after_backward(self, final: bool) -> None:
         """FSDP reduce-scatters inside backward; nothing to do here."""

@@ -166,13 +166,7 @@ def sub_mesh(mesh: DeviceMesh | None, dims: ParallelDims, *axes: str) -> DeviceM
     keep = tuple(a for a in axes if dims.size(a) > 1)
     if mesh is None or not keep:
         return None
-    if keep == ("dp_replicate", "dp_shard") and "dp" in _flat_names(mesh):
-        return mesh[keep]
     return mesh[keep if len(keep) > 1 else keep[0]]
-
-
-def _flat_names(mesh: DeviceMesh) -> set[str]:
-    return set(getattr(mesh._get_root_mesh(), "_flatten_mapping", {}).keys())
 
 
 def axis_group(mesh: DeviceMesh | None, dims: ParallelDims, axis: str):

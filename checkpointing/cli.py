@@ -1,0 +1,139 @@
+"""``etrain ckpt``: list, inspect and verify checkpoints from any machine that reaches the storage.
+
+    etrain ckpt ls s3://bucket/runs/my-run
+    etrain ckpt inspect s3://bucket/runs/my-run/checkpoints/step_000001000
+    etrain ckpt verify s3://bucket/runs/my-run [--step 1000]
+
+A URL names a run directory (``<root>/<run_id>``), its ``checkpoints``
+directory, or one ``step_<NNNNNNNNN>`` directory. ``verify`` reads every
+listed file and checks its size and crc32c; it exits 1 on any problem, naming
+the file, and 0 when every checked checkpoint is sound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import EtrainError
+from .manager import CheckpointManager
+from .manifest import parse_step_dir
+
+
+def parse_url(url: str) -> tuple[str, str, int | None]:
+    """``<root>/<run>[/checkpoints[/step_N]]`` -> (root, run_id, step or None)."""
+    parts = url.rstrip("/").split("/")
+    step = parse_step_dir(parts[-1])
+    if step is not None:
+        parts = parts[:-1]
+    if parts[-1] == "checkpoints":
+        parts = parts[:-1]
+    if len(parts) < 2 or not parts[-1] or parts[-1].endswith(":"):
+        raise EtrainError(f"{url!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
+    return "/".join(parts[:-1]), parts[-1], step
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
+    rows = []
+    for step in mgr.steps():
+        try:
+            m = mgr.read_manifest(step)
+        except EtrainError:
+            rows.append({"step": step, "committed": False})
+            continue
+        rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
+                     "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
+                     "samples_consumed": m.trainer_state.get("samples_consumed")})
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no checkpoints under {mgr.storage.join(mgr.prefix)}")
+        return 0
+    print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  created")
+    for r in rows:
+        if not r["committed"]:
+            print(f"{r['step']:>10}  {'uncommitted':<11}")
+            continue
+        lay = r["layout"]
+        desc = f"pp{lay.get('pp')} dp{lay.get('dp_replicate')}x{lay.get('dp_shard')} tp{lay.get('tp')} z{lay.get('zero_stage')}"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
+        print(f"{r['step']:>10}  {'committed':<11} {r['epoch']:>5} {r['world_size']:>5}  {desc:<28} "
+              f"{_size(r['bytes']):>10}  {when}")
+    return 0
+
+
+def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
+    if step is None:
+        step = mgr.latest_committed()
+        if step is None:
+            print(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+            return 1
+    m = mgr.read_manifest(step)
+    if as_json:
+        print(m.to_json().decode())
+        return 0
+    print(f"checkpoint  {mgr.storage.join(mgr.step_rel(step))}")
+    print(f"run         {m.run_id}   step {m.step}   epoch {m.epoch}")
+    print(f"saved at    world {m.world_size}, layout {json.dumps(m.layout, sort_keys=True)}")
+    print(f"config      hash {m.config_hash}")
+    print(f"data cursor {json.dumps(m.trainer_state, sort_keys=True)}")
+    print(f"files       {len(m.files)}, {_size(m.total_bytes)} (crc32c each)")
+    for f in m.files:
+        print(f"  {f.path:<24} {_size(f.size):>10}  crc32c {f.crc32c}")
+    return 0
+
+
+def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
+    steps = [step] if step is not None else mgr.committed_steps()
+    if not steps:
+        print(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+        return 1
+    bad = 0
+    for s in steps:
+        problems = mgr.verify(s)
+        if problems:
+            bad += 1
+            for p in problems:
+                print(f"FAIL {p}")
+        else:
+            print(f"ok   {mgr.step_rel(s)}")
+    return 1 if bad else 0
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="etrain ckpt", description="List, inspect and verify checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("ls", help="every checkpoint of a run, committed or not")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("inspect", help="one checkpoint's manifest (the newest if no step is named)")
+    p.add_argument("url")
+    p.add_argument("--step", type=int)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("verify", help="check every file's size and checksum")
+    p.add_argument("url")
+    p.add_argument("--step", type=int)
+    args = ap.parse_args(argv)
+    try:
+        root, run_id, step = parse_url(args.url)
+        step = args.step if getattr(args, "step", None) is not None else step
+        mgr = CheckpointManager(root, run_id)
+        if args.cmd == "ls":
+            return cmd_ls(mgr, args.json)
+        if args.cmd == "inspect":
+            return cmd_inspect(mgr, step, args.json)
+        return cmd_verify(mgr, step)
+    except EtrainError as e:
+        print(f"etrain ckpt: {e}", file=sys.stderr)
+        return 1

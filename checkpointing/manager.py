@@ -1,0 +1,441 @@
+"""Checkpoint policy: save (sync or async), commit, load with fallback, verify, retention.
+
+    ckpt = CheckpointManager("s3://bucket/runs", "run-1", rank=r, world_size=w)
+    ckpt.save(step, state_dict, layout=..., config_hash=..., trainer_state=...)   # blocks for staging only
+    for result in ckpt.poll(): ...              # finished saves: committed, failed or skipped
+    manifest = ckpt.load(state_dict)            # newest valid checkpoint, resharded in place
+    ckpt.wait()                                 # before exit
+
+A save is a transaction. ``dcp.save`` with :class:`EtrainWriter` plans and
+stages (the only part that blocks training). Then every rank, in a background
+thread with no collectives, uploads its files and writes a small marker
+listing them; the coordinator (rank 0) waits for every marker, checks the
+fence, and writes ``MANIFEST.json``, which is the commit. Any failure leaves
+the step without a manifest, so it does not exist for any reader, and the
+previous checkpoint is untouched. At most one save is in flight; another
+request waits for it or is skipped with a warning (``when_busy``).
+
+Fencing: each save carries the epoch of the controller that ordered it. A
+commit is refused when the fence (``fence()``, by default the run's ``FENCE``
+object in storage) names a newer epoch, or when a newer epoch already
+committed a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointError, FencedError, StorageError
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, checksum, parse_step_dir, step_dir
+from .retry import describe
+from .storage import MiB, Storage
+
+# torch (and with it DCP) is imported where a save or load needs it, so that
+# listing and verifying checkpoints (``etrain ckpt``) starts in a blink.
+
+log = logging.getLogger("etrain")
+
+RANKS_DIR = "_ranks"
+
+
+@dataclass
+class SaveResult:
+    """What became of one save request."""
+
+    step: int
+    status: str  # "committed", "failed", "skipped"
+    error: str = ""
+    bytes: int = 0  # this rank's bytes (all ranks' on the coordinator once committed)
+    blocking_s: float = 0.0  # training was blocked this long
+    persist_s: float = 0.0  # upload and commit, after the blocking part
+    finished_unix: float = field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "committed"
+
+
+def retained_steps(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
+    """Committed steps that retention keeps: the newest ``keep_last`` and every ``keep_every``-th."""
+    keep = set(sorted(committed)[-keep_last:]) if keep_last > 0 else set()
+    if keep_every > 0:
+        keep |= {s for s in committed if s % keep_every == 0}
+    return keep
+
+
+def group_rank_errors(errors: dict[int, str]) -> str:
+    """``{1: "X", 3: "X", 2: "Y"}`` -> ``"ranks 1,3: X; rank 2: Y"``."""
+    by_msg: dict[str, list[int]] = {}
+    for rank, msg in sorted(errors.items()):
+        by_msg.setdefault(msg, []).append(rank)
+    parts = []
+    for msg, ranks in by_msg.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {','.join(map(str, ranks))}: {msg}")
+    return "; ".join(parts)
+
+
+class CheckpointManager:
+    def __init__(self, url: str, run_id: str, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
+                 when_busy: str = "wait", keep_last: int = 3, keep_every: int = 0, epoch: int = 0,
+                 fence: Callable[[], int] | None = None, storage: Storage | None = None,
+                 commit_timeout_s: float = 600.0, file_size: int = 256 * MiB, process_group=None):
+        self.storage = storage or Storage(url)
+        self.run_id = run_id
+        self.prefix = f"{run_id}/checkpoints"
+        self.rank = rank
+        self.world_size = world_size
+        self.async_save = async_save
+        self.when_busy = when_busy
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.epoch = epoch
+        self.fence = fence or self.read_fence
+        self.commit_timeout_s = commit_timeout_s
+        self.file_size = file_size
+        self.process_group = process_group
+        self._thread: threading.Thread | None = None
+        self._inflight_step: int | None = None
+        self._writer = None  # the EtrainWriter of the save in flight
+        self._done: list[SaveResult] = []
+        self._lock = threading.Lock()
+
+    # --- naming and listing ----------------------------------------------------
+
+    def step_rel(self, step: int) -> str:
+        return f"{self.prefix}/{step_dir(step)}"
+
+    def steps(self) -> list[int]:
+        """Every step directory present, committed or not, ascending."""
+        names = self.storage.list_dir(self.prefix)
+        return sorted(s for s in (parse_step_dir(n) for n, size in names.items() if size is None) if s is not None)
+
+    def is_committed(self, step: int) -> bool:
+        return MANIFEST_NAME in self.storage.list_dir(self.step_rel(step))
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.steps() if self.is_committed(s)]
+
+    def latest_committed(self) -> int | None:
+        for s in reversed(self.steps()):
+            if self.is_committed(s):
+                return s
+        return None
+
+    def read_manifest(self, step: int) -> Manifest:
+        rel = f"{self.step_rel(step)}/{MANIFEST_NAME}"
+        try:
+            return Manifest.from_json(self.storage.get(rel), where=rel)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.step_rel(step)} has no {MANIFEST_NAME}: it was never committed") from None
+
+    # --- fencing -----------------------------------------------------------------
+
+    def read_fence(self) -> int:
+        """The newest epoch recorded in the run's FENCE object (0 if none)."""
+        try:
+            return int(json.loads(self.storage.get(f"{self.run_id}/FENCE"))["epoch"])
+        except FileNotFoundError:
+            return 0
+
+    def write_fence(self, epoch: int) -> None:
+        self.storage.put(f"{self.run_id}/FENCE", json.dumps({"epoch": epoch}).encode())
+
+    # --- saving ------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step being uploaded, if any."""
+        t = self._thread
+        return self._inflight_step if t is not None and t.is_alive() else None
+
+    @property
+    def staging_bytes(self) -> int:
+        w = self._writer
+        return w.staged_bytes if w is not None else 0
+
+    def save(self, step: int, state_dict: dict[str, Any], *, layout: dict, config_hash: str,
+             trainer_state: dict, extra: dict | None = None) -> SaveResult | None:
+        """Save ``state_dict`` as ``step``. Collective: every rank calls it.
+
+        Returns the result when the save finished inside this call (sync
+        saves, skips); None when it continues in the background (see poll()).
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .dcp_io import EtrainWriter
+
+        t0 = time.monotonic()
+        busy = self.in_flight
+        if busy is not None:
+            # Every rank takes the same branch: all of them saw the same requests.
+            if self.when_busy == "skip":
+                msg = f"checkpoint at step {step} skipped: the save of step {busy} is still uploading"
+                if self.rank == 0:
+                    log.warning(msg)
+                res = SaveResult(step, "skipped", msg)
+                self._finish(res)
+                return res
+            self.wait()
+        # Markers of this attempt live under a name all ranks share and no
+        # earlier attempt at the same step used.
+        nonce = self._broadcast(f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
+        writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size)
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(),
+                     process_group=self.process_group, no_dist=self.world_size == 1 and not dist.is_initialized())
+        except (Exception, CheckpointException) as e:
+            res = SaveResult(step, "failed", f"staging failed: {describe(e)}", blocking_s=time.monotonic() - t0)
+            log.warning("checkpoint at step %d failed: %s", step, res.error)
+            self._finish(res)
+            return res
+        blocking = time.monotonic() - t0
+        job = dict(step=step, writer=writer, nonce=nonce, layout=layout, config_hash=config_hash,
+                   trainer_state=trainer_state, extra=extra or {}, blocking=blocking)
+        self._writer = writer
+        if not self.async_save:
+            return self._persist(job)
+        self._inflight_step = step
+        self._thread = threading.Thread(target=self._persist, args=(job,), name=f"etrain-ckpt-{step}", daemon=True)
+        self._thread.start()
+        return None
+
+    def _persist(self, job: dict) -> SaveResult:
+        step, writer = job["step"], job["writer"]
+        rel = self.step_rel(step)
+        t0 = time.monotonic()
+        marker = f"{rel}/{RANKS_DIR}/{job['nonce']}/rank_{self.rank:05d}.json"
+        try:
+            entries = writer.upload()
+            body = {"rank": self.rank, "epoch": self.epoch, "ok": True, "files": [e.__dict__ for e in entries]}
+            self.storage.put(marker, json.dumps(body).encode())
+            mine = sum(e.size for e in entries)
+            if self.rank == 0:
+                mine = self._commit(job, entries)
+            res = SaveResult(step, "committed", bytes=mine, blocking_s=job["blocking"],
+                             persist_s=time.monotonic() - t0)
+        except Exception as e:
+            reason = describe(e) if not isinstance(e, (CheckpointError, FencedError)) else str(e)
+            try:  # tell the coordinator at once instead of letting it time out
+                self.storage.put(marker, json.dumps({"rank": self.rank, "ok": False, "error": reason}).encode())
+            except Exception:
+                pass
+            res = SaveResult(step, "failed", reason, blocking_s=job["blocking"], persist_s=time.monotonic() - t0)
+            if self.rank == 0 or not isinstance(e, CheckpointError):
+                log.warning("checkpoint at step %d failed (the previous checkpoint is untouched): %s", step, reason)
+        finally:
+            writer.release()
+            if self._writer is writer:
+                self._writer = None
+        self._finish(res)
+        return res
+
+    def _wait_for_ranks(self, rel: str, nonce: str) -> dict[int, dict]:
+        where = f"{rel}/{RANKS_DIR}/{nonce}"
+        deadline = time.monotonic() + self.commit_timeout_s
+        delay = 0.05
+        while True:
+            names = [n for n in self.storage.list_dir(where) if n.startswith("rank_")]
+            if len(names) >= self.world_size:
+                blobs = self.storage.get_many([f"{where}/{n}" for n in names])
+                return {int(b["rank"]): b for b in (json.loads(v) for v in blobs.values())}
+            if names:  # a failed rank reports early
+                blobs = self.storage.get_many([f"{where}/{n}" for n in names])
+                failed = {int(b["rank"]): b["error"] for b in map(json.loads, blobs.values()) if not b["ok"]}
+                if failed:
+                    raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
+            if time.monotonic() > deadline:
+                have = {int(n[5:10]) for n in names}
+                missing = [r for r in range(self.world_size) if r not in have]
+                label = "rank" if len(missing) == 1 else "ranks"
+                raise CheckpointError(
+                    f"not committed: {label} {','.join(map(str, missing))} did not finish uploading "
+                    f"within {self.commit_timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(1.0, delay * 1.5)
+
+    def _commit(self, job: dict, own_entries) -> int:
+        step = job["step"]
+        rel = self.step_rel(step)
+        markers = self._wait_for_ranks(rel, job["nonce"])
+        failed = {r: b["error"] for r, b in markers.items() if not b["ok"]}
+        if failed:
+            raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
+        files = {}
+        for b in markers.values():
+            for f in b["files"]:
+                files[f["path"]] = f
+        fence = self.fence()
+        if fence > self.epoch:
+            raise FencedError(f"not committed: epoch {self.epoch} is fenced off by epoch {fence}")
+        newest = self.latest_committed()
+        if newest is not None and newest > step:
+            theirs = self.read_manifest(newest)
+            if theirs.epoch > self.epoch:
+                raise FencedError(f"not committed: epoch {theirs.epoch} already committed step {newest}")
+        manifest = Manifest(run_id=self.run_id, step=step, epoch=self.epoch, world_size=self.world_size,
+                            layout=job["layout"], config_hash=job["config_hash"],
+                            trainer_state=job["trainer_state"],
+                            files=[FileEntry(**files[k]) for k in sorted(files)], created_unix=time.time(),
+                            extra=job["extra"])
+        try:
+            self.storage.put(f"{rel}/{MANIFEST_NAME}", manifest.to_json(), exclusive=True)
+        except FileExistsError:
+            raise CheckpointError(f"not committed: {rel}/{MANIFEST_NAME} already exists") from None
+        try:
+            self.collect_garbage()
+        except Exception as e:  # retention never fails a committed save
+            log.warning("checkpoint garbage collection failed: %s", describe(e))
+        return manifest.total_bytes
+
+    def _finish(self, res: SaveResult) -> None:
+        with self._lock:
+            self._done.append(res)
+
+    def poll(self) -> list[SaveResult]:
+        """Saves that finished (committed, failed or skipped) since the last poll."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight (if any) has committed or failed."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    # --- retention ---------------------------------------------------------------
+
+    def collect_garbage(self) -> list[int]:
+        """Apply retention; remove leftovers of uncommitted saves older than the newest commit."""
+        all_steps = self.steps()
+        committed = [s for s in all_steps if self.is_committed(s)]
+        if not committed:
+            return []
+        keep = retained_steps(committed, self.keep_last, self.keep_every)
+        newest = max(committed)
+        doomed = [s for s in committed if s not in keep]
+        doomed += [s for s in all_steps if s not in committed and s < newest]
+        for s in sorted(doomed):
+            if s in committed:
+                # The manifest goes first: a half-deleted checkpoint must not look committed.
+                self.storage.delete_tree(f"{self.step_rel(s)}/{MANIFEST_NAME}")
+            self.storage.delete_tree(self.step_rel(s))
+        self.storage.abort_stale_uploads(self.prefix, older_than_s=3600)
+        return sorted(doomed)
+
+    # --- loading -----------------------------------------------------------------
+
+    def _broadcast(self, value):
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    def load(self, state_dict: dict[str, Any], *, step: int | None = None) -> Manifest | None:
+        """Load the newest valid checkpoint (or ``step``) into ``state_dict`` in place. Collective.
+
+        Resharding is implicit: every tensor is read by global offsets, so
+        the current layout may differ from the one that saved. A corrupt or
+        partial checkpoint is skipped with a warning naming the file and the
+        one before is tried. Returns its manifest, or None if there is none.
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .dcp_io import EtrainReader
+
+        candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
+        if isinstance(candidates, Exception):
+            raise candidates
+        for s in candidates:
+            blob = None
+            if self.rank == 0:
+                try:
+                    blob = self.read_manifest(s).to_json()
+                except CheckpointError as e:
+                    blob = e
+            blob = self._broadcast(blob)
+            try:
+                if isinstance(blob, Exception):
+                    raise blob
+                manifest = Manifest.from_json(blob)
+                reader = EtrainReader(self.storage, self.step_rel(s), manifest.file_table())
+                dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner(),
+                         process_group=self.process_group,
+                         no_dist=self.world_size == 1 and not dist.is_initialized())
+                return manifest
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                cause = _load_failure(e)
+                reason = str(cause) if isinstance(cause, CheckpointError) else describe(cause)
+                if step is not None or not isinstance(cause, CheckpointError) or isinstance(cause, StorageError):
+                    # Only a bad checkpoint is skipped; an outage or a bug must not
+                    # silently send the run back to an older step.
+                    raise CheckpointError(f"cannot load {self.step_rel(s)}: {reason}") from e
+                if self.rank == 0:
+                    log.warning("checkpoint %s is unusable (%s); trying the one before", self.step_rel(s), reason)
+        return None
+
+    def _candidates(self, step: int | None):
+        try:
+            if step is not None:
+                return [step]
+            return list(reversed(self.committed_steps()))
+        except StorageError as e:
+            return e
+
+    # --- verification ------------------------------------------------------------
+
+    def verify(self, step: int) -> list[str]:
+        """Problems with one checkpoint, each naming the file; empty when it is sound."""
+        rel = self.step_rel(step)
+        try:
+            manifest = self.read_manifest(step)
+        except CheckpointError as e:
+            return [str(e)]
+        present = self.storage.list_dir(rel)
+        problems = []
+        for f in manifest.files:
+            name = f"{rel}/{f.path}"
+            if f.path not in present:
+                problems.append(f"{name}: missing")
+                continue
+            if present[f.path] != f.size:
+                problems.append(f"{name}: {present[f.path]} bytes, manifest says {f.size}")
+                continue
+            got = checksum(self.storage.get(name))
+            if got != f.crc32c:
+                problems.append(f"{name}: crc32c {got}, manifest says {f.crc32c}")
+        return problems
+
+
+def _load_failure(e: BaseException) -> BaseException:
+    """The underlying error of a (possibly DCP-wrapped) load failure; a checkpoint problem first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(e, CheckpointException):
+        return e
+    inner = []
+    for _rank, wrapped in sorted(e.failures.items()):
+        # DCP wraps each rank's failure as (exception, stack summary).
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        inner.append(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
+    for exc in inner:
+        if isinstance(exc, CheckpointError) and not isinstance(exc, StorageError):
+            return exc
+    return inner[0] if inner else e

@@ -1,0 +1,370 @@
+"""The storage seam: a few methods over any fsspec URL, with retries, time bounds and parallelism.
+
+    storage = Storage("s3://bucket/runs")           # or file://, gs://, memory://
+    storage.put_many([("a/b.bin", data), ...])      # concurrent, multipart for big objects
+    blobs = storage.get_many(["a/b.bin"])           # concurrent, ranged for big objects
+    storage.list_dir("a")                           # {name: size or None for a directory}
+
+Paths are ``str`` relative to the root URL, never ``Path`` (which mangles
+``s3://``). Objects are written in place; there are no renames (object stores
+copy and delete), so a reader must never trust an object that a manifest does
+not list. On S3 big objects go up as multipart uploads with several parts in
+flight, each part retried on its own; a failed upload is aborted so no
+orphaned parts are billed. Credentials come only from the standard chains
+(environment, config files, instance metadata) through fsspec and botocore;
+they are never passed, logged or put into error messages here.
+
+S3 endpoint: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (botocore's own
+variables) or ``FSSPEC_S3_ENDPOINT_URL`` (fsspec's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit, urlunsplit
+
+import fsspec
+from fsspec.asyn import sync as fsspec_sync
+
+from .errors import StorageError
+from .faults import NO_FAULT, StorageFaults
+from .retry import RetryPolicy, describe
+
+log = logging.getLogger("etrain")
+
+MiB = 1 << 20
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        return code in ("NoSuchKey", "404", "NotFound")
+    return isinstance(exc, FileNotFoundError)
+
+
+class Storage:
+    """Byte storage under one root URL. Thread-safe; one instance per process is enough."""
+
+    def __init__(self, url: str, *, retry: RetryPolicy | None = None, concurrency: int = 8,
+                 part_size: int = 32 * MiB, faults: StorageFaults | None = None):
+        if not url:
+            raise StorageError("the storage URL is empty")
+        self.url = url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.concurrency = max(1, concurrency)
+        self.part_size = max(5 * MiB, part_size)
+        self.faults = faults
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        self.is_s3 = protocol in ("s3", "s3a")
+        self.is_local = protocol in ("file", "local")
+        options: dict = {}
+        if self.is_s3:
+            endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                        or os.environ.get("FSSPEC_S3_ENDPOINT_URL"))
+            options = {
+                "skip_instance_cache": True,
+                # Our retry layer owns retries; one attempt per request below it.
+                "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"},
+                                  "connect_timeout": 10, "read_timeout": self.retry.request_timeout_s,
+                                  "max_pool_connections": max(10, 2 * self.concurrency),
+                                  # Integrity is ours: a crc32c per file in the manifest. Skipping
+                                  # botocore's per-request checksums saves a pass over every byte.
+                                  "request_checksum_calculation": "when_required",
+                                  "response_checksum_validation": "when_required"},
+            }
+            if endpoint:
+                options["endpoint_url"] = endpoint
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        except (ImportError, ValueError) as e:
+            raise StorageError(f"cannot open storage {self._safe_url()}: {e}") from None
+        if self.is_s3:
+            self.fs.retries = 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def _safe_url(self) -> str:
+        """The URL without any user:password@ part (some schemes allow one)."""
+        parts = urlsplit(self.url)
+        if "@" in parts.netloc:
+            return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Storage({self._safe_url()!r})"
+
+    def join(self, *parts: str) -> str:
+        """A child URL of this storage's root."""
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    def _path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="etrain-io")
+            return self._pool
+
+    def _fault(self, op: str, rel: str):
+        return self.faults.decide(op, rel) if self.faults else NO_FAULT
+
+    def _sync_fault(self, op: str, rel: str):
+        f = self._fault(op, rel)
+        if f.delay_s:
+            time.sleep(min(f.delay_s, self.retry.request_timeout_s))
+            if f.delay_s > self.retry.request_timeout_s:
+                raise TimeoutError(f"{op} {rel} exceeded its {self.retry.request_timeout_s:.0f} s bound")
+        f.raise_if_error(op, rel)
+        return f
+
+    async def _async_fault(self, op: str, rel: str):
+        f = self._fault(op, rel)
+        if f.delay_s:
+            await asyncio.sleep(f.delay_s)  # bounded by the caller's wait_for
+        f.raise_if_error(op, rel)
+        return f
+
+    # --- writes ----------------------------------------------------------------
+
+    def put(self, rel: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False) -> None:
+        """Write one object. ``exclusive``: fail with FileExistsError if it exists."""
+        self.put_many([(rel, data)], exclusive=exclusive)
+
+    def put_many(self, items: list[tuple[str, bytes | bytearray | memoryview]], *, exclusive: bool = False) -> None:
+        """Write several objects concurrently; raises StorageError naming the first that failed."""
+        if not items:
+            return
+        if self.is_s3:
+            fsspec_sync(self.fs.loop, self._s3_put_many, items, exclusive)
+            return
+        futures = [self._threads().submit(self._put_one_sync, rel, data, exclusive) for rel, data in items]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except Exception as e:  # collect all, report the first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _put_one_sync(self, rel: str, data, exclusive: bool) -> None:
+        path = self._path(rel)
+
+        def attempt():
+            f = self._sync_fault("put", rel)
+            body = memoryview(data)[: len(data) // 2] if f.truncate else data
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "xb" if exclusive else "wb") as fh:
+                    fh.write(body)
+            else:
+                if exclusive and self.fs.exists(path):
+                    raise FileExistsError(rel)
+                self.fs.pipe_file(path, bytes(body))
+
+        self.retry.call(attempt, what=f"writing {rel}")
+
+    async def _s3_client(self):
+        await self.fs.set_session()
+        return self.fs.s3
+
+    async def _s3_put_many(self, items, exclusive: bool) -> None:
+        sem = asyncio.Semaphore(self.concurrency)
+        results = await asyncio.gather(*[self._s3_put_one(rel, data, sem, exclusive) for rel, data in items],
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _s3_put_one(self, rel: str, data, sem: asyncio.Semaphore, exclusive: bool) -> None:
+        s3 = await self._s3_client()
+        bucket, key, _ = self.fs.split_path(self._path(rel))
+        view = memoryview(data)
+        if len(view) <= self.part_size:
+            async def put():
+                f = await self._async_fault("put", rel)
+                body = bytes(view[: len(view) // 2] if f.truncate else view)
+                extra = {"IfNoneMatch": "*"} if exclusive else {}
+                try:
+                    return await s3.put_object(Bucket=bucket, Key=key, Body=body, **extra)
+                except Exception as e:
+                    code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+                    if code in ("PreconditionFailed", "412"):
+                        raise FileExistsError(rel) from None
+                    raise
+
+            async with sem:
+                await self.retry.acall(put, what=f"writing {rel}")
+            return
+        if exclusive:
+            raise StorageError(f"exclusive write of a multipart object ({rel}) is not supported")
+        async with sem:
+            mpu = await self.retry.acall(lambda: s3.create_multipart_upload(Bucket=bucket, Key=key),
+                                         what=f"starting upload of {rel}")
+        upload_id = mpu["UploadId"]
+        starts = list(range(0, len(view), self.part_size))
+
+        async def part(i: int, start: int):
+            chunk = view[start : start + self.part_size]
+
+            async def up():
+                f = await self._async_fault("put", rel)
+                body = bytes(chunk[: len(chunk) // 2] if f.truncate else chunk)
+                return await s3.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 1, Body=body)
+
+            async with sem:
+                out = await self.retry.acall(up, what=f"writing part {i + 1}/{len(starts)} of {rel}")
+            return {"PartNumber": i + 1, "ETag": out["ETag"]}
+
+        try:
+            parts = await asyncio.gather(*[part(i, s) for i, s in enumerate(starts)])
+            await self.retry.acall(lambda: s3.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}),
+                what=f"completing upload of {rel}")
+        except BaseException:
+            try:
+                await asyncio.wait_for(s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id), 30)
+            except Exception as e:
+                log.warning("could not abort the incomplete upload of %s: %s", rel, describe(e))
+            raise
+
+    # --- reads -------------------------------------------------------------------
+
+    def get(self, rel: str) -> bytes:
+        return self.get_many([rel])[rel]
+
+    def get_many(self, rels: Iterable[str]) -> dict[str, bytes]:
+        """Read several objects concurrently. A missing one raises FileNotFoundError."""
+        rels = list(dict.fromkeys(rels))
+        if not rels:
+            return {}
+        if self.is_s3:
+            return fsspec_sync(self.fs.loop, self._s3_get_many, rels)
+        futures = {rel: self._threads().submit(self._get_one_sync, rel) for rel in rels}
+        return {rel: f.result() for rel, f in futures.items()}
+
+    def _get_one_sync(self, rel: str) -> bytes:
+        path = self._path(rel)
+
+        def attempt():
+            self._sync_fault("get", rel)
+            if self.is_local:
+                with open(path, "rb") as fh:
+                    return fh.read()
+            return self.fs.cat_file(path)
+
+        return self.retry.call(attempt, what=f"reading {rel}")
+
+    async def _s3_get_many(self, rels: list[str]) -> dict[str, bytes]:
+        sem = asyncio.Semaphore(self.concurrency)
+        out = await asyncio.gather(*[self._s3_get_one(rel, sem) for rel in rels])
+        return dict(zip(rels, out))
+
+    async def _s3_get_one(self, rel: str, sem: asyncio.Semaphore) -> bytes:
+        s3 = await self._s3_client()
+        bucket, key, _ = self.fs.split_path(self._path(rel))
+
+        async def get_range(rng: str | None) -> bytes:
+            async def attempt():
+                await self._async_fault("get", rel)
+                try:
+                    resp = await s3.get_object(Bucket=bucket, Key=key, **({"Range": rng} if rng else {}))
+                except Exception as e:
+                    if _is_not_found(e):
+                        raise FileNotFoundError(rel) from None
+                    raise
+                body = resp["Body"]
+                try:
+                    return await body.read()
+                finally:
+                    body.close()
+
+            async with sem:
+                return await self.retry.acall(attempt, what=f"reading {rel}")
+
+        async with sem:
+            try:
+                head = await self.retry.acall(lambda: s3.head_object(Bucket=bucket, Key=key), what=f"sizing {rel}")
+            except StorageError as e:
+                if e.__cause__ is not None and _is_not_found(e.__cause__):
+                    raise FileNotFoundError(rel) from None
+                raise
+        size = head["ContentLength"]
+        if size <= self.part_size:
+            return await get_range(None)
+        ranges = [f"bytes={s}-{min(s + self.part_size, size) - 1}" for s in range(0, size, self.part_size)]
+        return b"".join(await asyncio.gather(*[get_range(r) for r in ranges]))
+
+    # --- listing and deleting ------------------------------------------------------
+
+    def list_dir(self, rel: str = "") -> dict[str, int | None]:
+        """Children of ``rel``: name -> size in bytes, or None for a sub-directory. Missing: {}."""
+        path = self._path(rel)
+
+        def attempt():
+            self._sync_fault("list", rel)
+            try:
+                entries = self.fs.ls(path, detail=True, refresh=True) if not self.is_local else self.fs.ls(
+                    path, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for e in entries:
+                name = posixpath.basename(e["name"].rstrip("/"))
+                if not name or e["name"].rstrip("/") == path.rstrip("/"):
+                    continue
+                out[name] = None if e["type"] == "directory" else int(e.get("size") or 0)
+            return out
+
+        return self.retry.call(attempt, what=f"listing {rel or self._safe_url()}")
+
+    def exists(self, rel: str) -> bool:
+        parent, name = posixpath.split(rel)
+        return name in self.list_dir(parent)
+
+    def delete_tree(self, rel: str) -> None:
+        """Remove ``rel`` and everything under it (missing is fine)."""
+        path = self._path(rel)
+
+        def attempt():
+            self._sync_fault("delete", rel)
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retry.call(attempt, what=f"deleting {rel}")
+
+    def abort_stale_uploads(self, rel: str, older_than_s: float) -> int:
+        """Abort multipart uploads under ``rel`` begun more than ``older_than_s`` ago (S3 only)."""
+        if not self.is_s3:
+            return 0
+        return fsspec_sync(self.fs.loop, self._s3_abort_stale, rel, older_than_s)
+
+    async def _s3_abort_stale(self, rel: str, older_than_s: float) -> int:
+        s3 = await self._s3_client()
+        bucket, prefix, _ = self.fs.split_path(self._path(rel))
+        resp = await self.retry.acall(lambda: s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix),
+                                      what=f"listing uploads under {rel}")
+        now, n = time.time(), 0
+        for up in resp.get("Uploads", []):
+            if now - up["Initiated"].timestamp() >= older_than_s:
+                await self.retry.acall(lambda up=up: s3.abort_multipart_upload(
+                    Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]), what=f"aborting upload of {up['Key']}")
+                n += 1
+        return n
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None

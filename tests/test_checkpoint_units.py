@@ -1,0 +1,145 @@
+"""Checkpointing pieces on their own: manifest, retention, errors, retries, and the storage seam
+against a real local directory and a real S3 protocol server (moto, on loopback)."""
+
+import os
+import time
+
+import pytest
+
+from checkpointing.cli import parse_url
+from checkpointing.errors import CheckpointError, EtrainError, StorageError
+from checkpointing.faults import StorageFaults
+from checkpointing.manager import group_rank_errors, retained_steps
+from checkpointing.manifest import FileEntry, Manifest, checksum, parse_step_dir, step_dir
+from checkpointing.retry import RetryPolicy, TransientStorageError, is_transient
+from checkpointing.storage import MiB, Storage
+
+
+def test_retention_keeps_last_k_and_every_nth():
+    steps = list(range(10, 210, 10))
+    assert retained_steps(steps, 3, 0) == {180, 190, 200}
+    assert retained_steps(steps, 2, 50) == {50, 100, 150, 190, 200}
+    assert retained_steps([], 3, 50) == set()
+
+
+def test_rank_errors_are_grouped():
+    msg = group_rank_errors({3: "ConnectionResetError", 1: "ConnectionResetError", 2: "timeout"})
+    assert msg == "ranks 1,3: ConnectionResetError; rank 2: timeout"
+
+
+def test_manifest_round_trip_and_rejections():
+    m = Manifest(run_id="r", step=7, epoch=2, world_size=4, layout={"tp": 1}, config_hash="abc",
+                 trainer_state={"samples_consumed": 56}, files=[FileEntry(".metadata", 10, checksum(b"x" * 10))])
+    back = Manifest.from_json(m.to_json())
+    assert back == m and back.total_bytes == 10
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        Manifest.from_json(b'{"format": "etrain-che')
+    with pytest.raises(CheckpointError, match="not an etrain manifest"):
+        Manifest.from_json(b'{"hello": 1}')
+    bad_version = m.to_json().replace(b'"format_version": 1', b'"format_version": 99')
+    with pytest.raises(CheckpointError, match="format version 99"):
+        Manifest.from_json(bad_version)
+    assert step_dir(42) == "step_000000042" and parse_step_dir("step_000000042") == 42
+    assert parse_step_dir("step_42") is None and parse_step_dir("step_000000042.tmp") is None
+
+
+def test_ckpt_url_parsing():
+    assert parse_url("s3://b/runs/r1") == ("s3://b/runs", "r1", None)
+    assert parse_url("s3://b/runs/r1/checkpoints/") == ("s3://b/runs", "r1", None)
+    assert parse_url("file:///x/r1/checkpoints/step_000000010") == ("file:///x", "r1", 10)
+    with pytest.raises(EtrainError):
+        parse_url("s3://")
+
+
+def test_transient_classification():
+    class ClientError(Exception):
+        def __init__(self, code, status):
+            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+    assert is_transient(TransientStorageError("x"))
+    assert is_transient(ConnectionResetError())
+    assert is_transient(TimeoutError())
+    assert is_transient(ClientError("SlowDown", 503))
+    assert is_transient(ClientError("InternalError", 500))
+    assert not is_transient(ClientError("AccessDenied", 403))
+    assert not is_transient(ClientError("NoSuchBucket", 404))
+    assert not is_transient(ValueError("bad"))
+
+
+def test_retry_policy_retries_then_gives_up():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset")
+        return "ok"
+
+    policy = RetryPolicy(attempts=5, backoff_s=0.001, max_backoff_s=0.01)
+    assert policy.call(flaky, what="flaky") == "ok" and len(calls) == 3
+    with pytest.raises(StorageError, match="always failed: ConnectionResetError"):
+        policy.call(lambda: (_ for _ in ()).throw(ConnectionResetError("down")), what="always")
+    calls.clear()
+
+    def denied():
+        calls.append(1)
+        raise PermissionError("denied")
+
+    with pytest.raises(StorageError):
+        policy.call(denied, what="denied")
+    assert len(calls) == 1  # not transient: no retry
+
+
+def test_storage_round_trip(storage_url):
+    s = Storage(storage_url, part_size=5 * MiB, concurrency=4)
+    big = os.urandom(12 * MiB + 123)  # three multipart parts on S3
+    s.put_many([("a/small.bin", b"hello"), ("a/big.bin", big), ("a/sub/x.json", b"{}")])
+    assert s.get("a/small.bin") == b"hello"
+    assert s.get_many(["a/big.bin"])["a/big.bin"] == big
+    listing = s.list_dir("a")
+    assert listing == {"small.bin": 5, "big.bin": len(big), "sub": None}
+    assert s.exists("a/small.bin") and not s.exists("a/nope.bin")
+    with pytest.raises(FileNotFoundError):
+        s.get("a/nope.bin")
+    s.put("a/commit.json", b"1", exclusive=True)
+    with pytest.raises(FileExistsError):
+        s.put("a/commit.json", b"2", exclusive=True)
+    assert s.get("a/commit.json") == b"1"
+    s.delete_tree("a")
+    assert s.list_dir("a") == {}
+    assert s.list_dir("never/was") == {}
+
+
+def test_storage_retries_injected_faults(storage_url):
+    faults = StorageFaults(error_rate=0.4, delay_s=0.01, seed=3)
+    s = Storage(storage_url, part_size=5 * MiB, faults=faults,
+                retry=RetryPolicy(attempts=12, backoff_s=0.001, max_backoff_s=0.01))
+    data = os.urandom(11 * MiB)
+    s.put_many([(f"f/{i}.bin", data) for i in range(3)])
+    assert all(v == data for v in s.get_many([f"f/{i}.bin" for i in range(3)]).values())
+    assert faults.injected["error"] > 0
+
+
+def test_storage_outage_fails_within_its_bound(storage_url):
+    s = Storage(storage_url, faults=StorageFaults(fail_after=0),
+                retry=RetryPolicy(attempts=100, backoff_s=0.05, max_backoff_s=0.2, deadline_s=1.5))
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="injected storage fault"):
+        s.put("x.bin", b"data")
+    assert time.monotonic() - t0 < 5
+
+
+def test_stalled_request_is_cut_off(storage_url):
+    s = Storage(storage_url, faults=StorageFaults(delay_s=30),
+                retry=RetryPolicy(attempts=2, backoff_s=0.01, request_timeout_s=0.5, deadline_s=2))
+    t0 = time.monotonic()
+    with pytest.raises(StorageError):
+        s.put("slow.bin", b"data")
+    assert time.monotonic() - t0 < 5
+
+
+def test_errors_never_show_credentials(s3_server):
+    s = Storage("s3://no-such-bucket-here/x")
+    with pytest.raises((StorageError, FileNotFoundError)) as e:
+        s.put("a.bin", b"1")
+    assert "testing" not in str(e.value)  # the access key and secret used here
