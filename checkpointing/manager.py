@@ -56,6 +56,7 @@ class SaveResult:
     blocking_s: float = 0.0  # training was blocked this long
     persist_s: float = 0.0  # upload and commit, after the blocking part
     finished_unix: float = field(default_factory=time.time)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, for diagnosis
 
     @property
     def ok(self) -> bool:
@@ -86,7 +87,7 @@ class CheckpointManager:
     def __init__(self, url: str, run_id: str, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
                  when_busy: str = "wait", keep_last: int = 3, keep_every: int = 0, epoch: int = 0,
                  fence: Callable[[], int] | None = None, storage: Storage | None = None,
-                 commit_timeout_s: float = 600.0, file_size: int = 256 * MiB, process_group=None):
+                 commit_timeout_s: float = 600.0, file_size: int = 32 * MiB, process_group=None):
         self.storage = storage or Storage(url)
         self.run_id = run_id
         self.prefix = f"{run_id}/checkpoints"
@@ -104,6 +105,10 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
         self._writer = None  # the EtrainWriter of the save in flight
+        self._pool = None  # dcp_io.StagingPool, made at the first save
+        self._gc_thread: threading.Thread | None = None
+        self._group = None  # process group of the background saves
+        self._snap_cache: dict = {}  # path -> host buffer of the async snapshot
         self._done: list[SaveResult] = []
         self._lock = threading.Lock()
 
@@ -158,23 +163,24 @@ class CheckpointManager:
 
     @property
     def staging_bytes(self) -> int:
+        """Host memory held for checkpoints: snapshot buffers plus file staging buffers."""
+        snap = sum(t.numel() * t.element_size() for t in self._snap_cache.values())
         w = self._writer
-        return w.staged_bytes if w is not None else 0
+        files = w.staged_bytes if w is not None and w.staged_bytes else 0
+        pooled = self._pool.held_bytes if self._pool is not None else 0
+        return snap + max(files, pooled)
 
     def save(self, step: int, state_dict: dict[str, Any], *, layout: dict, config_hash: str,
              trainer_state: dict, extra: dict | None = None) -> SaveResult | None:
         """Save ``state_dict`` as ``step``. Collective: every rank calls it.
 
-        Returns the result when the save finished inside this call (sync
-        saves, skips); None when it continues in the background (see poll()).
+        Sync: the whole save runs here. Async: only a snapshot of every
+        tensor into reused host buffers blocks the caller; DCP planning (on a
+        process group of its own, so its collectives never interleave with
+        training's), upload and commit run in a background thread. Returns the
+        result when the save finished inside this call (sync saves, skips);
+        None when it continues in the background (see poll()).
         """
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from .dcp_io import EtrainWriter
-
         t0 = time.monotonic()
         busy = self.in_flight
         if busy is not None:
@@ -187,50 +193,113 @@ class CheckpointManager:
                 self._finish(res)
                 return res
             self.wait()
-        # Markers of this attempt live under a name all ranks share and no
-        # earlier attempt at the same step used.
-        nonce = self._broadcast(f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
-        writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size)
+        job = dict(step=step, layout=layout, config_hash=config_hash, trainer_state=trainer_state,
+                   extra=extra or {}, t0=t0)
+        if not self.async_save:
+            return self._save_now(job, state_dict, self.process_group)
+        group = self._checkpoint_group()
         try:
-            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(),
-                     process_group=self.process_group, no_dist=self.world_size == 1 and not dist.is_initialized())
-        except (Exception, CheckpointException) as e:
+            snapshot = self._snapshot(state_dict)
+        except Exception as e:
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}", blocking_s=time.monotonic() - t0)
             log.warning("checkpoint at step %d failed: %s", step, res.error)
             self._finish(res)
             return res
-        blocking = time.monotonic() - t0
-        job = dict(step=step, writer=writer, nonce=nonce, layout=layout, config_hash=config_hash,
-                   trainer_state=trainer_state, extra=extra or {}, blocking=blocking)
-        self._writer = writer
-        if not self.async_save:
-            return self._persist(job)
+        job["blocking"] = time.monotonic() - t0
         self._inflight_step = step
-        self._thread = threading.Thread(target=self._persist, args=(job,), name=f"etrain-ckpt-{step}", daemon=True)
+        self._thread = threading.Thread(target=self._save_now, args=(job, snapshot, group),
+                                        name=f"etrain-ckpt-{step}", daemon=True)
         self._thread.start()
         return None
+
+    def _checkpoint_group(self):
+        """A gloo group of every rank, for the background saves' DCP collectives (made once)."""
+        import torch.distributed as dist
+
+        if self._group is None and self.world_size > 1 and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _snapshot(self, obj, path: str = ""):
+        """A copy of every tensor in ``obj`` in host buffers kept from one save to the next."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self._snapshot(v, f"{path}/{k}") for k, v in obj.items()}
+        if not isinstance(obj, torch.Tensor):
+            return obj
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        buf = self._snap_cache.get(path)
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
+            self._snap_cache[path] = buf
+        buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
+        if local.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        if isinstance(obj, DTensor):
+            return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
+        return buf
+
+    def _save_now(self, job: dict, state_dict: dict, group) -> SaveResult:
+        """DCP plan + stage + upload + commit, in the calling thread."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .dcp_io import EtrainWriter, StagingPool
+
+        step = job["step"]
+        t0 = time.monotonic()
+        try:
+            # Markers of this attempt live under a name all ranks share and no
+            # earlier attempt at the same step used.
+            job["nonce"] = self._broadcast(f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None,
+                                           group)
+            if self._pool is None:
+                self._pool = StagingPool()
+            writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
+                                  overlap=True)
+            self._writer = writer
+            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+                     no_dist=self.world_size == 1 and not dist.is_initialized())
+        except (Exception, CheckpointException) as e:
+            res = SaveResult(step, "failed", f"staging failed: {describe(e)}",
+                             blocking_s=job.get("blocking", time.monotonic() - job["t0"]))
+            log.warning("checkpoint at step %d failed: %s", step, res.error)
+            self._finish(res)
+            return res
+        job["writer"] = writer
+        job["plan_and_stage"] = time.monotonic() - t0
+        return self._persist(job)
 
     def _persist(self, job: dict) -> SaveResult:
         step, writer = job["step"], job["writer"]
         rel = self.step_rel(step)
         t0 = time.monotonic()
+        phases = {"snapshot": job.get("blocking", 0.0), "plan_and_stage": job["plan_and_stage"]}
+        job["phases"] = phases
         marker = f"{rel}/{RANKS_DIR}/{job['nonce']}/rank_{self.rank:05d}.json"
         try:
             entries = writer.upload()
+            phases["upload"] = time.monotonic() - t0
             body = {"rank": self.rank, "epoch": self.epoch, "ok": True, "files": [e.__dict__ for e in entries]}
             self.storage.put(marker, json.dumps(body).encode())
+            phases["marker"] = time.monotonic() - t0 - phases["upload"]
             mine = sum(e.size for e in entries)
             if self.rank == 0:
                 mine = self._commit(job, entries)
-            res = SaveResult(step, "committed", bytes=mine, blocking_s=job["blocking"],
-                             persist_s=time.monotonic() - t0)
+            res = SaveResult(step, "committed", bytes=mine, blocking_s=self._blocking(job),
+                             persist_s=time.monotonic() - t0, phases=phases)
         except Exception as e:
             reason = describe(e) if not isinstance(e, (CheckpointError, FencedError)) else str(e)
             try:  # tell the coordinator at once instead of letting it time out
                 self.storage.put(marker, json.dumps({"rank": self.rank, "ok": False, "error": reason}).encode())
             except Exception:
                 pass
-            res = SaveResult(step, "failed", reason, blocking_s=job["blocking"], persist_s=time.monotonic() - t0)
+            res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0)
             if self.rank == 0 or not isinstance(e, CheckpointError):
                 log.warning("checkpoint at step %d failed (the previous checkpoint is untouched): %s", step, reason)
         finally:
@@ -240,10 +309,14 @@ class CheckpointManager:
         self._finish(res)
         return res
 
+    def _blocking(self, job: dict) -> float:
+        """How long training waited: the snapshot (async), or the whole save (sync)."""
+        return job["blocking"] if "blocking" in job else time.monotonic() - job["t0"]
+
     def _wait_for_ranks(self, rel: str, nonce: str) -> dict[int, dict]:
         where = f"{rel}/{RANKS_DIR}/{nonce}"
         deadline = time.monotonic() + self.commit_timeout_s
-        delay = 0.05
+        delay = 0.02
         while True:
             names = [n for n in self.storage.list_dir(where) if n.startswith("rank_")]
             if len(names) >= self.world_size:
@@ -262,12 +335,15 @@ class CheckpointManager:
                     f"not committed: {label} {','.join(map(str, missing))} did not finish uploading "
                     f"within {self.commit_timeout_s:.0f} s")
             time.sleep(delay)
-            delay = min(1.0, delay * 1.5)
+            delay = min(0.5, delay * 1.2)
 
     def _commit(self, job: dict, own_entries) -> int:
         step = job["step"]
         rel = self.step_rel(step)
+        t0 = time.monotonic()
         markers = self._wait_for_ranks(rel, job["nonce"])
+        job["phases"]["wait_for_ranks"] = time.monotonic() - t0
+        t0 = time.monotonic()
         failed = {r: b["error"] for r, b in markers.items() if not b["ok"]}
         if failed:
             raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
@@ -292,11 +368,23 @@ class CheckpointManager:
             self.storage.put(f"{rel}/{MANIFEST_NAME}", manifest.to_json(), exclusive=True)
         except FileExistsError:
             raise CheckpointError(f"not committed: {rel}/{MANIFEST_NAME} already exists") from None
-        try:
-            self.collect_garbage()
-        except Exception as e:  # retention never fails a committed save
-            log.warning("checkpoint garbage collection failed: %s", describe(e))
+        job["phases"]["commit"] = time.monotonic() - t0
+        self._start_gc()
         return manifest.total_bytes
+
+    def _start_gc(self) -> None:
+        """Retention runs beside the next steps, not inside the save that triggered it."""
+        if self._gc_thread is not None:
+            self._gc_thread.join()
+
+        def run():
+            try:
+                self.collect_garbage()
+            except Exception as e:  # retention never fails a committed save
+                log.warning("checkpoint garbage collection failed: %s", describe(e))
+
+        self._gc_thread = threading.Thread(target=run, name="etrain-ckpt-gc", daemon=True)
+        self._gc_thread.start()
 
     def _finish(self, res: SaveResult) -> None:
         with self._lock:
@@ -309,10 +397,10 @@ class CheckpointManager:
         return done
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save in flight (if any) has committed or failed."""
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
+        """Block until the save in flight (if any) has committed or failed, and retention ran."""
+        for t in (self._thread, self._gc_thread):
+            if t is not None:
+                t.join(timeout)
 
     # --- retention ---------------------------------------------------------------
 
@@ -336,13 +424,13 @@ class CheckpointManager:
 
     # --- loading -----------------------------------------------------------------
 
-    def _broadcast(self, value):
+    def _broadcast(self, value, group=None):
         import torch.distributed as dist
 
         if self.world_size == 1 or not dist.is_initialized():
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.process_group)
+        dist.broadcast_object_list(box, src=0, group=group or self.process_group)
         return box[0]
 
     def load(self, state_dict: dict[str, Any], *, step: int | None = None) -> Manifest | None:

@@ -166,6 +166,10 @@ class Storage:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "xb" if exclusive else "wb") as fh:
                     fh.write(body)
+                    # On a local disk "written" must mean durable before a
+                    # manifest can claim it (a PUT that returned already is).
+                    fh.flush()
+                    os.fsync(fh.fileno())
             else:
                 if exclusive and self.fs.exists(path):
                     raise FileExistsError(rel)

@@ -101,7 +101,9 @@ def test_reshard_data_parallel_4_3_2_1_4(storage_url):
 def test_bit_exact_resume(storage_url):
     """20 steps straight == 10 steps + save + new processes + load + 10 steps, bitwise."""
     straight = plan(2, storage_url, [{"train": 20}])
-    first = plan(2, storage_url, [{"train": 10, "save": "half", "state": False}])
+    # The first half saves synchronously, the rest asynchronously.
+    first = plan(2, storage_url, [{"train": 10, "save": "half", "state": False,
+                                   "save_overrides": ["checkpoint.async_save=false"]}])
     second = plan(2, storage_url, [{"load": "half", "train": 10}])
     assert second[0][0]["loaded_step"] == 10
     assert second[0][0]["losses"] == straight[0][0]["losses"][10:]
