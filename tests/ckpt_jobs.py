@@ -127,3 +127,26 @@ def crash_during_save(payload: dict) -> dict:
     mgr.wait()
     second = [(r.step, r.status, r.error) for r in mgr.poll()]
     return {"first": first, "second": second}
+
+
+def busy_saves(payload: dict) -> dict:
+    """Two saves back to back while the first is still uploading (slow storage)."""
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        out = {}
+        for policy in ("skip", "wait"):
+            cfg = load_config(None, payload["base"] + [f'checkpoint.when_busy="{policy}"', f'run_id="{policy}"',
+                                                       'checkpoint.faults={delay_s = 0.3, ops = ["put"]}'])
+            trainer = Trainer(cfg, world, corpus=load_corpus(cfg.data), device=CPU)
+            mgr = checkpoint_manager(cfg, world)
+            trainer.train_step()
+            trainer.save_checkpoint(mgr)
+            trainer.train_step()
+            trainer.save_checkpoint(mgr)
+            mgr.wait()
+            out[policy] = sorted((r.step, r.status) for r in mgr.poll())
+            out[f"{policy}_committed"] = mgr.committed_steps()
+        return out
+    finally:
+        shutdown_distributed()

@@ -174,3 +174,11 @@ def test_storage_faults_retry_then_commit_or_fail_cleanly(storage_url):
     assert (step, status) == (2, "failed") and "injected storage fault" in error
     assert second["save_seconds"] < 15
     assert third["loaded_step"] == 1 and len(third["losses"]) == 1
+
+
+def test_one_save_in_flight_second_waits_or_is_skipped(tmp_path):
+    res = run_ranks("tests.ckpt_jobs:busy_saves", 2, {"base": base(f"file://{tmp_path}/ckpt")})[0]
+    assert res["skip"] == [(1, "committed"), (2, "skipped")]
+    assert res["skip_committed"] == [1]
+    assert res["wait"] == [(1, "committed"), (2, "committed")]
+    assert res["wait_committed"] == [1, 2]
