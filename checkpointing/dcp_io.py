@@ -39,13 +39,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future as TorchFuture
 
 from .errors import CheckpointError
-from .manifest import METADATA_NAME, FileEntry, checksum
+from .manifest import FILE_SIZE, METADATA_NAME, FileEntry, checksum
 from .storage import MiB, Storage
 
 _ALIGN = 64
-# Files of this size go up as one request each, many in flight: on local disks
-# and object stores alike that beats one big file per rank.
-DEFAULT_FILE_SIZE = 32 * MiB
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -116,7 +113,7 @@ class EtrainWriter(StorageWriter):
     threads never run collectives.
     """
 
-    def __init__(self, storage: Storage, step_rel: str, *, file_size: int = DEFAULT_FILE_SIZE,
+    def __init__(self, storage: Storage, step_rel: str, *, file_size: int = FILE_SIZE,
                  pool: StagingPool | None = None, overlap: bool = False):
         super().__init__()
         self.storage = storage

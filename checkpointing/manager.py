@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointError, FencedError, StorageError
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, checksum, parse_step_dir, step_dir
+from .manifest import FILE_SIZE, MANIFEST_NAME, FileEntry, Manifest, checksum, parse_step_dir, step_dir
 from .retry import describe
-from .storage import MiB, Storage
+from .storage import Storage
 
 # torch (and with it DCP) is imported where a save or load needs it, so that
 # listing and verifying checkpoints (``etrain ckpt``) starts in a blink.
@@ -87,7 +87,7 @@ class CheckpointManager:
     def __init__(self, url: str, run_id: str, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
                  when_busy: str = "wait", keep_last: int = 3, keep_every: int = 0, epoch: int = 0,
                  fence: Callable[[], int] | None = None, storage: Storage | None = None,
-                 commit_timeout_s: float = 600.0, file_size: int = 32 * MiB, process_group=None):
+                 commit_timeout_s: float = 600.0, file_size: int = FILE_SIZE, process_group=None):
         self.storage = storage or Storage(url)
         self.run_id = run_id
         self.prefix = f"{run_id}/checkpoints"
@@ -297,8 +297,8 @@ class CheckpointManager:
             reason = describe(e) if not isinstance(e, (CheckpointError, FencedError)) else str(e)
             try:  # tell the coordinator at once instead of letting it time out
                 self.storage.put(marker, json.dumps({"rank": self.rank, "ok": False, "error": reason}).encode())
-            except Exception:
-                pass
+            except Exception as e2:  # the coordinator's timeout covers this rank then
+                log.debug("could not write the failure marker of step %d: %s", step, describe(e2))
             res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0)
             if self.rank == 0 or not isinstance(e, CheckpointError):
                 log.warning("checkpoint at step %d failed (the previous checkpoint is untouched): %s", step, reason)

@@ -25,6 +25,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
 METADATA_NAME = ".metadata"
 STEP_RE = re.compile(r"^step_(\d{9})$")
+# Shard files are cut at this size: each goes up as one request, many in flight,
+# which on local disks and object stores alike beats one big file per rank.
+FILE_SIZE = 32 << 20
 
 
 def step_dir(step: int) -> str:

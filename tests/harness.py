@@ -41,6 +41,11 @@ class RankFailure(RuntimeError):
     pass
 
 
+def _tail(text: str) -> str:
+    """A rank's output for a failure report: the start (the command) and the end (the error)."""
+    return text if len(text) < 6000 else text[:2500] + "\n[...]\n" + text[-3500:]
+
+
 def _job_env(port: int, extra: dict | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
     env["MASTER_PORT"] = str(port)
@@ -109,8 +114,7 @@ class RankPool:
             text = log.read()
             if r in errors:
                 text += "\n" + errors[r]
-            tail = text if len(text) < 6000 else text[:2500] + "\n[...]\n" + text[-3500:]
-            report.append(f"--- rank {r}\n{tail}")
+            report.append(f"--- rank {r}\n{_tail(text)}")
         raise RankFailure(f"{target} at world {self.world_size}: {problem}\n" + "\n".join(report))
 
     def close(self) -> None:
@@ -183,9 +187,7 @@ def _run_fresh(target, world_size, payload, timeout, env, expect_exit) -> list:
             report = []
             for rank, (log, code) in enumerate(zip(logs, codes)):
                 log.seek(0)
-                text = log.read()
-                tail = text if len(text) < 6000 else text[:2500] + "\n[...]\n" + text[-3500:]
-                report.append(f"--- rank {rank} exit {code}\n{tail}")
+                report.append(f"--- rank {rank} exit {code}\n{_tail(log.read())}")
             raise RankFailure(f"{target} at world {world_size}: {failed or codes}\n" + "\n".join(report))
         results = []
         for rank in range(world_size):
