@@ -74,3 +74,52 @@ def storage_url(request, tmp_path):
         return f"file://{tmp_path}/ckpt"
     endpoint = request.getfixturevalue("s3_server")
     return f"s3://{new_bucket(endpoint)}/runs"
+
+
+class EtcdServer:
+    """A real etcd on loopback with its own data dir; stop() and start() keep ports and data."""
+
+    def __init__(self, data_dir: str):
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.url = f"etcd://127.0.0.1:{self.port}/test"
+        self.proc = None
+
+    def start(self) -> None:
+        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "t", "--data-dir", self.data_dir, "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"t={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{client}/version", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("etcd did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    server = EtcdServer(str(tmp_path_factory.mktemp("etcd")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

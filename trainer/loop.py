@@ -56,6 +56,7 @@ class StepStats:
     data_seconds: float
     world_size: int
     samples_consumed: int
+    stop: bool = False  # some rank asked to stop after this step (all ranks agree)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,7 +155,9 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------
 
-    def train_step(self) -> StepStats:
+    def train_step(self, stop: bool = False) -> StepStats:
+        """Train one step. ``stop``: this rank votes to stop after it; the vote rides on the
+        step's own all-reduce, so every rank learns the outcome at the same step boundary."""
         cfg, t0 = self.cfg, time.monotonic()
         lr = lr_at(cfg, self.step)
         positions = self.batcher.local_positions(self.samples_consumed)
@@ -180,7 +183,7 @@ class Trainer:
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
-        norm_sq, loss = self._reduce_norm_and_loss(loss_sum)
+        norm_sq, loss, stop_votes = self._reduce_norm_and_loss(loss_sum, stop)
         grad_norm = math.sqrt(norm_sq)
         clip = cfg.train.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
@@ -196,25 +199,27 @@ class Trainer:
             step=self.step, loss=loss, lr=lr, grad_norm=grad_norm,
             tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt,
             data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
+            stop=stop_votes > 0,
         )
 
     def _seed(self, sample_index: int) -> None:
         if self.cfg.model.dropout > 0:
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
-    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None) -> tuple[float, float]:
-        """One all-reduce for the global gradient norm and the mean loss.
+    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool) -> tuple[float, float, float]:
+        """One all-reduce for the global gradient norm, the mean loss and the stop votes.
 
         The loss is counted once per data-parallel rank: by the last pipeline
         stage's first tensor-parallel rank.
         """
         counts = self.parts.has_last_stage and self.coords["tp"] == 0
         contrib = loss_sum.float() if (counts and loss_sum is not None) else torch.zeros((), device=self.device)
-        both = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device)])
+        vote = torch.full((), 1.0 if stop else 0.0, device=self.device)
+        reduced = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote])
         if self.world.size > 1:
-            dist.all_reduce(both)
-        norm_sq, loss = both.tolist()
-        return norm_sq, loss / self.dims.dp
+            dist.all_reduce(reduced)
+        norm_sq, loss, votes = reduced.tolist()
+        return norm_sq, loss / self.dims.dp, votes
 
 
 def checkpoint_manager(cfg: TrainConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:

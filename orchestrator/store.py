@@ -1,0 +1,388 @@
+"""The run store: a run's durable truth, reachable from any machine.
+
+    store = open_store("etcd://10.0.0.5:2379/etrain")   # or file:///…/runs, s3://bucket/runs
+    store.create_run(RunSpec(...))                     # refuses a live run id
+    store.update_spec(run_id, workers=4)               # what the CLI does; the controller reconciles
+    lease = store.acquire(run_id, controller_id)       # one controller per run
+    store.put_status(run_id, {...}, lease)             # only the leader may
+    store.bump_epoch(run_id, lease, expected=3)        # compare-and-swap: fencing token 4
+
+*Desired* state (the spec: workers, suspended, stop) is written by the CLI;
+*observed* state (status, events) by the run's controller, which holds a
+leadership lease. Two backends:
+
+* ``etcd://host:port[/prefix]``: etcd through its HTTP gateway (etcd3gw).
+  Leadership is a key bound to a lease; status writes and epoch bumps are
+  transactions that compare the leader key first, so a stale or second
+  controller is refused (:class:`FencedError`) and cannot change anything.
+* the embedded ``storage`` backend, on any fsspec URL: JSON documents beside
+  the checkpoints (``<root>/<run_id>/control/``). It has no transactions:
+  meant for one controller per run (the default, single-job case). The
+  epoch is the run's ``FENCE`` object, which checkpoint commits check.
+
+An unreachable store raises :class:`StoreUnavailable`, a clear error for the
+CLI; the controller keeps training and writes again when the store is back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from checkpointing.errors import EtrainError, FencedError
+from checkpointing.retry import RetryPolicy
+from checkpointing.storage import Storage
+
+TERMINAL = ("FINISHED", "FAILED", "SUSPENDED")
+
+
+class UnknownRun(EtrainError):
+    """No run with this id in the store."""
+
+
+class RunConflict(EtrainError):
+    """The request contradicts the run's state (a live run id reused, suspend of a suspended run, ...)."""
+
+
+class StoreUnavailable(EtrainError):
+    """The run store cannot be reached right now."""
+
+
+@dataclass
+class RunSpec:
+    """What the user asked for. Written by the CLI, read by the controller."""
+
+    run_id: str
+    config: dict[str, Any]  # the whole run config (TOML as a dict)
+    workers: int
+    min_workers: int
+    max_workers: int
+    suspended: bool = False
+    stop: bool = False
+    generation: int = 0  # bumped by every change, so the controller can tell a new request
+    created_unix: float = field(default_factory=time.time)
+    ray_address: str = ""  # the cluster that ran it last ("" = a local Ray)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        d = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Lease:
+    run_id: str
+    controller_id: str
+    ttl_s: float
+    handle: Any = None  # backend's own lease object
+
+
+class RunStore(ABC):
+    """Spec, status, events, leadership and epoch of runs."""
+
+    url: str
+
+    # --- spec ------------------------------------------------------------------
+
+    def create_run(self, spec: RunSpec) -> None:
+        """Record a new run; refuse an id that is live or suspended."""
+        try:
+            old = self.get_spec(spec.run_id)
+        except UnknownRun:
+            old = None
+        if old is not None:
+            status = self.get_status(spec.run_id) or {}
+            phase = status.get("phase", "UNKNOWN")
+            if phase == "SUSPENDED":
+                raise RunConflict(f"run {spec.run_id!r} is suspended; continue it with `etrain resume "
+                                  f"{spec.run_id}`, or choose another --run-id")
+            if phase not in ("FINISHED", "FAILED"):
+                raise RunConflict(f"run {spec.run_id!r} already exists (phase {phase}); watch it with "
+                                  f"`etrain status {spec.run_id}`, or choose another --run-id")
+        self._write_spec(spec)
+
+    def get_spec(self, run_id: str) -> RunSpec:
+        raw = self._read(run_id, "spec")
+        if raw is None:
+            raise UnknownRun(f"no run {run_id!r} in the store {self.url}; `etrain status` lists the runs")
+        return RunSpec.from_json(raw)
+
+    def update_spec(self, run_id: str, **changes) -> RunSpec:
+        spec = self.get_spec(run_id)
+        for k, v in changes.items():
+            if not hasattr(spec, k):
+                raise ValueError(f"RunSpec has no field {k!r}")
+            setattr(spec, k, v)
+        spec.generation += 1
+        self._write_spec(spec)
+        return spec
+
+    def _write_spec(self, spec: RunSpec) -> None:
+        self._write(spec.run_id, "spec", spec.to_json())
+
+    # --- status and events -------------------------------------------------------
+
+    def get_status(self, run_id: str) -> dict | None:
+        raw = self._read(run_id, "status")
+        return json.loads(raw) if raw else None
+
+    @abstractmethod
+    def put_status(self, run_id: str, status: dict, lease: Lease) -> None:
+        """Write the observed status; FencedError unless ``lease`` still leads the run."""
+
+    def add_event(self, run_id: str, event: dict) -> None:
+        event = {"time": time.time(), **event}
+        name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:6]}"
+        self._write(run_id, f"events/{name}", json.dumps(event, sort_keys=True))
+
+    @abstractmethod
+    def events(self, run_id: str) -> list[dict]:
+        """Every event of the run, oldest first."""
+
+    @abstractmethod
+    def list_runs(self) -> list[str]:
+        ...
+
+    # --- leadership and epoch --------------------------------------------------------
+
+    @abstractmethod
+    def acquire(self, run_id: str, controller_id: str, ttl_s: float = 15.0) -> Lease:
+        """Become the run's controller; RunConflict if a live controller leads it."""
+
+    @abstractmethod
+    def renew(self, lease: Lease) -> bool:
+        """Keep leading; False if the lease was lost (another controller may lead now)."""
+
+    @abstractmethod
+    def release(self, lease: Lease) -> None:
+        ...
+
+    @abstractmethod
+    def current_epoch(self, run_id: str) -> int:
+        ...
+
+    @abstractmethod
+    def bump_epoch(self, run_id: str, lease: Lease, expected: int) -> int:
+        """Compare-and-swap ``expected`` -> ``expected + 1``; FencedError if not the leader or stale."""
+
+    # --- raw documents -------------------------------------------------------------
+
+    @abstractmethod
+    def _read(self, run_id: str, name: str) -> str | None:
+        ...
+
+    @abstractmethod
+    def _write(self, run_id: str, name: str, value: str) -> None:
+        ...
+
+
+class StorageRunStore(RunStore):
+    """JSON documents under ``<root>/<run_id>/control/`` on any fsspec URL. One controller per run."""
+
+    def __init__(self, url: str):
+        self.url = url
+        # Short bounds: the CLI must answer promptly when the storage is away.
+        self.storage = Storage(url, retry=RetryPolicy(attempts=3, backoff_s=0.1, request_timeout_s=10,
+                                                      deadline_s=15))
+
+    def _rel(self, run_id: str, name: str) -> str:
+        return f"{run_id}/control/{name}.json"
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except FileNotFoundError:
+            return None
+        except EtrainError as e:
+            raise StoreUnavailable(f"run store {self.url} is unreachable: {e}") from None
+
+    def _read(self, run_id, name):
+        data = self._guard(lambda: self.storage.get(self._rel(run_id, name)))
+        return data.decode() if data is not None else None
+
+    def _write(self, run_id, name, value):
+        self._guard(lambda: self.storage.put(self._rel(run_id, name), value.encode()))
+
+    def put_status(self, run_id, status, lease):
+        holder = self._leader(run_id)
+        if holder is not None and holder["id"] != lease.controller_id:
+            raise FencedError(f"controller {lease.controller_id} no longer leads run {run_id!r} "
+                              f"({holder['id']} does)")
+        self._write(run_id, "status", json.dumps({**status, "updated_unix": time.time()}, sort_keys=True))
+
+    def events(self, run_id):
+        names = self._guard(lambda: self.storage.list_dir(f"{run_id}/control/events")) or {}
+        paths = [f"{run_id}/control/events/{n}" for n in sorted(names)]
+        blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
+        return [json.loads(blobs[p]) for p in paths if p in blobs]
+
+    def list_runs(self):
+        names = self._guard(lambda: self.storage.list_dir("")) or {}
+        return sorted(n for n, size in names.items()
+                      if size is None and self._read(n, "spec") is not None)
+
+    def _leader(self, run_id) -> dict | None:
+        raw = self._read(run_id, "leader")
+        return json.loads(raw) if raw else None
+
+    def acquire(self, run_id, controller_id, ttl_s=15.0):
+        holder = self._leader(run_id)
+        if holder and holder["id"] != controller_id and holder["expires_unix"] > time.time():
+            raise RunConflict(f"run {run_id!r} is led by controller {holder['id']} (lease valid for "
+                              f"{holder['expires_unix'] - time.time():.0f} s more)")
+        lease = Lease(run_id, controller_id, ttl_s)
+        self.renew(lease)
+        return lease
+
+    def renew(self, lease):
+        holder = self._leader(lease.run_id)
+        if holder and holder["id"] != lease.controller_id and holder["expires_unix"] > time.time():
+            return False
+        self._write(lease.run_id, "leader", json.dumps({"id": lease.controller_id,
+                                                         "expires_unix": time.time() + lease.ttl_s}))
+        return True
+
+    def release(self, lease):
+        holder = self._leader(lease.run_id)
+        if holder and holder["id"] == lease.controller_id:
+            self._write(lease.run_id, "leader", json.dumps({"id": lease.controller_id, "expires_unix": 0}))
+
+    def current_epoch(self, run_id):
+        data = self._guard(lambda: self.storage.get(f"{run_id}/FENCE"))
+        return int(json.loads(data)["epoch"]) if data else 0
+
+    def bump_epoch(self, run_id, lease, expected):
+        holder = self._leader(run_id)
+        if holder is None or holder["id"] != lease.controller_id:
+            raise FencedError(f"controller {lease.controller_id} does not lead run {run_id!r}")
+        now = self.current_epoch(run_id)
+        if now != expected:
+            raise FencedError(f"epoch of run {run_id!r} is {now}, not {expected}: another controller moved it")
+        self._guard(lambda: self.storage.put(f"{run_id}/FENCE", json.dumps({"epoch": expected + 1}).encode()))
+        return expected + 1
+
+
+class EtcdRunStore(RunStore):
+    """etcd v3 through its HTTP gateway. Leadership by lease; fenced writes by transaction."""
+
+    def __init__(self, host: str, port: int, prefix: str = "etrain", timeout_s: float = 5.0):
+        import etcd3gw
+
+        self.url = f"etcd://{host}:{port}/{prefix}"
+        self.prefix = prefix.strip("/")
+        self.client = etcd3gw.client(host=host, port=port, timeout=timeout_s)
+
+    def _key(self, run_id: str, name: str) -> str:
+        return f"/{self.prefix}/runs/{run_id}/{name}"
+
+    def _call(self, fn):
+        import requests
+        from etcd3gw import exceptions as ex
+
+        try:
+            return fn()
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
+                ex.ConnectionTimeoutError) as e:
+            raise StoreUnavailable(f"etcd at {self.url} is unreachable ({type(e).__name__}); "
+                                   "is the server up and the address right?") from None
+        except ex.Etcd3Exception as e:
+            raise StoreUnavailable(f"etcd at {self.url} refused the request: {e}") from None
+
+    def _read(self, run_id, name):
+        values = self._call(lambda: self.client.get(self._key(run_id, name)))
+        return values[0].decode() if values else None
+
+    def _write(self, run_id, name, value):
+        self._call(lambda: self.client.put(self._key(run_id, name), value))
+
+    def _leader_txn(self, lease: Lease, requests_: list[dict]) -> bool:
+        """Run ``requests_`` only if ``lease``'s controller still holds the leader key."""
+        from etcd3gw.utils import _encode
+
+        txn = {"compare": [{"key": _encode(self._key(lease.run_id, "leader")), "result": "EQUAL",
+                            "target": "VALUE", "value": _encode(lease.controller_id)}],
+               "success": requests_, "failure": []}
+        result = self._call(lambda: self.client.transaction(txn))
+        return bool(result.get("succeeded"))
+
+    def put_status(self, run_id, status, lease):
+        from etcd3gw.utils import _encode
+
+        body = json.dumps({**status, "updated_unix": time.time()}, sort_keys=True)
+        put = {"request_put": {"key": _encode(self._key(run_id, "status")), "value": _encode(body)}}
+        if not self._leader_txn(lease, [put]):
+            raise FencedError(f"controller {lease.controller_id} no longer leads run {run_id!r}; status not written")
+
+    def events(self, run_id):
+        items = self._call(lambda: self.client.get_prefix(self._key(run_id, "events/")))
+        rows = sorted(((meta["key"], value) for value, meta in items), key=lambda kv: kv[0])
+        return [json.loads(value) for _, value in rows]
+
+    def list_runs(self):
+        items = self._call(lambda: self.client.get_prefix(f"/{self.prefix}/runs/"))
+        runs = set()
+        for _, meta in items:
+            key = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
+            parts = key.split("/")
+            if len(parts) >= 5 and parts[-1] == "spec":
+                runs.add(parts[-2])
+        return sorted(runs)
+
+    def acquire(self, run_id, controller_id, ttl_s=15.0):
+        lease_handle = self._call(lambda: self.client.lease(int(max(2, ttl_s))))
+        key = self._key(run_id, "leader")
+        if not self._call(lambda: self.client.create(key, controller_id, lease=lease_handle)):
+            holder = self._read(run_id, "leader")
+            self._call(lease_handle.revoke)
+            raise RunConflict(f"run {run_id!r} is led by controller {holder} (its etcd lease is alive)")
+        return Lease(run_id, controller_id, ttl_s, lease_handle)
+
+    def renew(self, lease):
+        try:
+            ttl = self._call(lease.handle.refresh)
+        except StoreUnavailable:
+            raise
+        if ttl <= 0:
+            return False
+        return self._read(lease.run_id, "leader") == lease.controller_id
+
+    def release(self, lease):
+        self._call(lease.handle.revoke)
+
+    def current_epoch(self, run_id):
+        raw = self._read(run_id, "epoch")
+        return int(raw) if raw else 0
+
+    def bump_epoch(self, run_id, lease, expected):
+        from etcd3gw.utils import _encode
+
+        key = _encode(self._key(run_id, "epoch"))
+        compare_epoch = ({"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0} if expected == 0
+                         else {"key": key, "result": "EQUAL", "target": "VALUE", "value": _encode(str(expected))})
+        txn = {"compare": [{"key": _encode(self._key(run_id, "leader")), "result": "EQUAL", "target": "VALUE",
+                            "value": _encode(lease.controller_id)}, compare_epoch],
+               "success": [{"request_put": {"key": key, "value": _encode(str(expected + 1))}}], "failure": []}
+        result = self._call(lambda: self.client.transaction(txn))
+        if not result.get("succeeded"):
+            raise FencedError(f"controller {lease.controller_id} cannot move run {run_id!r} past epoch {expected}: "
+                              f"it no longer leads, or another controller moved the epoch")
+        return expected + 1
+
+
+def open_store(url: str) -> RunStore:
+    """``etcd://host:port[/prefix]`` or any fsspec URL (the embedded storage backend)."""
+    if url.startswith("etcd://"):
+        parts = urlsplit(url)
+        if not parts.hostname:
+            raise EtrainError(f"--store {url!r}: use etcd://host:port[/prefix]")
+        return EtcdRunStore(parts.hostname, parts.port or 2379, parts.path.strip("/") or "etrain")
+    return StorageRunStore(url)
