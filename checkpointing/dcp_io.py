@@ -1,12 +1,14 @@
 """DCP ``StorageWriter`` / ``StorageReader`` over :class:`checkpointing.storage.Storage`.
 
-The writer splits saving in two. ``write_data`` (inside ``dcp.save``, which
-blocks training) only *stages*: it copies each tensor this rank writes into
-host buffers laid out as the files that will be uploaded, and answers DCP at
-once with where every item will live. :meth:`EtrainWriter.upload` (run later,
-usually in a background thread, with no collectives) checksums and uploads
-those buffers, several files and parts in flight. Tensors are stored as raw
-bytes (no pickling), so a reader can slice any sub-block of a saved shard,
+The writer splits saving in two. ``write_data`` (inside ``dcp.save``) lays
+the items this rank writes out into files of ~32 MiB and answers DCP at once
+with where every item will live. A file is a list of byte views: host tensors
+are not copied (a sync save keeps training waiting until they are written; an
+async save writes from its own snapshot, which nothing touches until the save
+ends); only device or non-contiguous tensors are copied into reused host
+buffers. :meth:`EtrainWriter.upload` (no collectives) waits for the files,
+several in flight, each checksummed as it is written. Tensors are stored as
+raw bytes (no pickling), so a reader can slice any sub-block of a saved shard,
 which is what resharding needs.
 
 The reader fetches whole files, checks each against the manifest's size and
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,11 +68,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class StagingPool:
-    """Host buffers kept from one save to the next.
+    """Host buffers kept from one save to the next, for tensors that must be copied to host.
 
     Touching fresh memory costs page faults on every save; a reused buffer is
-    already mapped, which roughly halves the time a save blocks training. The
-    pool holds at most what the last save staged (``held_bytes``).
+    already mapped. The pool holds at most what the last save staged
+    (``held_bytes``): nothing when every tensor saved is a contiguous host tensor.
     """
 
     def __init__(self):
@@ -92,25 +95,40 @@ class StagingPool:
         return sum(t.numel() for t in self._free)
 
 
+_ZEROS = bytes(_ALIGN)
+
+
 @dataclass
 class _StagedFile:
     path: str
-    buffer: torch.Tensor  # uint8, host memory
+    parts: list  # byte views written in order: items, and the zeros that pad each to 64 bytes
+    size: int
+    keep: list  # the tensors and host buffers the views point into, alive until the upload ends
 
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self.buffer.numpy())
+
+def _host_bytes(t: torch.Tensor) -> memoryview | None:
+    """A zero-copy byte view of a contiguous host tensor; None when it must be copied first."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 class EtrainWriter(StorageWriter):
-    """Stages in ``write_data``; :meth:`upload` (later, usually in a background
-    thread) sends the files and the DCP metadata. One instance per save.
+    """Lays files out in ``write_data``; :meth:`upload` (later, in the thread
+    that runs the save) waits for the files and sends the DCP metadata. One
+    instance per save.
 
-    ``overlap=True`` (for sync saves, where training waits for the whole save
-    anyway) starts each file's upload as soon as it is staged, while the next
-    one is copied. Async saves leave it off: upload threads competing with the
-    staging copy would lengthen the only part that blocks training. Upload
-    threads never run collectives.
+    The state handed to ``dcp.save`` is read until :meth:`upload` returns (or
+    :meth:`abort` does): the caller must not change it before then. The
+    manager saves either synchronously (training waits) or from its own
+    snapshot (async), so that holds.
+
+    ``overlap=True`` starts each file's upload as soon as it is laid out,
+    while DCP finishes its collectives; otherwise :meth:`upload` starts them.
+    Upload threads never run collectives.
     """
 
     def __init__(self, storage: Storage, step_rel: str, *, file_size: int = FILE_SIZE,
@@ -123,13 +141,15 @@ class EtrainWriter(StorageWriter):
         self.overlap = overlap
         self.is_coordinator = False
         self.staged: list[_StagedFile] = []
-        self.metadata_blob: bytes | None = None
-        self.staged_bytes = 0
+        self.metadata: Metadata | None = None
+        self.staged_bytes = 0  # host memory this save copied into (device or non-contiguous tensors)
+        self._buffers: list[torch.Tensor] = []
         self._uploads: list[Future] = []
         self._executor: ThreadPoolExecutor | None = None
+        self.timings: dict[str, float] = {}  # monotonic times of write_data's start and end
 
     def reset(self, checkpoint_id=None) -> None:
-        self.staged, self.metadata_blob, self.staged_bytes = [], None, 0
+        self.staged, self.metadata, self.staged_bytes, self._buffers = [], None, 0, []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self.is_coordinator = is_coordinator
@@ -142,6 +162,7 @@ class EtrainWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        self.timings["write_data"] = time.monotonic()
         prefix = plan.storage_data
         # Resolve and size every item, then lay the items out in files of ~file_size.
         items = []
@@ -167,7 +188,7 @@ class EtrainWriter(StorageWriter):
             if not group:
                 continue
             name = f"{prefix}{k}.distcp"
-            staged = _StagedFile(name, self._stage(group))
+            staged = self._lay_out(name, group)
             off = 0
             for item, data, n in group:
                 if isinstance(data, bytes):
@@ -177,69 +198,97 @@ class EtrainWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
                 off += _padded(n)
             self.staged.append(staged)
-            self.staged_bytes += staged.buffer.numel()
             if self.overlap:
                 self._uploads.append(self._executor.submit(self._upload_file, staged))
+        self.timings["write_data_end"] = time.monotonic()
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
         return fut
 
-    def _stage(self, group: list) -> torch.Tensor:
-        total = sum(_padded(n) for _, _, n in group)
-        cuda = torch.cuda.is_available()
-        buf = self.pool.take(total, cuda) if self.pool else torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-        off = 0
-        from_device = False
+    def _lay_out(self, name: str, group: list) -> _StagedFile:
+        """One file as byte views: host tensors as they are, the others copied into one host buffer."""
+        views: list = []
+        copies = []  # (index in views, tensor) of items that need a copy to host
+        keep: list = []
         for _, data, n in group:
-            dst = buf[off : off + n]
             if isinstance(data, bytes):
-                if n:
-                    dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                views.append(memoryview(data))
             elif n:
-                src = data if data.is_contiguous() else data.contiguous()
-                from_device |= src.device.type == "cuda"
-                dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=src.device.type == "cuda")
+                view = _host_bytes(data)
+                if view is None:
+                    copies.append((len(views), data))
+                keep.append(data)
+                views.append(view)
+            else:
+                views.append(memoryview(b""))
             if _padded(n) > n:
-                buf[off + n : off + _padded(n)].zero_()
-            off += _padded(n)
-        if from_device:
-            torch.cuda.synchronize()  # the upload thread reads this buffer next
-        return buf
+                views.append(memoryview(_ZEROS)[: _padded(n) - n])
+        if copies:
+            total = sum(t.numel() * t.element_size() for _, t in copies)
+            cuda = torch.cuda.is_available()
+            buf = self.pool.take(total, cuda) if self.pool else torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+            self._buffers.append(buf)
+            self.staged_bytes += total
+            keep.append(buf)
+            off = 0
+            from_device = False
+            for i, t in copies:
+                n = t.numel() * t.element_size()
+                src = t if t.is_contiguous() else t.contiguous()
+                from_device |= src.device.type == "cuda"
+                dst = buf[off : off + n]
+                dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=src.device.type == "cuda")
+                views[i] = memoryview(dst.numpy())
+                off += n
+            if from_device:
+                torch.cuda.synchronize()  # the upload thread reads this buffer next
+        return _StagedFile(name, views, sum(len(v) for v in views), keep)
 
     def _upload_file(self, f: _StagedFile) -> FileEntry:
-        entry = FileEntry(f.path, f.buffer.numel(), checksum(f.view))
-        self.storage.put(f"{self.step_rel}/{f.path}", f.view)
-        return entry
+        crc = self.storage.put_parts(f"{self.step_rel}/{f.path}", f.parts)
+        return FileEntry(f.path, f.size, crc)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # Runs on the coordinator while every rank waits for the result: only
+        # collect here; pickling waits for upload(), beside the file writes.
         storage_md = {}
         for per_rank in results:
             for wr in per_rank:
                 storage_md[wr.index] = wr.storage_data
         metadata.storage_data = storage_md
-        self.metadata_blob = pickle.dumps(metadata)
+        # A copy: with plan caching DCP hands the same Metadata object to the next save.
+        self.metadata = dataclasses.replace(metadata, storage_data=storage_md)
 
     def upload(self) -> list[FileEntry]:
         """Wait for this rank's file uploads; the coordinator adds the metadata. Raises the first failure."""
         try:
             if not self.overlap:
                 self._uploads = [self._executor.submit(self._upload_file, f) for f in self.staged]
+            meta = None
+            if self.is_coordinator:
+                if self.metadata is None:
+                    raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
+                blob = pickle.dumps(self.metadata)
+                meta = self._executor.submit(self.storage.put, f"{self.step_rel}/{METADATA_NAME}", blob)
             entries = [f.result() for f in self._uploads]
+            if meta is not None:
+                meta.result()
+                entries.append(FileEntry(METADATA_NAME, len(blob), checksum(blob)))
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-        if self.is_coordinator:
-            if self.metadata_blob is None:
-                raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
-            self.storage.put(f"{self.step_rel}/{METADATA_NAME}", self.metadata_blob)
-            entries.append(FileEntry(METADATA_NAME, len(self.metadata_blob), checksum(self.metadata_blob)))
+            self.abort()
         return entries
 
+    def abort(self) -> None:
+        """Cancel the uploads not started and wait for the others: after this no thread reads the state."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
     def release(self) -> None:
-        """Hand the staging buffers back (to the pool, for the next save)."""
-        if self.pool is not None:
-            self.pool.give([f.buffer for f in self.staged])
+        """Drop the views of the state; hand the host buffers back (to the pool, for the next save)."""
+        if self.pool is not None and self._buffers:
+            self.pool.give(self._buffers)
         self.staged = []
+        self._buffers = []
         self.staged_bytes = 0
 
     @classmethod

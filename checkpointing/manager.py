@@ -7,13 +7,20 @@
     ckpt.wait()                                 # before exit
 
 A save is a transaction. ``dcp.save`` with :class:`EtrainWriter` plans and
-stages (the only part that blocks training). Then every rank, in a background
-thread with no collectives, uploads its files and writes a small marker
-listing them; the coordinator (rank 0) waits for every marker, checks the
-fence, and writes ``MANIFEST.json``, which is the commit. Any failure leaves
-the step without a manifest, so it does not exist for any reader, and the
+lays the files out; then every rank, with no collectives, writes its files
+and a small marker listing them; the coordinator (rank 0) waits for every
+marker, checks the fence, and writes ``MANIFEST.json``, which is the commit.
+Async saves block training only for a snapshot of the state into host
+buffers; everything else runs in a background thread. Any failure leaves the
+step without a manifest, so it does not exist for any reader, and the
 previous checkpoint is untouched. At most one save is in flight; another
 request waits for it or is skipped with a warning (``when_busy``).
+
+DCP save plans are cached: when every rank still holds the same state layout
+as at this manager's previous save (same tensors, dtypes, shapes, shardings,
+same group), DCP reuses that save's plans and metadata instead of sending
+every rank's plan to the coordinator and back. Any change, on any rank,
+starts a fresh plan.
 
 Fencing: each save carries the epoch of the controller that ordered it. A
 commit is refused when the fence (``fence()``, by default the run's ``FENCE``
@@ -23,11 +30,13 @@ committed a checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +118,10 @@ class CheckpointManager:
         self._gc_thread: threading.Thread | None = None
         self._group = None  # process group of the background saves
         self._snap_cache: dict = {}  # path -> host buffer of the async snapshot
+        self._plan_key: str | None = None  # DCP plan-cache key of the last successful save
+        self._plan_layout: str = ""  # the state layout it was planned for
+        self._plan_keys: set[str] = set()  # every key this manager used, dropped with it
+        weakref.finalize(self, _drop_plan_caches, self._plan_keys)
         self._done: list[SaveResult] = []
         self._lock = threading.Lock()
 
@@ -242,44 +255,82 @@ class CheckpointManager:
                                       stride=obj.stride())
         return buf
 
+    def _agree(self, state_dict: dict, group) -> tuple[str, str]:
+        """One collective before each save: rank 0's nonce, and the DCP plan-cache key every rank uses.
+
+        The key of the previous save is reused only when every rank made that
+        save with this key and still holds the state layout it was planned
+        for; otherwise all ranks take a fresh key (an empty cache: full
+        planning). A key shared by all ranks is what DCP's cache needs: a
+        rank that skips sending its plan relies on the coordinator having it.
+        """
+        layout = _layout_fingerprint(state_dict)
+        mine = (self._plan_key, layout == self._plan_layout,
+                f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
+        everyone = self._all_gather(mine, group)
+        nonce = everyone[0][2]
+        key = everyone[0][0]
+        if key is None or any(k != key or not same for k, same, _ in everyone):
+            _drop_plan_caches(self._plan_keys)
+            key = f"etrain-{nonce}"
+        self._plan_key, self._plan_layout = None, layout  # set again once this save's plan succeeded
+        return nonce, key
+
+    def _all_gather(self, value, group) -> list:
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return [value]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=group or self.process_group)
+        return out
+
     def _save_now(self, job: dict, state_dict: dict, group) -> SaveResult:
-        """DCP plan + stage + upload + commit, in the calling thread."""
+        """DCP plan + lay out + upload + commit, in the calling thread."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
         from .dcp_io import EtrainWriter, StagingPool
 
         step = job["step"]
         t0 = time.monotonic()
+        writer = None
         try:
             # Markers of this attempt live under a name all ranks share and no
             # earlier attempt at the same step used.
-            job["nonce"] = self._broadcast(f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None,
-                                           group)
+            job["nonce"], key = self._agree(state_dict, group)
             if self._pool is None:
                 self._pool = StagingPool()
             writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
                                   overlap=True)
             self._writer = writer
-            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+            self._plan_keys.add(key)
+            dcp.save(state_dict, storage_writer=writer, planner=_cached_planner(key), process_group=group,
                      no_dist=self.world_size == 1 and not dist.is_initialized())
+            self._plan_key = key
         except (Exception, CheckpointException) as e:
+            _drop_plan_caches(self._plan_keys)
+            if writer is not None:  # no upload thread may outlive a failed save (they read the state)
+                writer.abort()
+                writer.release()
+                self._writer = None
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}",
                              blocking_s=job.get("blocking", time.monotonic() - job["t0"]))
             log.warning("checkpoint at step %d failed: %s", step, res.error)
             self._finish(res)
             return res
         job["writer"] = writer
-        job["plan_and_stage"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        w0, w1 = writer.timings.get("write_data", t1), writer.timings.get("write_data_end", t1)
+        job["dcp_phases"] = {"plan": w0 - t0, "lay_out": w1 - w0, "dcp_finish": t1 - w1}
         return self._persist(job)
 
     def _persist(self, job: dict) -> SaveResult:
         step, writer = job["step"], job["writer"]
         rel = self.step_rel(step)
         t0 = time.monotonic()
-        phases = {"snapshot": job.get("blocking", 0.0), "plan_and_stage": job["plan_and_stage"]}
+        phases = {"snapshot": job.get("blocking", 0.0), **job["dcp_phases"]}
         job["phases"] = phases
         marker = f"{rel}/{RANKS_DIR}/{job['nonce']}/rank_{self.rank:05d}.json"
         try:
@@ -316,7 +367,7 @@ class CheckpointManager:
     def _wait_for_ranks(self, rel: str, nonce: str) -> dict[int, dict]:
         where = f"{rel}/{RANKS_DIR}/{nonce}"
         deadline = time.monotonic() + self.commit_timeout_s
-        delay = 0.02
+        delay = 0.002  # the other ranks are usually a few ms behind: look again soon, then back off
         while True:
             names = [n for n in self.storage.list_dir(where) if n.startswith("rank_")]
             if len(names) >= self.world_size:
@@ -335,7 +386,7 @@ class CheckpointManager:
                     f"not committed: {label} {','.join(map(str, missing))} did not finish uploading "
                     f"within {self.commit_timeout_s:.0f} s")
             time.sleep(delay)
-            delay = min(0.5, delay * 1.2)
+            delay = min(0.5, delay * 1.5)
 
     def _commit(self, job: dict, own_entries) -> int:
         step = job["step"]
@@ -510,6 +561,58 @@ class CheckpointManager:
             if got != f.crc32c:
                 problems.append(f"{name}: crc32c {got}, manifest says {f.crc32c}")
         return problems
+
+
+def _cached_planner(key: str):
+    """DCP's default save planner with its plan cache under ``key`` (see ``_agree``)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key  # DCP's own default is the class name, shared by every save in the process
+    return planner
+
+
+def _drop_plan_caches(keys: set[str]) -> None:
+    """Forget DCP's cached plans under ``keys`` (class-level dicts that would otherwise keep them)."""
+    if not keys:
+        return
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                 "_cached_metadata"):
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            for k in keys:
+                cache.pop(k, None)
+    keys.clear()
+
+
+def _layout_fingerprint(state_dict) -> str:
+    """A digest of everything a DCP save plan depends on: keys, and per tensor its dtype, shapes and sharding."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.blake2b(digest_size=16)
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            h.update(f"{path}:{type(obj).__name__}{len(obj)};".encode())
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        elif isinstance(obj, DTensor):
+            mesh = obj.device_mesh
+            h.update(f"{path}:D{obj.dtype}{tuple(obj.shape)}{tuple(obj._local_tensor.shape)}{obj.placements}"
+                     f"{tuple(mesh.shape)}{mesh.get_coordinate()};".encode())
+        elif isinstance(obj, torch.Tensor):
+            h.update(f"{path}:T{obj.dtype}{tuple(obj.shape)};".encode())
+        else:
+            h.update(f"{path}:{type(obj).__name__};".encode())
+
+    walk(state_dict, "")
+    return h.hexdigest()
 
 
 def _load_failure(e: BaseException) -> BaseException:

@@ -44,6 +44,19 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return f"{_crc32c.crc32c(data):08x}"
 
 
+class Checksum:
+    """crc32c over data fed in pieces; ``hexdigest()`` equals ``checksum()`` of their concatenation."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self.value = _crc32c.crc32c(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the step directory

@@ -2,6 +2,7 @@
 
     storage = Storage("s3://bucket/runs")           # or file://, gs://, memory://
     storage.put_many([("a/b.bin", data), ...])      # concurrent, multipart for big objects
+    crc = storage.put_parts("a/c.bin", [view, ...])  # one object from several buffers; its crc32c
     blobs = storage.get_many(["a/b.bin"])           # concurrent, ranged for big objects
     storage.list_dir("a")                           # {name: size or None for a directory}
 
@@ -35,11 +36,49 @@ from fsspec.asyn import sync as fsspec_sync
 
 from .errors import StorageError
 from .faults import NO_FAULT, StorageFaults
+from .manifest import Checksum
 from .retry import RetryPolicy, describe
 
 log = logging.getLogger("etrain")
 
 MiB = 1 << 20
+# Local writes go out in slices of this size, each checksummed just before it is
+# written, so the bytes are still in the CPU cache when the kernel copies them.
+_SLICE = 4 * MiB
+
+Buffer = bytes | bytearray | memoryview
+
+
+class _Body:
+    """The bytes of one object as buffers in order, never joined on local disks."""
+
+    def __init__(self, data: Buffer | list[Buffer] | tuple[Buffer, ...]):
+        parts = data if isinstance(data, (list, tuple)) else [data]
+        self.parts = [m for m in (memoryview(p).cast("B") for p in parts) if len(m)]
+        self.size = sum(len(m) for m in self.parts)
+
+    def slices(self):
+        for part in self.parts:
+            for start in range(0, len(part), _SLICE):
+                yield part[start : start + _SLICE]
+
+    def checksum(self) -> str:
+        c = Checksum()
+        for part in self.parts:
+            c.update(part)
+        return c.hexdigest()
+
+    def read(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` as one ``bytes`` (one copy, what an HTTP body needs)."""
+        out, pos = [], 0
+        for part in self.parts:
+            end = pos + len(part)
+            if end > start and pos < stop:
+                out.append(part[max(start - pos, 0) : min(stop, end) - pos])
+            pos = end
+            if pos >= stop:
+                break
+        return out[0].tobytes() if len(out) == 1 else b"".join(out)
 
 
 def _is_not_found(exc: BaseException) -> bool:
@@ -135,18 +174,35 @@ class Storage:
 
     # --- writes ----------------------------------------------------------------
 
-    def put(self, rel: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False) -> None:
+    def put(self, rel: str, data: Buffer, *, exclusive: bool = False) -> None:
         """Write one object. ``exclusive``: fail with FileExistsError if it exists."""
         self.put_many([(rel, data)], exclusive=exclusive)
 
-    def put_many(self, items: list[tuple[str, bytes | bytearray | memoryview]], *, exclusive: bool = False) -> None:
+    def put_parts(self, rel: str, parts: list[Buffer]) -> str:
+        """Write one object made of ``parts`` (buffers, in order) and return its crc32c.
+
+        On a local disk the parts are written one after the other, never
+        joined, and checksummed slice by slice on the way; elsewhere the
+        checksum is one pass before the upload. Either way the checksum is of
+        the bytes given, not of what storage says it stored. Runs in the
+        calling thread (call it from several threads for parallelism).
+        """
+        body = _Body(parts)
+        if self.is_s3:
+            crc = body.checksum()
+            fsspec_sync(self.fs.loop, self._s3_put_many, [(rel, body)], False)
+            return crc
+        return self._put_one_sync(rel, body, False, checksum=True)
+
+    def put_many(self, items: list[tuple[str, Buffer]], *, exclusive: bool = False) -> None:
         """Write several objects concurrently; raises StorageError naming the first that failed."""
         if not items:
             return
+        items = [(rel, _Body(data)) for rel, data in items]
         if self.is_s3:
             fsspec_sync(self.fs.loop, self._s3_put_many, items, exclusive)
             return
-        futures = [self._threads().submit(self._put_one_sync, rel, data, exclusive) for rel, data in items]
+        futures = [self._threads().submit(self._put_one_sync, rel, body, exclusive) for rel, body in items]
         errors = []
         for f in futures:
             try:
@@ -156,26 +212,34 @@ class Storage:
         if errors:
             raise errors[0]
 
-    def _put_one_sync(self, rel: str, data, exclusive: bool) -> None:
+    def _put_one_sync(self, rel: str, body: _Body, exclusive: bool, checksum: bool = False) -> str | None:
         path = self._path(rel)
 
         def attempt():
             f = self._sync_fault("put", rel)
-            body = memoryview(data)[: len(data) // 2] if f.truncate else data
-            if self.is_local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "xb" if exclusive else "wb") as fh:
-                    fh.write(body)
-                    # On a local disk "written" must mean durable before a
-                    # manifest can claim it (a PUT that returned already is).
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            else:
+            keep = body.size // 2 if f.truncate else body.size  # a truncating fault stores half
+            if not self.is_local:
+                crc = body.checksum() if checksum else None
                 if exclusive and self.fs.exists(path):
                     raise FileExistsError(rel)
-                self.fs.pipe_file(path, bytes(body))
+                self.fs.pipe_file(path, body.read(0, keep))
+                return crc
+            c = Checksum() if checksum else None
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "xb" if exclusive else "wb") as fh:
+                for piece in body.slices():
+                    if c is not None:
+                        c.update(piece)
+                    if keep > 0:
+                        fh.write(piece[:keep])
+                        keep -= min(keep, len(piece))
+                # On a local disk "written" must mean durable before a
+                # manifest can claim it (a PUT that returned already is).
+                fh.flush()
+                os.fsync(fh.fileno())
+            return c.hexdigest() if c is not None else None
 
-        self.retry.call(attempt, what=f"writing {rel}")
+        return self.retry.call(attempt, what=f"writing {rel}")
 
     async def _s3_client(self):
         await self.fs.set_session()
@@ -189,14 +253,14 @@ class Storage:
             if isinstance(r, BaseException):
                 raise r
 
-    async def _s3_put_one(self, rel: str, data, sem: asyncio.Semaphore, exclusive: bool) -> None:
+    async def _s3_put_one(self, rel: str, data: _Body, sem: asyncio.Semaphore, exclusive: bool) -> None:
         s3 = await self._s3_client()
         bucket, key, _ = self.fs.split_path(self._path(rel))
-        view = memoryview(data)
-        if len(view) <= self.part_size:
+        size = data.size
+        if size <= self.part_size:
             async def put():
                 f = await self._async_fault("put", rel)
-                body = bytes(view[: len(view) // 2] if f.truncate else view)
+                body = data.read(0, size // 2 if f.truncate else size)
                 extra = {"IfNoneMatch": "*"} if exclusive else {}
                 try:
                     return await s3.put_object(Bucket=bucket, Key=key, Body=body, **extra)
@@ -215,14 +279,14 @@ class Storage:
             mpu = await self.retry.acall(lambda: s3.create_multipart_upload(Bucket=bucket, Key=key),
                                          what=f"starting upload of {rel}")
         upload_id = mpu["UploadId"]
-        starts = list(range(0, len(view), self.part_size))
+        starts = list(range(0, size, self.part_size))
 
         async def part(i: int, start: int):
-            chunk = view[start : start + self.part_size]
+            stop = min(start + self.part_size, size)
 
             async def up():
                 f = await self._async_fault("put", rel)
-                body = bytes(chunk[: len(chunk) // 2] if f.truncate else chunk)
+                body = data.read(start, (start + stop) // 2 if f.truncate else stop)
                 return await s3.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 1, Body=body)
 
             async with sem:
