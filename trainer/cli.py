@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             first = first or s
             last = s
             if log:
-                log.write(json.dumps(s.to_dict()) + "\n")
+                log.write(json.dumps({**s.to_dict(), "time": time.time()}) + "\n")
                 log.flush()
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):

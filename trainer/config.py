@@ -350,6 +350,9 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
 }
 _TOP_LEVEL = {"run_id": str}
+# Sections owned by other components of a run (the orchestrator's [elastic]);
+# they live in the same TOML file and the trainer leaves them alone.
+FOREIGN_SECTIONS = ("elastic",)
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -395,7 +398,8 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def _build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
+def build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
+    """Build the dataclass ``cls`` of section ``[name]`` from its raw table, checking keys and types."""
     if not isinstance(raw, dict):
         raise ConfigError(f"[{name}] must be a table, got {raw!r}")
     hints = typing.get_type_hints(cls)
@@ -419,11 +423,12 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     top: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _SECTIONS:
-            sections[key] = _build_section(key, _SECTIONS[key], value)
+            sections[key] = build_section(key, _SECTIONS[key], value)
         elif key in _TOP_LEVEL:
             top[key] = _check_type(key, value, _TOP_LEVEL[key])
-        else:
-            raise ConfigError(f"unknown section or key {key!r}{_suggest(key, list(_SECTIONS) + list(_TOP_LEVEL))}")
+        elif key not in FOREIGN_SECTIONS:
+            known = list(_SECTIONS) + list(_TOP_LEVEL) + list(FOREIGN_SECTIONS)
+            raise ConfigError(f"unknown section or key {key!r}{_suggest(key, known)}")
     return TrainConfig(**top, **sections)
 
 
@@ -453,8 +458,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Load a run config from a TOML file (or the defaults) plus overrides."""
+def load_raw(path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The run's TOML document (or an empty one) with ``--set`` overrides applied, not yet validated."""
     raw: dict[str, Any] = {}
     if path:
         try:
@@ -464,4 +469,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path!r} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    return config_from_dict(apply_overrides(raw, overrides or []))
+    return apply_overrides(raw, overrides or [])
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load a run config from a TOML file (or the defaults) plus overrides."""
+    return config_from_dict(load_raw(path, overrides))
