@@ -1,35 +1,273 @@
 """The ``etrain`` command.
 
-    etrain train --config examples/tiny.toml [--set parallel.tp=2 ...]
+    etrain run CONFIG.toml [--workers N] [--min-workers N] [--max-workers N] [--store URL] [--run-id ID]
+                           [--set section.field=value ...] [--address RAY_ADDRESS] [--no-progress]
+    etrain status [RUN] [--json]          etrain events RUN [--json]
+    etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
+    etrain resize RUN --workers N         etrain stop RUN
+    etrain train --config CONFIG.toml     (one rank of a run under torchrun; same as python -m trainer)
     etrain ckpt {ls,inspect,verify} URL
 
-``etrain train`` is ``python -m trainer`` (one process, or one rank under a
-launcher such as torchrun).
+``run`` starts a run on the Ray cluster at ``--address`` / ``$RAY_ADDRESS``
+(under ``ray job submit`` that is the job's cluster), or on a local Ray on
+127.0.0.1 when there is none, and follows it to the end. The control
+commands talk only to the run store (``--store``, ``$ETRAIN_STORE``, or
+``file://$PWD/runs``), so they work from any machine that reaches it: they
+write the desired state and the run's controller carries it out.
+
+Exit status: 0 when the run FINISHED or was SUSPENDED, 1 when it FAILED,
+2 for a mistake in the command or config (the message names the fix).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+
+from checkpointing.errors import EtrainError
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=None, help="run store: etcd://host:port[/prefix] or the runs' storage URL "
+                                                 "(default: $ETRAIN_STORE, else file://$PWD/runs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant, elastic training on Ray.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="one rank of a run, under torchrun or alone (same as python -m trainer)",
+                   add_help=False)
+    sub.add_parser("ckpt", help="list, inspect and verify checkpoints", add_help=False)
+
+    p = sub.add_parser("run", help="start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it")
+    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("--workers", type=int, help="group size to run at (default [elastic].workers, 2)")
+    p.add_argument("--min-workers", type=int, help="smallest size to keep training at after failures")
+    p.add_argument("--max-workers", type=int, help="largest size to grow to")
+    p.add_argument("--run-id", help="name of the run (default: run_id in the config)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
+    p.add_argument("--address", help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
+    _add_store(p)
+
+    p = sub.add_parser("status", help="a run's status, or every run in the store")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--json", action="store_true")
+    _add_store(p)
+
+    p = sub.add_parser("events", help="a run's failures, recoveries and resizes, with their timings")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    _add_store(p)
+
+    for name, what in (("suspend", "stop at the next step boundary, commit a checkpoint, release every worker"),
+                       ("stop", "end the run at the next step boundary after a final checkpoint")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("run")
+        p.add_argument("--no-wait", action="store_true", help="return once the request is recorded")
+        p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to get there")
+        _add_store(p)
+
+    p = sub.add_parser("resume", help="continue a suspended or interrupted run, on any valid size")
+    p.add_argument("run")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
+    p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
+    p.add_argument("--no-progress", action="store_true")
+    _add_store(p)
+
+    p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
+    p.add_argument("run")
+    p.add_argument("--workers", type=int, required=True)
+    _add_store(p)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant, elastic training on Ray.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train one config in this process (same as python -m trainer)", add_help=False)
-    sub.add_parser("ckpt", help="list, inspect and verify checkpoints", add_help=False)
-    args, rest = ap.parse_known_args(argv)
-    if args.command == "train":
-        from trainer.cli import main as train_main
+    ap = build_parser()
+    if argv and argv[0] in ("train", "ckpt"):
+        if argv[0] == "train":
+            from trainer.cli import main as train_main
 
-        return train_main(rest)
-    if args.command == "ckpt":
+            return train_main(argv[1:])
         from checkpointing.cli import main as ckpt_main
 
-        return ckpt_main(rest)
-    ap.error(f"unknown command {args.command}")
-    return 2
+        return ckpt_main(argv[1:])
+    args = ap.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except EtrainError as e:
+        print(f"etrain: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("etrain: interrupted; the run's controller stops with this process "
+              "(`etrain resume RUN` continues it from its last checkpoint)", file=sys.stderr)
+        return 130
+
+
+# --- commands --------------------------------------------------------------------
+
+
+def _store(args):
+    from .run import store_url_for
+    from .store import open_store
+
+    return open_store(store_url_for(args.store))
+
+
+def cmd_run(args) -> int:
+    from .run import launch, prepare_run
+
+    spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
+                              max_workers=args.max_workers, run_id=args.run_id, store=args.store)
+    print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
+          f" store {store.url}", flush=True)
+    final = launch(spec, store, address=args.address, progress=not args.no_progress)
+    return _report(final)
+
+
+def _report(final: dict) -> int:
+    from .run import exit_code
+
+    print(f"etrain: run {final.get('run_id')!r} {final.get('phase')} at step {final.get('step')}/"
+          f"{final.get('total_steps')}: {final.get('reason', '')}; {final.get('recoveries', 0)} recoveries, "
+          f"{final.get('steps_lost', 0)} steps lost, final loss {final.get('loss')}", flush=True)
+    return exit_code(final)
+
+
+def cmd_resume(args) -> int:
+    from .run import launch, prepare_resume, store_url_for
+
+    url = store_url_for(args.store)
+    if args.submit:
+        from .store import open_store
+
+        open_store(url).check_resumable(args.run)
+        from .run import submit_job
+
+        entry = ["-m", "orchestrator", "resume", args.run, "--store", url, "--no-progress"]
+        if args.workers:
+            entry += ["--workers", str(args.workers)]
+        job = submit_job(args.submit, entry)
+        print(f"etrain: submitted Ray job {job} to {args.submit}; follow it with `etrain status {args.run}`")
+        return 0
+    spec, store = prepare_resume(args.run, url, args.workers)
+    print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {store.url}", flush=True)
+    return _report(launch(spec, store, address=args.address, progress=not args.no_progress))
+
+
+def cmd_status(args) -> int:
+    from rich.console import Console
+
+    from .progress import status_table
+
+    store = _store(args)
+    if args.run:
+        store.get_spec(args.run)  # UnknownRun names the fix
+        st = store.get_status(args.run) or {"run_id": args.run, "phase": "PENDING"}
+        rows = [st]
+    else:
+        rows = [store.get_status(r) or {"run_id": r, "phase": "PENDING"} for r in store.list_runs()]
+    if args.json:
+        print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
+    elif not rows:
+        print(f"no runs in {store.url}")
+    else:
+        Console().print(status_table(rows))
+        if args.run and rows[0].get("reason"):
+            print(f"reason: {rows[0]['reason']}")
+    return 0
+
+
+def cmd_events(args) -> int:
+    from .progress import describe_event
+
+    store = _store(args)
+    store.get_spec(args.run)
+    events = store.events(args.run)
+    if args.json:
+        print(json.dumps(events, indent=2, sort_keys=True))
+        return 0
+    for e in events:
+        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+        line = describe_event(e) or f"[{e.get('kind')}] " + ", ".join(
+            f"{k}={v}" for k, v in sorted(e.items()) if k not in ("kind", "time"))
+        print(f"{when}  {line}")
+    return 0
+
+
+def _live(store, run_id: str) -> dict:
+    from .store import RunConflict
+
+    store.get_spec(run_id)
+    st = store.get_status(run_id) or {}
+    phase = st.get("phase", "PENDING")
+    if phase in ("FINISHED", "FAILED"):
+        raise RunConflict(f"run {run_id!r} has {phase}; nothing to change")
+    if phase == "SUSPENDED":
+        raise RunConflict(f"run {run_id!r} is already suspended; nothing changed "
+                          f"(`etrain resume {run_id} [--workers N]` continues it)")
+    if not store.leader_alive(run_id):
+        raise RunConflict(f"run {run_id!r} is not running (its controller is gone); "
+                          f"`etrain resume {run_id}` continues it")
+    return st
+
+
+def _wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = store.get_status(run_id) or {}
+        if st.get("phase") in phases:
+            print(f"etrain: run {run_id!r} {st['phase']} at step {st.get('step')}")
+            return 0 if st["phase"] != "FAILED" else EXIT_FAILED
+        time.sleep(0.5)
+    print(f"etrain: run {run_id!r} did not get there within {timeout:.0f} s; `etrain status {run_id}` shows where "
+          "it is", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def cmd_suspend(args) -> int:
+    store = _store(args)
+    _live(store, args.run)
+    store.update_spec(args.run, suspended=True)
+    print(f"etrain: suspend of run {args.run!r} requested; it stops at the next step boundary")
+    return 0 if args.no_wait else _wait_phase(store, args.run, ("SUSPENDED", "FAILED", "FINISHED"), args.timeout)
+
+
+def cmd_stop(args) -> int:
+    store = _store(args)
+    _live(store, args.run)
+    store.update_spec(args.run, stop=True)
+    print(f"etrain: stop of run {args.run!r} requested; it ends at the next step boundary")
+    return 0 if args.no_wait else _wait_phase(store, args.run, ("FINISHED", "FAILED", "SUSPENDED"), args.timeout)
+
+
+def cmd_resize(args) -> int:
+    from trainer.config import config_from_dict
+
+    from .config import allowed_sizes
+    from .store import RunConflict
+
+    store = _store(args)
+    st = _live(store, args.run)
+    spec = store.get_spec(args.run)
+    allowed = allowed_sizes(config_from_dict(spec.config), spec.min_workers, spec.max_workers)
+    if args.workers not in allowed:
+        raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
+                          f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
+    store.update_spec(args.run, workers=args.workers)
+    print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
+          "boundary; `etrain events` shows when it did")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
+            "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize}
 
 
 if __name__ == "__main__":

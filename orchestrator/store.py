@@ -94,21 +94,35 @@ class RunStore(ABC):
     # --- spec ------------------------------------------------------------------
 
     def create_run(self, spec: RunSpec) -> None:
-        """Record a new run; refuse an id that is live or suspended."""
+        """Record a new run; an id already in the store is refused, saying how to continue it."""
         try:
-            old = self.get_spec(spec.run_id)
+            self.get_spec(spec.run_id)
         except UnknownRun:
-            old = None
-        if old is not None:
-            status = self.get_status(spec.run_id) or {}
-            phase = status.get("phase", "UNKNOWN")
-            if phase == "SUSPENDED":
-                raise RunConflict(f"run {spec.run_id!r} is suspended; continue it with `etrain resume "
-                                  f"{spec.run_id}`, or choose another --run-id")
-            if phase not in ("FINISHED", "FAILED"):
-                raise RunConflict(f"run {spec.run_id!r} already exists (phase {phase}); watch it with "
-                                  f"`etrain status {spec.run_id}`, or choose another --run-id")
-        self._write_spec(spec)
+            self._write_spec(spec)
+            return
+        phase = (self.get_status(spec.run_id) or {}).get("phase", "UNKNOWN")
+        if phase == "SUSPENDED":
+            raise RunConflict(f"run {spec.run_id!r} is suspended; continue it with `etrain resume "
+                              f"{spec.run_id}`, or choose another --run-id")
+        if phase == "FINISHED":
+            raise RunConflict(f"run {spec.run_id!r} has already FINISHED; choose another --run-id")
+        if phase == "FAILED":
+            raise RunConflict(f"run {spec.run_id!r} FAILED; continue it from its last checkpoint with "
+                              f"`etrain resume {spec.run_id}`, or choose another --run-id")
+        if self.leader_alive(spec.run_id):
+            raise RunConflict(f"run {spec.run_id!r} already exists (phase {phase}) and its controller is "
+                              f"alive; watch it with `etrain status {spec.run_id}`, or choose another --run-id")
+        raise RunConflict(f"run {spec.run_id!r} was interrupted (phase {phase}, its controller is gone); "
+                          f"continue it with `etrain resume {spec.run_id}`, or choose another --run-id")
+
+    def check_resumable(self, run_id: str) -> None:
+        """RunConflict unless the run can be continued: suspended, interrupted, or ended FAILED."""
+        phase = (self.get_status(run_id) or {}).get("phase", "UNKNOWN")
+        if phase == "FINISHED":
+            raise RunConflict(f"run {run_id!r} has FINISHED; there is nothing to resume")
+        if phase not in ("SUSPENDED", "FAILED") and self.leader_alive(run_id):
+            raise RunConflict(f"run {run_id!r} is {phase} and its controller is alive; "
+                              f"`etrain suspend {run_id}` first, or `etrain resize {run_id} --workers N`")
 
     def get_spec(self, run_id: str) -> RunSpec:
         raw = self._read(run_id, "spec")
@@ -165,6 +179,10 @@ class RunStore(ABC):
     @abstractmethod
     def release(self, lease: Lease) -> None:
         ...
+
+    @abstractmethod
+    def leader_alive(self, run_id: str) -> bool:
+        """Whether some controller holds a live lease on the run."""
 
     @abstractmethod
     def current_epoch(self, run_id: str) -> int:
@@ -255,6 +273,10 @@ class StorageRunStore(RunStore):
         holder = self._leader(lease.run_id)
         if holder and holder["id"] == lease.controller_id:
             self._write(lease.run_id, "leader", json.dumps({"id": lease.controller_id, "expires_unix": 0}))
+
+    def leader_alive(self, run_id):
+        holder = self._leader(run_id)
+        return bool(holder) and holder["expires_unix"] > time.time()
 
     def current_epoch(self, run_id):
         data = self._guard(lambda: self.storage.get(f"{run_id}/FENCE"))
@@ -357,6 +379,9 @@ class EtcdRunStore(RunStore):
 
     def release(self, lease):
         self._call(lease.handle.revoke)
+
+    def leader_alive(self, run_id):
+        return self._read(run_id, "leader") is not None  # the key dies with its lease
 
     def current_epoch(self, run_id):
         raw = self._read(run_id, "epoch")

@@ -1,0 +1,87 @@
+"""The ``[elastic]`` section of a run config: how the orchestrator sizes and heals the group.
+
+    raw = load_raw("examples/tiny.toml", ["elastic.workers=4"])
+    ecfg = elastic_from_raw(raw, workers=3)   # command-line flags override the file
+
+It lives in the same TOML file as the trainer's sections; the trainer skips
+it (``trainer.config.FOREIGN_SECTIONS``). Checks that need the trainer's
+config (which sizes the global batch and tp x pp allow) run in
+:func:`check_sizes`, before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from checkpointing.errors import ConfigError
+from trainer.config import TrainConfig, build_section
+from trainer.parallel import valid_world_sizes
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    workers: int = 2  # the size to run at (the requested size)
+    min_workers: int = 1  # below this the run waits for capacity instead of training
+    max_workers: int = 0  # 0: the same as workers
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = -1.0  # -1: one GPU each when the cluster has GPUs, else none
+    hang_timeout_s: float = 0.0  # 0: derived, max(30 s, 20 x the median step time)
+    replace_wait_s: float = 5.0  # recovery waits this long for a replacement before shrinking
+    max_failures: int = 20
+    backoff_s: float = 0.0  # first delay between recovery attempts; doubles with each recent failure
+    store: str = ""  # "": the embedded store beside the checkpoints
+
+    def __post_init__(self) -> None:
+        if self.max_workers == 0:
+            self.max_workers = max(self.workers, self.min_workers)
+        if self.min_workers < 1:
+            raise ConfigError(f"elastic.min_workers={self.min_workers} must be >= 1")
+        if self.max_workers < self.min_workers:
+            raise ConfigError(f"elastic.max_workers={self.max_workers} is below elastic.min_workers="
+                              f"{self.min_workers}; raise max_workers or lower min_workers")
+        if not self.min_workers <= self.workers <= self.max_workers:
+            raise ConfigError(f"elastic.workers={self.workers} (--workers) is outside [min_workers, max_workers] = "
+                              f"[{self.min_workers}, {self.max_workers}]; pick a size in that range or widen it")
+        if self.cpus_per_worker < 0:
+            raise ConfigError(f"elastic.cpus_per_worker={self.cpus_per_worker} must be >= 0")
+        for name in ("hang_timeout_s", "replace_wait_s", "backoff_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"elastic.{name}={getattr(self, name)} must be >= 0")
+        if self.max_failures < 0:
+            raise ConfigError(f"elastic.max_failures={self.max_failures} must be >= 0")
+
+
+def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int | None = None,
+                     max_workers: int | None = None) -> ElasticConfig:
+    """``[elastic]`` of a raw run document, with command-line flags taking precedence."""
+    table = dict(raw.get("elastic", {}))
+    if not isinstance(raw.get("elastic", {}), dict):
+        raise ConfigError("[elastic] must be a table")
+    for key, value, flag in (("workers", workers, "--workers"), ("min_workers", min_workers, "--min-workers"),
+                             ("max_workers", max_workers, "--max-workers")):
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be >= 1")
+            table[key] = value
+    if workers is not None and max_workers is None and "max_workers" in table and table["max_workers"] < workers:
+        table["max_workers"] = workers  # --workers beyond the file's max raises the max, as asked
+    return build_section("elastic", ElasticConfig, table)
+
+
+def allowed_sizes(cfg: TrainConfig, min_workers: int, max_workers: int) -> list[int]:
+    """Group sizes in [min_workers, max_workers] that the global batch and dp_replicate x tp x pp allow."""
+    return [n for n in valid_world_sizes(cfg, max_workers) if n >= min_workers]
+
+
+def check_sizes(cfg: TrainConfig, ecfg: ElasticConfig) -> list[int]:
+    """The sizes this run may take; ConfigError naming the valid ones if the request is not among them."""
+    allowed = allowed_sizes(cfg, ecfg.min_workers, ecfg.max_workers)
+    if not allowed:
+        raise ConfigError(f"no group size in [{ecfg.min_workers}, {ecfg.max_workers}] works for this run: sizes must "
+                          f"be multiples of dp_replicate x tp x pp and fit train.global_batch="
+                          f"{cfg.train.global_batch} with train.micro_batch={cfg.train.micro_batch}; valid sizes up "
+                          f"to {ecfg.max_workers}: {valid_world_sizes(cfg, ecfg.max_workers) or 'none'}")
+    if ecfg.workers not in allowed:
+        raise ConfigError(f"--workers {ecfg.workers} is not a valid size for this run; valid sizes in "
+                          f"[{ecfg.min_workers}, {ecfg.max_workers}]: {allowed}")
+    return allowed

@@ -1,0 +1,679 @@
+"""The run's controller: an explicit state machine over a group of TrainWorkers.
+
+    ctl = Controller(spec, store, group)      # group: RayWorkerGroup, or a fake in tests
+    ctl.run()                                 # step() until SUSPENDED, FINISHED or FAILED
+
+One class per state, each carrying its own data; ``State.step(ctl)`` does one
+bounded piece of work and returns the next state (often itself). ``run`` is
+only the loop. The controller reads the desired state (the spec) from the
+run store and writes the observed state (status, events) back; everything it
+decides comes from the pure policies in ``orchestrator.policies``.
+
+Recovery is in place: when a worker dies (actor death), a collective fails
+because its peer vanished, or no step completes within the hang deadline,
+the survivors keep their processes. The controller bumps the epoch (a
+compare-and-swap in the store: a stale controller is fenced), picks the
+largest valid group from survivors and ready spares, and every member
+re-forms its process group and Trainer and restores the newest checkpoint,
+resharded. Missing workers are started in the background and the group grows
+back at a step boundary when they are up (the same path as a resize, which
+loses no step).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpointing.errors import EtrainError, FencedError
+from trainer.config import config_from_dict
+from trainer.parallel import valid_world_sizes
+
+from .policies import Fail, FailureLog, FailurePolicy, FailureRecord, Resize, ScalingPolicy, ScalingStatus, Wait
+from .store import RunSpec, RunStore, StoreUnavailable
+from .worker_group import WorkerLost
+
+log = logging.getLogger("etrain")
+
+
+@dataclass(kw_only=True)
+class ControllerOptions:
+    poll_s: float = 0.2  # how often RUNNING looks at calls, progress and the spec
+    spec_every_s: float = 1.0  # how often the spec is re-read
+    status_every_s: float = 1.0  # how often the status is written
+    start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
+    replace_wait_s: float = 0.0  # recovery waits this long for replacements before shrinking
+    hang_timeout_s: float = 0.0  # 0: derived, max(hang_min_s, hang_factor x median step time)
+    hang_min_s: float = 30.0
+    hang_factor: float = 20.0
+    call_timeout_s: float = 180.0  # bound on form / restore / save calls
+    grow_check_s: float = 5.0  # how often a smaller-than-requested group looks for capacity
+    lease_ttl_s: float = 15.0
+    failure: FailurePolicy = field(default_factory=FailurePolicy)
+
+
+class GroupFailure(EtrainError):
+    """A collective call on the group failed; carries what was seen."""
+
+    def __init__(self, message: str, kind: str = "error", suspects: tuple = ()):
+        super().__init__(message)
+        self.kind = kind
+        self.suspects = tuple(suspects)
+
+    def __reduce__(self):
+        return (GroupFailure, (str(self), self.kind, self.suspects))
+
+
+# --- states ----------------------------------------------------------------------
+
+
+class State:
+    name = "STATE"
+    terminal = False
+
+    def step(self, c: Controller) -> State:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+
+@dataclass
+class Initializing(State):
+    name = "INITIALIZING"
+
+    def step(self, c: Controller) -> State:
+        c.lease = c.store.acquire(c.run_id, c.controller_id, ttl_s=c.opts.lease_ttl_s)
+        c.start_lease_keeper()
+        c.epoch = c.store.current_epoch(c.run_id)
+        c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
+                controller_id=c.controller_id)
+        return Scheduling(c.desired(), "starting")
+
+
+@dataclass
+class Scheduling(State):
+    """Start workers and wait until enough are up to form a valid group."""
+
+    target: int
+    reason: str
+    since: float | None = None
+    name = "SCHEDULING"
+
+    def step(self, c: Controller) -> State:
+        now = c.clock()
+        self.since = self.since if self.since is not None else now
+        if c.spec.suspended:
+            return Suspending("suspend requested while scheduling")
+        c.ensure_workers(self.target)
+        ready = c.group.ready(c.members + c.spares, timeout=c.opts.poll_s)
+        status = ScalingStatus(current=0, requested=self.target, available=len(ready), valid_sizes=c.valid_sizes)
+        size = c.scaling.target(status)
+        waited = now - self.since
+        if size is not None and (size == min(self.target, c.spec.max_workers) or waited >= c.opts.replace_wait_s):
+            c.form(size, ready)
+            return Running()
+        if waited > c.opts.start_timeout_s:
+            decision = c.scaling.decide(status, now)
+            return Failed(f"workers did not start within {c.opts.start_timeout_s:.0f} s: {decision.reason}")
+        c.refresh_spec_throttled()
+        return self
+
+
+@dataclass
+class Running(State):
+    name = "RUNNING"
+
+    def step(self, c: Controller) -> State:
+        if not c.train_calls:
+            c.launch_training()
+        failure = c.check_training()
+        if isinstance(failure, State):
+            return failure
+        c.poll_progress()
+        c.refresh_spec_throttled()
+        if c.spec.suspended:
+            return Suspending("suspend requested")
+        if c.spec.stop:
+            return Finishing("stop requested", stopping=True)
+        hang = c.check_hang()
+        if hang is not None:
+            return hang
+        return c.check_scaling() or self
+
+
+@dataclass
+class Recovering(State):
+    failure: FailureRecord
+    suspects: tuple[str, ...] = ()
+    detected_at: float = 0.0  # controller clock
+    name = "RECOVERING"
+
+    def step(self, c: Controller) -> State:
+        decision = c.opts.failure.decide(c.failures.add(self.failure), c.clock())
+        c.event("failure", failure_kind=self.failure.kind, step=self.failure.step, message=self.failure.message,
+                decision=decision.reason, world_size=len(c.members))
+        log.warning("failure: %s", decision.reason)
+        if isinstance(decision, Fail):
+            return Failed(decision.reason)
+        if decision.delay_s:
+            time.sleep(decision.delay_s)
+        last_step = c.last_completed_step()
+        t0 = c.clock()
+        survivors = c.settle_after_failure(self.suspects)
+        c.ensure_workers(c.desired())
+        t_settled = c.clock()
+        deadline = t_settled + c.opts.replace_wait_s
+        while True:
+            ready = c.group.ready(survivors + c.spares, timeout=min(c.opts.poll_s, max(0.0, deadline - c.clock())))
+            size = c.scaling.target(ScalingStatus(current=0, requested=c.desired(), available=len(ready),
+                                                  valid_sizes=c.valid_sizes))
+            if (size is not None and size >= min(c.desired(), len(survivors) + len(c.spares))) or c.clock() >= deadline:
+                break
+        if size is None:
+            return Scheduling(c.desired(), "waiting for capacity after a failure")
+        t_ready = c.clock()
+        try:
+            restored = c.form(size, ready)
+        except GroupFailure as e:
+            return Recovering(FailureRecord(e.kind, last_step, str(e), c.clock()), e.suspects, c.clock())
+        c.pending_recovery = {"detected_at": self.detected_at or t0, "last_step": last_step,
+                              "restored_step": restored, "world_before": len(survivors) + len(self.suspects),
+                              "world_after": size, "failure_kind": self.failure.kind,
+                              "failure_time_unix": time.time() - (c.clock() - self.failure.time),
+                              "phases": {"settle_s": t_settled - t0, "wait_replacement_s": t_ready - t_settled,
+                                         **c.form_phases}}
+        return Running()
+
+
+@dataclass
+class Resizing(State):
+    target: int
+    reason: str
+    requested_at: float = 0.0
+    name = "RESIZING"
+
+    def step(self, c: Controller) -> State:
+        try:
+            c.stop_at_boundary()
+            saved = c.save_now()
+        except GroupFailure as e:
+            return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
+                              c.clock())
+        if not saved:
+            log.warning("resize to %d postponed: the boundary checkpoint did not commit", self.target)
+            c.next_grow_check = c.clock() + c.opts.grow_check_s
+            return Running()
+        before = len(c.members)
+        ready = c.group.ready(c.members + c.spares, timeout=0)
+        try:
+            c.form(self.target, ready)
+        except GroupFailure as e:
+            return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
+                              c.clock())
+        c.ensure_workers(c.desired())  # a shrink leaves the old members as spares: stop the surplus
+        c.pending_resize = {"requested_at": self.requested_at or c.clock(), "from": before, "to": self.target,
+                            "reason": self.reason}
+        return Running()
+
+
+@dataclass
+class Suspending(State):
+    reason: str
+    name = "SUSPENDING"
+
+    def step(self, c: Controller) -> State:
+        step = c.last_completed_step()
+        try:
+            c.stop_at_boundary()
+            saved = c.save_now()
+        except GroupFailure as e:
+            saved = False
+            log.warning("suspending after a failure at step %d: %s", step, e)
+        c.group.shutdown()
+        c.members, c.spares, c.train_calls = [], [], {}
+        c.event("suspended", step=c.last_completed_step(), checkpoint_committed=bool(saved), reason=self.reason)
+        return Suspended(f"{self.reason} at step {c.last_completed_step()}")
+
+
+@dataclass
+class Finishing(State):
+    reason: str
+    stopping: bool = False
+    name = "FINISHING"
+
+    def step(self, c: Controller) -> State:
+        try:
+            if self.stopping:
+                c.stop_at_boundary()
+            c.save_now()
+        except GroupFailure as e:
+            log.warning("the final checkpoint failed: %s", e)
+        c.group.shutdown()
+        c.members, c.spares, c.train_calls = [], [], {}
+        c.event("finished", step=c.last_completed_step(), reason=self.reason)
+        return Finished(self.reason)
+
+
+@dataclass
+class Terminal(State):
+    reason: str
+    terminal = True
+
+    def step(self, c: Controller) -> State:
+        raise RuntimeError(f"{self.name} is terminal")
+
+
+class Suspended(Terminal):
+    name = "SUSPENDED"
+
+
+class Finished(Terminal):
+    name = "FINISHED"
+
+
+class Failed(Terminal):
+    name = "FAILED"
+
+
+# --- the controller ------------------------------------------------------------------
+
+
+class Controller:
+    def __init__(self, spec: RunSpec, store: RunStore, group, opts: ControllerOptions | None = None,
+                 clock=time.monotonic, controller_id: str | None = None):
+        self.spec = spec
+        self.run_id = spec.run_id
+        self.store = store
+        self.group = group
+        self.opts = opts or ControllerOptions()
+        self.clock = clock
+        self.controller_id = controller_id or f"ctl-{uuid.uuid4().hex[:8]}"
+        self.cfg = config_from_dict(spec.config)
+        self.total_steps = self.cfg.train.steps
+        self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
+        self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
+        self.failures = FailureLog()
+        self.state: State = Initializing()
+        self.lease = None
+        self.epoch = 0
+        self.members: list[str] = []  # worker ids, by rank
+        self.spares: list[str] = []  # started, not in the group (pending or ready)
+        self.train_calls: dict[str, Any] = {}
+        self.progress: dict = {}
+        self.progress_at = clock()
+        self.step_times: deque[float] = deque(maxlen=50)
+        self.committed_step: int | None = None
+        self.pending_recovery: dict | None = None
+        self.pending_resize: dict | None = None
+        self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
+        self.next_grow_check = 0.0
+        self.next_spec_read = 0.0
+        self.next_status = 0.0
+        self.counters = {"recoveries": 0, "failures": 0, "steps_lost": 0, "resizes": 0}
+        self.recovery_seconds: list[float] = []
+        self.started_unix = time.time()
+        self.productive_s = 0.0
+        self._unsent_events: list[dict] = []
+        self.events_log: list[dict] = []  # every event of this controller, for the driver's live view
+        self._lock = threading.Lock()
+        self._keeper: threading.Thread | None = None
+        self._stop_keeper = threading.Event()
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def step(self) -> State:
+        """One iteration: the current state's step, then the status write."""
+        before = self.state
+        try:
+            nxt = before.step(self)
+        except FencedError as e:
+            nxt = Failed(f"fenced: {e}")
+        except WorkerLost as e:
+            nxt = Recovering(FailureRecord("actor_died", self.last_completed_step(), str(e), self.clock()), (),
+                             self.clock())
+        except GroupFailure as e:  # a group call (form, restore, save) failed where the state did not catch it
+            nxt = Recovering(FailureRecord(e.kind, self.last_completed_step(), str(e), self.clock()), e.suspects,
+                             self.clock())
+        if type(nxt) is not type(before):
+            log.info("%s -> %s", before.name, nxt.name)
+        self.state = nxt
+        if nxt.terminal:
+            self.finish(nxt)
+        else:
+            self.publish_throttled()
+        return nxt
+
+    def run(self) -> dict:
+        while not self.state.terminal:
+            self.step()
+        return self.snapshot()
+
+    # --- membership ---------------------------------------------------------------------
+
+    def desired(self) -> int:
+        """The size to aim for: the largest allowed valid size <= the requested workers."""
+        want = max(self.spec.min_workers, min(self.spec.workers, self.spec.max_workers))
+        fits = [n for n in self.scaling.allowed(self.valid_sizes) if n <= want]
+        return fits[-1] if fits else want
+
+    def ensure_workers(self, target: int) -> None:
+        """Members plus spares started: at least ``target`` (extra spares beyond it are stopped)."""
+        have = len(self.members) + len(self.spares)
+        if have < target:
+            self.spares += self.group.start(target - have)
+        elif have > target and self.spares:
+            for wid in self.spares[target - len(self.members):] if target >= len(self.members) else self.spares:
+                self.group.kill(wid)
+            self.spares = self.spares[: max(0, target - len(self.members))]
+
+    def form(self, size: int, ready: list[str]) -> int:
+        """Make ``size`` of the ``ready`` workers the group of a new epoch; returns the restored step."""
+        chosen = [w for w in self.members if w in ready][:size]
+        chosen += [w for w in ready if w not in chosen][: size - len(chosen)]
+        if len(chosen) < size:
+            raise GroupFailure(f"only {len(chosen)} of {size} workers are ready", "error")
+        self.spares = [w for w in self.members + self.spares if w not in chosen]
+        self.members = chosen
+        self.train_calls = {}
+        self.epoch = self.store.bump_epoch(self.run_id, self.lease, self.epoch)
+        rank0 = chosen[0]
+        addr = self.group.info(rank0).get("ip", "127.0.0.1")
+        port = self._group_call([rank0], "free_port")[rank0]
+        t0 = self.clock()
+        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port) for r, w in enumerate(chosen)]
+        self._collect(calls, "form")
+        t1 = self.clock()
+        restored = self._group_call(chosen, "restore")
+        self.form_phases = {"form_s": t1 - t0, "restore_s": self.clock() - t1}
+        step = restored[rank0]["step"]
+        self.progress = {"step": step}
+        self.progress_at = self.clock()
+        self.committed_step = restored[rank0]["from_step"]
+        self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
+                   members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
+                   pids=[self.group.info(w).get("pid") for w in chosen])
+        return step
+
+    def _group_call(self, wids: list[str], method: str, *args) -> dict:
+        return self._collect([self.group.submit(w, method, *args) for w in wids], method)
+
+    def _collect(self, calls: list, what: str) -> dict:
+        """Results of calls on every member, or GroupFailure naming the ones that died or hung."""
+        deadline = self.clock() + self.opts.call_timeout_s
+        pending = list(calls)
+        out = {}
+        lost = []
+        while pending and self.clock() < deadline:
+            for call in self.group.wait(pending, timeout=min(1.0, max(0.0, deadline - self.clock()))):
+                pending.remove(call)
+                try:
+                    out[call.wid] = self.group.result(call)
+                except WorkerLost as e:
+                    lost.append((call.wid, str(e)))
+            if lost:
+                break
+        if lost:
+            raise GroupFailure(f"{what}: " + "; ".join(m for _, m in lost), "actor_died", [w for w, _ in lost])
+        if pending:
+            raise GroupFailure(f"{what} did not finish within {self.opts.call_timeout_s:.0f} s on workers "
+                               f"{','.join(c.wid for c in pending)}", "hang", [c.wid for c in pending])
+        return out
+
+    # --- training ------------------------------------------------------------------------
+
+    def launch_training(self) -> None:
+        self.train_calls = {w: self.group.submit(w, "train", self.total_steps) for w in self.members}
+        self.progress_at = self.clock()
+
+    def check_training(self) -> State | None:
+        """React to train calls that returned: done, stopped, failed, or a dead worker."""
+        done = self.group.wait(list(self.train_calls.values()), timeout=self.opts.poll_s)
+        if not done:
+            return None
+        results, lost = {}, []
+        for call in done:
+            try:
+                results[call.wid] = self.group.result(call)
+            except WorkerLost as e:
+                lost.append((call.wid, str(e)))
+        step = self.last_completed_step()
+        if lost:
+            # Name ranks, not worker ids: a replacement gets a new id, and the crash-loop rule compares messages.
+            ranks = ",".join(str(self.members.index(w)) for w, _ in lost if w in self.members)
+            log.warning("workers lost: %s", "; ".join(m for _, m in lost))
+            return Recovering(FailureRecord("actor_died", step, f"worker died: rank {ranks}", self.clock()),
+                              tuple(w for w, _ in lost), self.clock())
+        failed = {w: r for w, r in results.items() if r["status"] == "failed"}
+        if failed:
+            # The cause before its echoes: peers of a failing rank only see their collective fail.
+            wid, r = min(failed.items(), key=lambda kv: kv[1].get("kind") == "collective_failed")
+            return Recovering(FailureRecord(r.get("kind", "error"), step, r["error"], self.clock()), (),
+                              self.clock())
+        if len(results) == len(self.train_calls) and all(r["status"] == "done" for r in results.values()):
+            self.progress["step"] = max(r["step"] for r in results.values())
+            return Finishing("all steps done")
+        return None  # "stopped" results are collected by stop_at_boundary
+
+    def poll_progress(self) -> None:
+        """Rank 0's last step (every rank reaches the same step boundary)."""
+        if not self.members:
+            return
+        try:
+            p = self.group.result(self.group.submit(self.members[0], "progress"), timeout=2.0)
+        except (TimeoutError, WorkerLost):
+            return
+        for s in p.get("saves", []):
+            if s["status"] == "committed":
+                self.committed_step = max(self.committed_step or 0, s["step"])
+            else:
+                self.event("checkpoint_failed", step=s["step"], error=s["error"])
+        if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
+            self.progress = p
+            self.progress_at = self.clock()
+            self.step_times.append(p.get("step_seconds", 0.0))
+            self.productive_s += p.get("step_seconds", 0.0)
+            self._finish_pending(p)
+
+    def _finish_pending(self, p: dict) -> None:
+        now = self.clock()
+        if self.pending_recovery is not None:
+            r, self.pending_recovery = self.pending_recovery, None
+            lost = max(0, r["last_step"] - r["restored_step"])
+            self.counters["recoveries"] += 1
+            self.counters["steps_lost"] += lost
+            seconds = now - r["detected_at"]
+            self.recovery_seconds.append(seconds)
+            self.event("recovered", time_to_recover_s=round(seconds, 3), steps_lost=lost,
+                       restored_step=r["restored_step"], world_before=r["world_before"],
+                       world_after=r["world_after"], failure_kind=r["failure_kind"],
+                       detected_unix=time.time() - seconds, failure_unix=r["failure_time_unix"],
+                       first_step_unix=p.get("time"), phases={k: round(v, 3) for k, v in r["phases"].items()})
+        if self.pending_resize is not None:
+            r, self.pending_resize = self.pending_resize, None
+            self.counters["resizes"] += 1
+            self.event("resized", from_workers=r["from"], to_workers=r["to"], resize_s=round(now - r["requested_at"], 3),
+                       reason=r["reason"], step=p.get("step"), first_step_unix=p.get("time"))
+
+    def last_completed_step(self) -> int:
+        return int(self.progress.get("step", 0) or 0)
+
+    def hang_deadline(self) -> float:
+        if self.opts.hang_timeout_s:
+            return self.opts.hang_timeout_s
+        typical = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(self.opts.hang_min_s, self.opts.hang_factor * typical)
+
+    def check_hang(self) -> State | None:
+        idle = self.clock() - self.progress_at
+        if idle <= self.hang_deadline():
+            return None
+        hung = tuple(w for w in self.members if not self.group.alive(w, timeout=2.0))
+        msg = (f"no step completed for {idle:.0f} s (deadline {self.hang_deadline():.0f} s); "
+               + (f"{len(hung)} worker(s) unresponsive" if hung else "every worker answers: a collective hang"))
+        suspects = hung or tuple(self.members)
+        return Recovering(FailureRecord("hang", self.last_completed_step(), msg, self.clock()), suspects, self.clock())
+
+    def check_scaling(self) -> State | None:
+        """Resize requests, shrink requests, and growth when spares are up."""
+        current, want = len(self.members), self.desired()
+        if want < current:
+            size = self.scaling.target(ScalingStatus(current, want, current, self.valid_sizes))
+            if size is not None and size != current:
+                return Resizing(size, f"resize to {want} requested", self.clock())
+            return None
+        if want > current:
+            now = self.clock()
+            if now < self.next_grow_check:
+                return None
+            self.next_grow_check = now + min(self.opts.grow_check_s, 5.0)
+            self.ensure_workers(want)
+            ready = self.group.ready(self.spares, timeout=0)
+            decision = self.scaling.decide(ScalingStatus(current, want, current + len(ready), self.valid_sizes), now)
+            if isinstance(decision, Resize) and decision.workers > current:
+                return Resizing(decision.workers, decision.reason, self.clock())
+        return None
+
+    def stop_at_boundary(self) -> None:
+        """Ask every member to stop after the current step and wait until they all did."""
+        if not self.train_calls:
+            return
+        for w in self.members:
+            self.group.submit(w, "request_stop")
+        results = self._collect(list(self.train_calls.values()), "train")
+        self.train_calls = {}
+        failed = {w: r for w, r in results.items() if r["status"] == "failed"}
+        if failed:
+            r = next(iter(failed.values()))
+            raise GroupFailure(r["error"], r.get("kind", "error"))
+        self.progress["step"] = max(r["step"] for r in results.values())
+
+    def save_now(self) -> bool:
+        """A checkpoint of the current step, committed before this returns (collective)."""
+        if not self.cfg.checkpoint.url or not self.members:
+            return False
+        if self.committed_step == self.last_completed_step():
+            return True
+        results = self._group_call(self.members, "save")
+        ok = all(r["status"] == "committed" for r in results.values())
+        if ok:
+            self.committed_step = self.last_completed_step()
+        else:
+            bad = next(r for r in results.values() if r["status"] != "committed")
+            self.event("checkpoint_failed", step=self.last_completed_step(), error=bad["error"])
+        return ok
+
+    def settle_after_failure(self, suspects: tuple[str, ...]) -> list[str]:
+        """Kill the culprits, let survivors' train calls return, and keep the survivors that answer."""
+        for w in suspects:
+            self.group.kill(w)
+        members = [w for w in self.members if w not in suspects]
+        pending = [c for w, c in self.train_calls.items() if w in members]
+        deadline = self.clock() + max(10.0, self.opts.poll_s)
+        while pending and self.clock() < deadline:
+            for call in self.group.wait(pending, timeout=0.5):
+                pending.remove(call)
+        for call in pending:  # still blocked in a collective: cannot rejoin
+            self.group.kill(call.wid)
+        stuck = {c.wid for c in pending}
+        survivors = [w for w in members if w not in stuck and self.group.alive(w, timeout=5.0)]
+        for w in members:
+            if w not in survivors:
+                self.group.kill(w)
+        self.spares = [w for w in self.spares if w in self.group.workers]
+        self.members = survivors
+        self.train_calls = {}
+        return survivors
+
+    # --- spec, status, events -----------------------------------------------------------
+
+    def refresh_spec_throttled(self) -> None:
+        now = self.clock()
+        if now < self.next_spec_read:
+            return
+        self.next_spec_read = now + self.opts.spec_every_s
+        try:
+            spec = self.store.get_spec(self.run_id)
+        except StoreUnavailable as e:
+            log.debug("spec not refreshed: %s", e)
+            return
+        if spec.generation != self.spec.generation:
+            self.spec = spec
+            self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
+            self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
+            self.next_grow_check = 0.0
+
+    def snapshot(self) -> dict:
+        p = self.progress
+        elapsed = max(1e-9, time.time() - self.started_unix)
+        return {
+            "run_id": self.run_id, "phase": self.state.name, "reason": getattr(self.state, "reason", ""),
+            "world_size": len(self.members), "workers_requested": self.spec.workers, "step": self.last_completed_step(),
+            "total_steps": self.total_steps, "epoch": self.epoch, "loss": p.get("loss"), "lr": p.get("lr"),
+            "tokens_per_s": p.get("tokens_per_s"), "latest_checkpoint": self.committed_step,
+            "controller_id": self.controller_id, "started_unix": self.started_unix,
+            "recoveries": self.counters["recoveries"], "failures": len(self.failures.records),
+            "steps_lost": self.counters["steps_lost"], "resizes": self.counters["resizes"],
+            "last_recovery_s": self.recovery_seconds[-1] if self.recovery_seconds else None,
+            "goodput": min(1.0, self.productive_s / elapsed),
+        }
+
+    def publish_throttled(self) -> None:
+        now = self.clock()
+        if now >= self.next_status:
+            self.next_status = now + self.opts.status_every_s
+            self.publish()
+
+    def publish(self) -> None:
+        try:
+            self.store.put_status(self.run_id, self.snapshot(), self.lease)
+            self._flush_events()
+        except StoreUnavailable as e:
+            log.debug("status not written (will catch up): %s", e)
+
+    def event(self, kind: str, **fields) -> None:
+        e = {"kind": kind, "time": time.time(), "epoch": self.epoch, **fields}
+        self.events_log.append(e)
+        self._unsent_events.append(e)
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        while self._unsent_events:
+            try:
+                self.store.add_event(self.run_id, self._unsent_events[0])
+            except StoreUnavailable:
+                return
+            self._unsent_events.pop(0)
+
+    def start_lease_keeper(self) -> None:
+        """Renew the leadership lease in the background; losing it ends this controller's writes."""
+
+        def keep():
+            while not self._stop_keeper.wait(self.opts.lease_ttl_s / 3):
+                try:
+                    if not self.store.renew(self.lease):
+                        log.error("lost the leadership of run %s; another controller leads it", self.run_id)
+                except StoreUnavailable as e:
+                    log.debug("lease not renewed (store away): %s", e)
+
+        self._keeper = threading.Thread(target=keep, name="etrain-lease", daemon=True)
+        self._keeper.start()
+
+    def finish(self, state: State) -> None:
+        if isinstance(state, Failed):
+            self.event("failed", reason=state.reason, step=self.last_completed_step())
+            try:
+                self.group.shutdown()
+            except Exception as e:  # the group may be half gone already
+                log.debug("group shutdown: %s", e)
+        self.publish()
+        self._stop_keeper.set()
+        if self.lease is not None and not isinstance(state, Failed) or (
+                isinstance(state, Failed) and "fenced" not in state.reason and self.lease is not None):
+            try:
+                self.store.release(self.lease)
+            except StoreUnavailable:
+                pass

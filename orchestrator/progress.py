@@ -1,0 +1,102 @@
+"""What ``etrain run`` shows while a run goes on: a live bar, events as lines, a summary at the end.
+
+    with Follower(spec, live=True) as f:
+        f.update(snapshot, new_events)     # as often as you like
+
+On a terminal the bar shows step, loss, tokens/s, world size and phase; in a
+log (``ray job logs``, CI) it prints one plain line every few seconds instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .store import RunSpec
+
+
+def describe_event(e: dict) -> str | None:
+    """One line for the events a user wants to see as they happen; None for the rest."""
+    k = e.get("kind")
+    if k == "failure":
+        return f"[failure] step {e.get('step')}: {e.get('failure_kind')}: {e.get('message')} -> {e.get('decision')}"
+    if k == "recovered":
+        return (f"[recovered] epoch {e.get('epoch')}: {e.get('world_before')} -> {e.get('world_after')} workers, "
+                f"restored step {e.get('restored_step')}, {e.get('steps_lost')} steps lost, "
+                f"{e.get('time_to_recover_s')} s to recover")
+    if k == "resized":
+        return (f"[resized] {e.get('from_workers')} -> {e.get('to_workers')} workers at step {e.get('step')} "
+                f"in {e.get('resize_s')} s ({e.get('reason')})")
+    if k == "checkpoint_failed":
+        return f"[checkpoint] step {e.get('step')} failed: {e.get('error')}"
+    if k == "suspended":
+        return f"[suspended] at step {e.get('step')} (checkpoint committed: {e.get('checkpoint_committed')})"
+    if k == "failed":
+        return f"[failed] {e.get('reason')}"
+    return None
+
+
+class Follower:
+    def __init__(self, spec: RunSpec, live: bool = True, console: Console | None = None, every_s: float = 5.0):
+        self.console = console or Console(stderr=False)
+        self.total = int(spec.config.get("train", {}).get("steps", 0)) or None
+        self.run_id = spec.run_id
+        self.live = live and self.console.is_terminal
+        self.every_s = every_s
+        self._last_line = 0.0
+        self._last_phase = None
+        self.progress = Progress(TextColumn("[bold]{task.fields[run]}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                                 transient=False) if self.live else None
+        self.task = None
+
+    def __enter__(self) -> Follower:
+        if self.progress is not None:
+            self.progress.start()
+            self.task = self.progress.add_task("run", total=self.total, run=self.run_id, info="starting")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def update(self, snap: dict | None, events: list[dict]) -> None:
+        for e in events:
+            line = describe_event(e)
+            if line:
+                self.console.print(line, markup=False, highlight=False)
+        if not snap:
+            return
+        info = info_line(snap)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=snap.get("step") or 0, info=info)
+            return
+        now = time.monotonic()
+        if snap.get("phase") != self._last_phase or now - self._last_line >= self.every_s:
+            self._last_phase, self._last_line = snap.get("phase"), now
+            self.console.print(f"{self.run_id} step {snap.get('step')}/{snap.get('total_steps')} {info}",
+                               markup=False, highlight=False)
+
+
+def info_line(snap: dict) -> str:
+    loss = snap.get("loss")
+    tps = snap.get("tokens_per_s")
+    return (f"loss {loss:.4f}  " if loss is not None else "") + \
+           (f"{tps:,.0f} tok/s  " if tps else "") + f"world {snap.get('world_size')}  {snap.get('phase')}"
+
+
+def status_table(rows: list[dict]) -> Table:
+    t = Table("run", "phase", "step", "world", "loss", "checkpoint", "recoveries", "steps lost", "goodput",
+              "updated")
+    for s in rows:
+        age = time.time() - s["updated_unix"] if s.get("updated_unix") else None
+        t.add_row(s.get("run_id", "?"), s.get("phase", "?"), f"{s.get('step', '-')}/{s.get('total_steps', '-')}",
+                  str(s.get("world_size", "-")), f"{s['loss']:.4f}" if s.get("loss") is not None else "-",
+                  str(s.get("latest_checkpoint") if s.get("latest_checkpoint") is not None else "-"),
+                  str(s.get("recoveries", 0)), str(s.get("steps_lost", 0)),
+                  f"{s['goodput']:.2f}" if s.get("goodput") is not None else "-",
+                  f"{age:.0f} s ago" if age is not None else "-")
+    return t

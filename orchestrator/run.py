@@ -1,0 +1,201 @@
+"""Start a run on Ray and follow it: what ``etrain run`` and ``etrain resume`` do.
+
+    spec, store = prepare_run("examples/tiny.toml", overrides, workers=4)
+    final = launch(spec, store, address=None)       # local Ray on 127.0.0.1 unless RAY_ADDRESS is set
+    sys.exit(exit_code(final))
+
+The driver (this process; under ``ray job submit``, the job's entrypoint)
+starts one :class:`ControllerActor` per run, which owns the worker group and
+drives the state machine of :mod:`orchestrator.controller`. The driver only
+watches: it polls the controller for a live view (the run store has the same
+figures for any other machine) and prints events as they happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from trainer.config import config_from_dict, load_raw
+
+from .config import ElasticConfig, check_sizes, elastic_from_raw
+from .controller import Controller, ControllerOptions
+from .policies import FailurePolicy
+from .store import RunSpec, RunStore, open_store
+
+log = logging.getLogger("etrain")
+
+TERMINAL_OK = ("FINISHED", "SUSPENDED")
+
+
+def default_root() -> str:
+    """Where runs keep checkpoints and control documents when nothing else is said."""
+    return f"file://{os.path.abspath('runs')}"
+
+
+def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, checkpoint_url: str = "") -> str:
+    """--store, then $ETRAIN_STORE, then [elastic].store, then the checkpoint root, then ./runs."""
+    return (explicit or os.environ.get("ETRAIN_STORE") or (ecfg.store if ecfg else "") or checkpoint_url
+            or default_root())
+
+
+def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
+                min_workers: int | None = None, max_workers: int | None = None, run_id: str | None = None,
+                store: str | None = None) -> tuple[RunSpec, RunStore]:
+    """Validate everything a run needs (ConfigError on any mistake) and record it in the store."""
+    raw = load_raw(config_path, overrides)
+    if run_id:
+        raw["run_id"] = run_id
+    ckpt = raw.setdefault("checkpoint", {})
+    if not ckpt.get("url"):
+        ckpt["url"] = default_root()  # recovery needs a durable tier
+    if not ckpt.get("interval_steps"):
+        ckpt.setdefault("interval_steps", 10)
+    cfg = config_from_dict(raw)
+    ecfg = elastic_from_raw(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
+    check_sizes(cfg, ecfg)
+    url = store_url_for(store, ecfg, cfg.checkpoint.url)
+    st = open_store(url)
+    spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,
+                   max_workers=ecfg.max_workers)
+    st.create_run(spec)
+    return spec, st
+
+
+def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[RunSpec, RunStore]:
+    """Mark a suspended (or interrupted) run to continue, optionally on another size."""
+    st = open_store(store_url)
+    spec = st.get_spec(run_id)
+    st.check_resumable(run_id)
+    changes: dict = {"suspended": False, "stop": False}
+    if workers is not None:
+        cfg = config_from_dict(spec.config)
+        ecfg = elastic_from_raw(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
+                                max_workers=max(spec.max_workers, workers))
+        check_sizes(cfg, ecfg)
+        changes.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
+    spec = st.update_spec(run_id, **changes)
+    return spec, st
+
+
+# --- Ray ---------------------------------------------------------------------------
+
+
+def connect(address: str | None, num_cpus: int) -> bool:
+    """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local Ray on 127.0.0.1. True if local."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
+        return False
+    # A local Ray stays on loopback: without this, Ray swaps 127.0.0.1 for the machine's routable
+    # address, and the workers' rendezvous would follow it off the loopback interface.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False, namespace="etrain",
+             log_to_driver=False, logging_level="warning")
+    return True
+
+
+def controller_options(spec: RunSpec) -> ControllerOptions:
+    e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
+                         max_workers=spec.max_workers)
+    return ControllerOptions(hang_timeout_s=e.hang_timeout_s, replace_wait_s=e.replace_wait_s,
+                             failure=FailurePolicy(max_failures=e.max_failures, backoff_s=e.backoff_s))
+
+
+def worker_resources(spec: RunSpec) -> dict:
+    import ray
+
+    e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
+                         max_workers=spec.max_workers)
+    gpus = e.gpus_per_worker
+    if gpus < 0:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return {"CPU": e.cpus_per_worker, "GPU": gpus}
+
+
+class ControllerActor:
+    """The run's controller inside Ray (wrapped with ``ray.remote`` by :func:`start_controller`)."""
+
+    def __init__(self, spec: RunSpec, store_url: str, resources: dict, opts: ControllerOptions):
+        from .worker_group import RayWorkerGroup
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
+        store = open_store(store_url)
+        group = RayWorkerGroup(spec.config, spec.run_id, store_url, resources=resources,
+                               env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
+        self.ctl = Controller(spec, store, group, opts)
+
+    def run(self) -> dict:
+        return self.ctl.run()
+
+    def snapshot(self) -> dict:
+        return self.ctl.snapshot()
+
+    def events_since(self, n: int) -> list[dict]:
+        return self.ctl.events_log[n:]
+
+
+def start_controller(spec: RunSpec, store_url: str):
+    import ray
+
+    cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
+    return cls.options(name=f"etrain-controller-{spec.run_id}", get_if_exists=False).remote(
+        spec, store_url, worker_resources(spec), controller_options(spec))
+
+
+def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progress: bool = True,
+           num_cpus: int | None = None) -> dict:
+    """Run ``spec`` to a terminal phase on Ray and return the final status."""
+    import ray
+
+    from .progress import Follower
+
+    cpus = num_cpus or int(max(spec.max_workers, spec.workers) * _cpus_per_worker(spec)) or 1
+    local = connect(address, cpus)
+    try:
+        actor = start_controller(spec, store.url)
+        done = actor.run.remote()
+        follower = Follower(spec, live=progress)
+        seen = 0
+        with follower:
+            while True:
+                ready, _ = ray.wait([done], timeout=0.5)
+                try:
+                    snap = ray.get(actor.snapshot.remote(), timeout=5)
+                    new = ray.get(actor.events_since.remote(seen), timeout=5)
+                except Exception:  # the controller is gone; its run() result says why
+                    snap, new = None, []
+                seen += len(new)
+                follower.update(snap, new)
+                if ready:
+                    final = ray.get(done)
+                    follower.update(final, [])
+                    return final
+    finally:
+        if local:
+            ray.shutdown()
+
+
+def _cpus_per_worker(spec: RunSpec) -> float:
+    return float(spec.config.get("elastic", {}).get("cpus_per_worker", 1.0))
+
+
+def exit_code(final: dict) -> int:
+    return 0 if final.get("phase") in TERMINAL_OK else 1
+
+
+def submit_job(address: str, entrypoint: list[str], working_dir: str = ".") -> str:
+    """Submit ``entrypoint`` as a new Ray job on the cluster whose dashboard is ``address``."""
+    import shlex
+
+    from ray.job_submission import JobSubmissionClient
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))}
+    client = JobSubmissionClient(address)
+    return client.submit_job(entrypoint=shlex.join(["python", *entrypoint]),
+                             runtime_env={"working_dir": working_dir, "env_vars": env})

@@ -1,0 +1,194 @@
+"""``TrainWorker``: one rank of a run, a long-lived Ray actor around a ``trainer.Trainer``.
+
+The controller drives every member of a group with the same calls at once:
+
+    form(epoch, rank, world, addr, port)   new process group + Trainer for this layout
+    restore()                              newest valid checkpoint, resharded (or a fresh start)
+    train(until_step)                      the step loop; returns done / stopped / failed
+    save()                                 a checkpoint now, committed before it returns
+
+and, from a second thread of the actor while ``train`` runs, ``progress()``
+and ``request_stop()``. A stop request is a vote carried by the step's own
+all-reduce, so every rank stops after the same step. When a peer vanishes,
+the collective in ``train`` fails and ``train`` returns "failed" while this
+process lives on, ready to ``form`` the next epoch: that is in-place
+recovery. The worker never talks to other workers except through
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+
+import torch
+
+from checkpointing.retry import describe
+from trainer.config import config_from_dict
+from trainer.data import load_corpus
+from trainer.loop import Trainer, checkpoint_manager
+from trainer.parallel import resolve_device
+from trainer.world import World, init_distributed, shutdown_distributed
+
+log = logging.getLogger("etrain")
+
+
+class TrainWorker:
+    """Wrapped with ``ray.remote(max_concurrency=4)`` by the worker group."""
+
+    def __init__(self, config: dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
+        self.cfg = config_from_dict(config)
+        self.worker_id = worker_id
+        self.store_url = store_url
+        self.pg_timeout_s = pg_timeout_s
+        self.corpus = None
+        self.trainer: Trainer | None = None
+        self.ckpt = None
+        self.epoch = -1
+        self.rank = -1
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._last: dict = {}
+        self._committed: list[dict] = []
+        # One thread per CPU the actor holds (Ray sets OMP_NUM_THREADS to it).
+        torch.set_num_threads(max(1, int(float(os.environ.get("OMP_NUM_THREADS", "1")))))
+
+    # --- identity -------------------------------------------------------------------
+
+    def info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "node_id": ctx.get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    # --- group membership ----------------------------------------------------------
+
+    def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+        """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``."""
+        t0 = time.monotonic()
+        self._teardown()
+        world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
+        device = resolve_device(self.cfg.parallel, 0)
+        init_distributed(world, device, timeout_s=self.pg_timeout_s)
+        if self.corpus is None:
+            self.corpus = load_corpus(self.cfg.data)
+        self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
+        self.ckpt = checkpoint_manager(self.cfg, world, epoch=epoch, fence=self._fence())
+        self.epoch, self.rank = epoch, rank
+        self._stop.clear()
+        with self._lock:
+            self._last = {}  # progress of the old epoch is no progress of this one
+        return {"rank": rank, "seconds": time.monotonic() - t0}
+
+    def _fence(self):
+        if not self.store_url:
+            return None
+        from orchestrator.store import open_store
+
+        store = open_store(self.store_url)
+        run_id = self.cfg.run_id
+        return lambda: store.current_epoch(run_id)
+
+    def restore(self) -> dict:
+        """Load the newest valid checkpoint into this layout (collective). Step 0 if there is none."""
+        t0 = time.monotonic()
+        manifest = self.trainer.load_checkpoint(self.ckpt) if self.ckpt is not None else None
+        return {"step": self.trainer.step, "from_step": manifest.step if manifest else None,
+                "world_size_at_save": manifest.world_size if manifest else None, "seconds": time.monotonic() - t0}
+
+    def _teardown(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait(timeout=0)  # a save of the old epoch dies with its group; never wait on it
+        self.trainer = None
+        self.ckpt = None
+        shutdown_distributed()
+
+    def leave(self) -> None:
+        self._teardown()
+
+    # --- training -----------------------------------------------------------------------
+
+    def train(self, until_step: int) -> dict:
+        """Train until ``until_step``, a stop vote, or a failure (returned, never raised)."""
+        tr, interval = self.trainer, self.cfg.checkpoint.interval_steps
+        try:
+            while tr.step < until_step:
+                stats = tr.train_step(stop=self._stop.is_set())
+                self._record(stats)
+                if self.ckpt is not None and interval and stats.step % interval == 0 and stats.step < until_step:
+                    tr.save_checkpoint(self.ckpt)
+                self._collect_saves()
+                if stats.stop:
+                    self._stop.clear()
+                    return {"status": "stopped", "step": tr.step}
+            return {"status": "done", "step": tr.step}
+        except Exception as e:  # a vanished peer, a timeout, a bug: the controller decides
+            log.debug("train failed: %s", traceback.format_exc())
+            return {"status": "failed", "step": tr.step, "error": describe(e), "kind": _failure_kind(e)}
+
+    def _record(self, stats) -> None:
+        with self._lock:
+            self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank}
+
+    def _collect_saves(self) -> None:
+        if self.ckpt is None:
+            return
+        for r in self.ckpt.poll():
+            with self._lock:
+                self._committed.append({"step": r.step, "status": r.status, "error": r.error, "bytes": r.bytes,
+                                        "blocking_s": r.blocking_s, "persist_s": r.persist_s})
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def progress(self) -> dict:
+        """The last step this rank completed, and checkpoint results not yet reported."""
+        self._collect_saves()
+        with self._lock:
+            saves, self._committed = self._committed, []
+            return {**self._last, "saves": saves}
+
+    def save(self) -> dict:
+        """Checkpoint the current step now and wait for its commit (collective)."""
+        if self.ckpt is None:
+            return {"status": "failed", "error": "checkpoint.url is not set", "step": self.trainer.step}
+        self.ckpt.wait()
+        self._collect_saves()
+        res = self.trainer.save_checkpoint(self.ckpt)
+        self.ckpt.wait()
+        results = self.ckpt.poll()
+        res = results[-1] if results else res
+        return {"status": res.status if res else "failed", "error": res.error if res else "no result",
+                "step": self.trainer.step, "blocking_s": res.blocking_s if res else 0.0}
+
+    def step(self) -> int:
+        return self.trainer.step if self.trainer is not None else -1
+
+    def memory(self) -> dict:
+        tr = self.trainer
+        if tr is None or tr.memory_measured is None:
+            return {}
+        return {"measured": tr.memory_measured, "predicted": tr.memory_predicted()}
+
+
+def _failure_kind(e: BaseException) -> str:
+    """collective_failed (a peer vanished), hang (a collective timed out) or error (anything else)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    if "timeout" in text or "timed out" in text:
+        return "hang"
+    if any(w in text for w in ("connection", "peer", "closed", "reset", "broken pipe", "gloo", "nccl")):
+        return "collective_failed"
+    return "error"

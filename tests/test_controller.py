@@ -1,0 +1,544 @@
+"""The controller's state machine, stepped one iteration at a time against a fake worker group.
+
+No Ray and no sleeping: ``tests.fake_group.FakeGroup`` trains one step per
+``wait`` and moves the fake clock by the timeout of any wait that times out;
+faults are injected by (rank, step). The run store is the real embedded
+``StorageRunStore`` on a temporary directory, so the status and events the
+CLI would read are asserted too.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import orchestrator.controller as controller_module
+from orchestrator.controller import Controller, ControllerOptions
+from orchestrator.policies import FailurePolicy
+from orchestrator.store import RunSpec, open_store
+from tests.fake_group import FakeClock, FakeGroup, FakeStorage, Fault
+
+RUN = "r"
+STEPS = 20
+INTERVAL = 5
+
+
+def run_config(tmp_path, steps=STEPS, interval=INTERVAL) -> dict:
+    return {"run_id": RUN, "model": {"preset": "tiny"}, "data": {"source": "stdlib", "seq_len": 16},
+            "train": {"steps": steps, "global_batch": 12, "micro_batch": 1},
+            "checkpoint": {"url": f"file://{tmp_path}/ckpt", "interval_steps": interval}}
+
+
+def options(**kw) -> ControllerOptions:
+    base = dict(poll_s=0.1, spec_every_s=0.0, status_every_s=1.0, start_timeout_s=60.0, replace_wait_s=0.0,
+                hang_timeout_s=3.0, call_timeout_s=30.0, grow_check_s=0.5, lease_ttl_s=600.0,
+                failure=FailurePolicy(backoff_s=0.0))
+    base.update(kw)
+    return ControllerOptions(**base)
+
+
+class Rig:
+    """A controller, its fake group, its clock and its store."""
+
+    def __init__(self, tmp_path, *, workers=2, min_workers=1, max_workers=8, steps=STEPS, capacity=None,
+                 faults=(), opts=None, storage=None, step_seconds=0.1, create=True, wait_budget=None):
+        self.clock = FakeClock()
+        self.store = open_store(f"file://{tmp_path}/runs")
+        self.spec = RunSpec(run_id=RUN, config=run_config(tmp_path, steps), workers=workers,
+                            min_workers=min_workers, max_workers=max_workers)
+        if create:
+            self.store.create_run(self.spec)
+        else:
+            self.spec = self.store.get_spec(RUN)
+        self.group = FakeGroup(self.clock, interval=INTERVAL, capacity=capacity, faults=list(faults),
+                               storage=storage, step_seconds=step_seconds, wait_budget=wait_budget)
+        self.ctl = Controller(self.spec, self.store, self.group, opts or options(), clock=self.clock,
+                              controller_id="ctl-test")
+        self.trace = [self.ctl.state.name]
+
+    def step(self) -> str:
+        name = self.ctl.step().name
+        self.trace.append(name)
+        return name
+
+    def drive(self, until=None, limit=3000) -> None:
+        """Step until ``until(rig)`` holds (default: a terminal state); fail past ``limit`` iterations."""
+        until = until or (lambda r: r.ctl.state.terminal)
+        for _ in range(limit):
+            if until(self):
+                return
+            if self.ctl.state.terminal:
+                raise AssertionError(f"the run ended ({self.ctl.state.name}: {self.ctl.state.reason}) "
+                                     f"before the condition held; phases {self.phases()}")
+            self.step()
+        raise AssertionError(f"condition not reached within {limit} iterations; phases {self.phases()}, "
+                             f"step {self.ctl.last_completed_step()}")
+
+    def drive_to_step(self, step: int) -> None:
+        self.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.last_completed_step() >= step)
+
+    def phases(self) -> list[str]:
+        """The state names visited, consecutive repeats collapsed."""
+        out = []
+        for name in self.trace:
+            if not out or out[-1] != name:
+                out.append(name)
+        return out
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [e for e in self.store.events(RUN) if kind is None or e["kind"] == kind]
+
+    def status(self) -> dict:
+        return self.store.get_status(RUN)
+
+    def close(self) -> None:
+        self.ctl._stop_keeper.set()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**kw) -> Rig:
+        r = Rig(tmp_path, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def assert_finished_cleanly(r: Rig) -> None:
+    assert r.ctl.state.name == "FINISHED", (r.ctl.state.name, getattr(r.ctl.state, "reason", ""))
+    assert r.ctl.last_completed_step() == STEPS
+    assert r.group.storage.latest() == STEPS  # the final checkpoint committed
+    assert r.group.workers == {}  # every worker released
+    st = r.status()
+    assert st["phase"] == "FINISHED" and st["step"] == STEPS and st["latest_checkpoint"] == STEPS
+
+
+# --- a clean run ------------------------------------------------------------------------
+
+
+def test_clean_run_goes_through_the_states_and_finishes(rig):
+    r = rig(workers=2)
+    r.drive()
+    assert r.phases() == ["INITIALIZING", "SCHEDULING", "RUNNING", "FINISHING", "FINISHED"]
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS  # no step computed twice
+    assert r.ctl.epoch == 1
+    assert sorted(r.group.storage.committed) == [5, 10, 15, 20]
+    assert [e["kind"] for e in r.events()] == ["started", "formed", "finished"]
+    formed = r.events("formed")[0]
+    assert formed["world_size"] == 2 and formed["epoch"] == 1 and formed["step"] == 0
+    assert r.status()["world_size"] == 0 and r.status()["recoveries"] == 0
+    assert all(w.killed for w in r.group.all_workers) and len(r.group.all_workers) == 2
+
+
+def test_progress_and_checkpoints_are_reported_while_running(rig):
+    r = rig(workers=2)
+    r.drive_to_step(12)
+    assert r.ctl.state.name == "RUNNING"
+    assert r.ctl.committed_step == 10
+    assert [w.rank for w in r.group.by_rank()] == [0, 1]
+    r.ctl.publish()
+    st = r.status()
+    assert st["phase"] == "RUNNING" and st["step"] == 12 and st["world_size"] == 2 and st["latest_checkpoint"] == 10
+
+
+def test_run_returns_a_final_snapshot(rig):
+    r = rig(workers=3, wait_budget=200)  # bounds run(): a runaway loop fails instead of hanging
+    snap = r.ctl.run()
+    assert snap["phase"] == "FINISHED" and snap["step"] == STEPS and snap["failures"] == 0
+    assert r.group.steps_trained == STEPS
+
+
+# --- failures -----------------------------------------------------------------------
+
+
+def test_worker_death_recovers_in_place_from_the_last_checkpoint(rig):
+    fault = Fault(rank=1, step=7, kind="die")
+    r = rig(workers=2, faults=[fault])
+    r.drive_to_step(7)
+    members = list(r.ctl.members)
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING")
+    assert fault.fired, "the fault did not fire"
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert r.ctl.epoch == 2
+    # The survivor kept its process and its rank; the dead worker was killed and replaced.
+    assert r.ctl.members[0] == members[0]
+    assert members[1] not in r.group.workers and members[1] not in r.ctl.members
+    assert len(r.ctl.members) == 2
+    assert r.ctl.last_completed_step() == 5  # restored from the step-5 checkpoint
+    r.drive()
+    assert r.phases() == ["INITIALIZING", "SCHEDULING", "RUNNING", "RECOVERING", "RUNNING", "FINISHING",
+                          "FINISHED"]
+    assert_finished_cleanly(r)
+    (failure,) = r.events("failure")
+    assert failure["failure_kind"] == "actor_died" and failure["step"] == 7
+    (recovered,) = r.events("recovered")
+    assert recovered["steps_lost"] == 7 - 5 and recovered["restored_step"] == 5
+    assert recovered["world_before"] == 2 and recovered["world_after"] == 2
+    assert [e["epoch"] for e in r.events("formed")] == [1, 2]
+    assert [e["restored_from"] for e in r.events("formed")] == [None, 5]
+    assert r.group.steps_trained == STEPS + 2  # steps 6 and 7 were computed twice
+    st = r.status()
+    assert st["recoveries"] == 1 and st["failures"] == 1 and st["steps_lost"] == 2 and st["epoch"] == 2
+
+
+def test_error_in_train_recovers_with_the_same_processes(rig):
+    fault = Fault(rank=0, step=8, kind="error", message="RuntimeError: CUDA error: an illegal memory access")
+    r = rig(workers=2, faults=[fault])
+    r.drive_to_step(8)
+    members = list(r.ctl.members)
+    r.drive()
+    assert_finished_cleanly(r)
+    assert "RECOVERING" in r.phases()
+    assert r.ctl.members == [] and len(r.group.all_workers) == 2  # nobody was replaced
+    (failure,) = r.events("failure")
+    assert failure["failure_kind"] == "error" and "illegal memory access" in failure["message"]
+    assert r.events("recovered")[0]["steps_lost"] == 3
+    assert all(w.wid in members for w in r.group.all_workers)
+
+
+def test_failure_names_the_culprits_error_not_a_peers_collective_failure(rig):
+    # Rank 1 raises; rank 0 only sees its collective fail because of it. Both results arrive in the
+    # same poll: the recorded failure (which the crash-loop rule and the user read) must be the cause.
+    fault = Fault(rank=1, step=8, kind="error", message="RuntimeError: loss is NaN")
+    r = rig(workers=2, faults=[fault])
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING")
+    assert fault.fired
+    r.drive()
+    assert_finished_cleanly(r)
+    (failure,) = r.events("failure")
+    assert failure["failure_kind"] == "error", failure
+    assert failure["message"] == "RuntimeError: loss is NaN", failure
+
+
+def test_crash_loop_ends_failed(rig):
+    fault = Fault(rank=0, step=7, kind="error", times=None, message="RuntimeError: loss is NaN")
+    r = rig(workers=2, faults=[fault])
+    r.drive(limit=500)
+    assert r.ctl.state.name == "FAILED"
+    assert "crash loop" in r.ctl.state.reason and "step 7" in r.ctl.state.reason
+    assert len(fault.fired) == 3
+    assert r.phases() == ["INITIALIZING", "SCHEDULING", "RUNNING", "RECOVERING", "RUNNING", "RECOVERING", "RUNNING",
+                          "RECOVERING", "FAILED"]
+    assert r.group.workers == {}  # released on failure
+    st = r.status()
+    assert st["phase"] == "FAILED" and "crash loop" in st["reason"]
+    assert [e["kind"] for e in r.events()][-1] == "failed"
+
+
+def test_crash_loop_of_a_dying_rank_ends_failed(rig):
+    # Rank 1 dies at step 7 every time (say, an OOM on its batch): the replacement dies the same way.
+    # The same failure at the same step three times is a crash loop, whichever process plays rank 1.
+    fault = Fault(rank=1, step=7, kind="die", times=None)
+    r = rig(workers=2, faults=[fault])
+    r.drive(limit=2000)
+    assert r.ctl.state.name == "FAILED"
+    assert "crash loop" in r.ctl.state.reason, r.ctl.state.reason
+    assert len(fault.fired) == 3
+
+
+def test_max_failures_ends_failed(rig):
+    faults = [Fault(rank=1, step=s, kind="error", message=f"RuntimeError: flaky {s}") for s in (3, 6, 9)]
+    r = rig(workers=2, faults=faults, opts=options(failure=FailurePolicy(max_failures=2)))
+    r.drive()
+    assert r.ctl.state.name == "FAILED"
+    assert "3 failures exceed max_failures=2" in r.ctl.state.reason
+    assert r.group.workers == {}
+
+
+def test_hang_is_detected_after_the_derived_deadline_and_recovered(rig):
+    # Deadline: max(hang_min_s=1, hang_factor=20 x median step time 0.25 s) = 5 s.
+    fault = Fault(rank=1, step=7, kind="hang")
+    r = rig(workers=2, faults=[fault], step_seconds=0.25,
+            opts=options(hang_timeout_s=0.0, hang_min_s=1.0, hang_factor=20.0))
+    r.drive_to_step(7)
+    assert r.ctl.hang_deadline() == 5.0
+    r.drive(lambda r: bool(fault.fired))
+    hung = r.group.by_rank()[1]
+    assert hung.hung
+    idle_seen = []
+    while r.ctl.state.name == "RUNNING":
+        before = r.clock()
+        r.step()
+        if r.ctl.state.name == "RUNNING":
+            idle = r.clock() - r.ctl.progress_at
+            assert idle <= 5.0 + 1e-9, f"still RUNNING {idle:.1f} s after the last step"
+            idle_seen.append(idle)
+        assert len(idle_seen) < 1000
+    assert r.ctl.state.name == "RECOVERING"
+    assert before - r.ctl.progress_at > 5.0 - 0.1 - 1e-9, "detected before the deadline"
+    assert max(idle_seen) > 1.0  # not detected at hang_min_s
+    r.drive()
+    assert_finished_cleanly(r)
+    assert hung.killed
+    (failure,) = r.events("failure")
+    assert failure["failure_kind"] == "hang" and failure["step"] == 7
+    assert "1 worker(s) unresponsive" in failure["message"]
+    (recovered,) = r.events("recovered")
+    assert recovered["steps_lost"] == 2 and recovered["failure_kind"] == "hang"
+
+
+def test_hang_with_fixed_deadline_advancing_the_clock_by_hand(rig):
+    fault = Fault(rank=0, step=4, kind="hang")
+    r = rig(workers=2, faults=[fault], opts=options(hang_timeout_s=30.0))
+    r.drive(lambda r: bool(fault.fired))
+    for _ in range(5):
+        assert r.step() == "RUNNING"
+    assert r.clock() - r.ctl.progress_at < 30.0
+    r.clock.advance(30.0)
+    assert r.step() == "RECOVERING"
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.events("recovered")[0]["steps_lost"] == 4  # no checkpoint before step 5: from scratch
+    assert r.events("recovered")[0]["restored_step"] == 0
+
+
+def test_dead_worker_without_replacement_capacity_shrinks_then_grows_back(rig):
+    fault = Fault(rank=1, step=7, kind="die", lose_capacity=True)
+    r = rig(workers=4, capacity=4, faults=[fault])
+    r.drive_to_step(7)
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 3 and r.ctl.last_completed_step() == 5  # 3 is valid for batch 12
+    r.drive_to_step(9)
+    assert len(r.ctl.members) == 3
+    r.group.add_capacity(1)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 4
+    r.drive()
+    assert_finished_cleanly(r)
+    assert [e["world_size"] for e in r.events("formed")] == [4, 3, 4]
+    assert r.events("recovered")[0]["world_after"] == 3
+    assert r.group.steps_trained == STEPS + 2  # only the failure lost steps; the grow lost none
+
+
+def test_failure_during_formation_is_recovered(rig):
+    # Rank 1 dies while the first group restores: the controller must treat it as a failure
+    # (recover, replace the worker), not crash.
+    fault = Fault(rank=1, step=None, kind="die", during="restore")
+    r = rig(workers=2, faults=[fault])
+    r.drive()
+    assert fault.fired
+    assert_finished_cleanly(r)
+    assert len(r.events("failure")) == 1
+
+
+def test_backoff_uses_the_controller_clock(rig, monkeypatch):
+    # FailurePolicy's backoff window compares failure times with the ``now`` the controller passes
+    # (its clock). Two quick failures back off 1 s then 2 s; a third one 1000 s later is outside the
+    # 60 s window and backs off 1 s again.
+    slept = []
+    monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(
+        time=controller_module.time.time, monotonic=controller_module.time.monotonic, sleep=slept.append))
+    faults = [Fault(rank=1, step=s, kind="error", message=f"RuntimeError: at {s}") for s in (6, 8, 13)]
+    policy = FailurePolicy(backoff_s=1.0, max_backoff_s=30.0, backoff_window_s=60.0)
+    r = rig(workers=2, faults=faults, opts=options(failure=policy, hang_timeout_s=1e6))
+    r.drive(lambda r: len(faults[1].fired) == 1 and r.ctl.state.name == "RUNNING")
+    r.clock.advance(1000.0)
+    r.drive()
+    assert_finished_cleanly(r)
+    assert slept == [1.0, 2.0, 1.0]
+
+
+# --- resizing -----------------------------------------------------------------------
+
+
+def test_grow_on_request_at_a_step_boundary_loses_no_step(rig):
+    r = rig(workers=2)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=4)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    stopped = [a for _, m, a in r.group.log if m == "request_stop"]
+    assert len(stopped) == 2  # both old members were asked to stop at the boundary
+    boundary = r.ctl.last_completed_step()
+    assert boundary >= 6 and r.group.storage.latest() == boundary  # committed at the boundary
+    assert len(r.ctl.members) == 4 and r.ctl.epoch == 2
+    assert [w.rank for w in r.group.by_rank()] == [0, 1, 2, 3]
+    r.drive()
+    assert r.phases() == ["INITIALIZING", "SCHEDULING", "RUNNING", "RESIZING", "RUNNING", "FINISHING", "FINISHED"]
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS  # no step lost or recomputed
+    (resized,) = r.events("resized")
+    assert resized["from_workers"] == 2 and resized["to_workers"] == 4
+    assert r.events("formed")[-1]["restored_from"] == boundary
+    assert r.events("recovered") == [] and r.status()["steps_lost"] == 0 and r.status()["resizes"] == 1
+
+
+def test_shrink_on_request_loses_no_step(rig):
+    r = rig(workers=4)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=2)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 2
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS
+    assert [e["world_size"] for e in r.events("formed")] == [4, 2]
+
+
+def test_shrink_releases_the_surplus_workers(rig):
+    # Shrinking is how a user gives capacity back: the two workers no longer in the group must be
+    # stopped, not kept as idle spares holding their placement (a GPU each on a GPU cluster).
+    r = rig(workers=4)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=2)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    r.drive_to_step(r.ctl.last_completed_step() + 2)
+    assert len(r.ctl.members) == 2
+    assert sorted(r.group.workers) == sorted(r.ctl.members), "surplus workers still held after the shrink"
+
+
+@pytest.mark.parametrize("start, requested, expected", [(2, 5, 4), (6, 5, 4)])
+def test_resize_to_an_invalid_size_picks_a_valid_one(rig, start, requested, expected):
+    r = rig(workers=start)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=requested)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == expected
+    r.drive_to_step(r.ctl.last_completed_step() + 4)
+    assert len(r.ctl.members) == expected and "RESIZING" not in r.phases()[4:]  # settles, no resize churn
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS
+    assert [e["world_size"] for e in r.events("formed")] == [start, expected]
+
+
+def test_invalid_size_does_not_hold_a_useless_spare(rig):
+    # Asking for 5 with valid sizes 1,2,3,4,6 runs 4; a fifth worker can never join a group,
+    # so holding one started (and its placement) is waste.
+    r = rig(workers=2)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=5)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    r.drive_to_step(r.ctl.last_completed_step() + 4)
+    assert len(r.ctl.members) == 4
+    assert len(r.group.workers) == 4, f"{len(r.group.workers) - 4} idle worker(s) held beyond the group"
+
+
+def test_start_at_an_invalid_size_forms_promptly_with_a_replace_wait(rig):
+    # replace_wait_s bounds how long the controller waits for *missing* workers; when every worker
+    # it started is up, the best valid size (4 for a request of 5) forms at once.
+    r = rig(workers=5, opts=options(replace_wait_s=30.0))
+    r.drive(lambda r: r.ctl.state.name == "RUNNING", limit=200)
+    assert len(r.ctl.members) == 4
+    assert r.clock() - 1000.0 < 30.0
+
+
+def test_resize_postponed_when_the_boundary_checkpoint_fails(rig):
+    fault = Fault(rank=0, step=None, kind="error", during="save", message="StorageError: throttled")
+    r = rig(workers=2, faults=[fault])
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, workers=4)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    assert r.step() == "RUNNING"  # postponed: the boundary save failed
+    assert fault.fired and len(r.ctl.members) == 2 and r.ctl.epoch == 1
+    assert r.events("checkpoint_failed")[0]["error"] == "StorageError: throttled"
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")  # tried again after grow_check_s
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 4
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS
+
+
+# --- suspend and resume ---------------------------------------------------------------
+
+
+def test_suspend_commits_a_checkpoint_and_releases_every_worker(rig):
+    r = rig(workers=3)
+    r.drive_to_step(6)
+    r.store.update_spec(RUN, suspended=True)
+    r.drive(lambda r: r.ctl.state.name == "SUSPENDING")
+    seen = r.ctl.last_completed_step()  # the step when the request was read; one more is in flight
+    r.drive()
+    assert r.phases() == ["INITIALIZING", "SCHEDULING", "RUNNING", "SUSPENDING", "SUSPENDED"]
+    step = r.ctl.last_completed_step()
+    assert step == seen + 1  # stopped at the next step boundary, not later
+    assert r.group.steps_trained == step
+    assert r.group.storage.latest() == step  # a committed checkpoint at the suspend step
+    assert r.group.workers == {} and all(w.killed for w in r.group.all_workers)
+    (ev,) = r.events("suspended")
+    assert ev["step"] == step and ev["checkpoint_committed"] is True
+    st = r.status()
+    assert st["phase"] == "SUSPENDED" and st["step"] == step and st["latest_checkpoint"] == step
+    assert f"at step {step}" in r.ctl.state.reason
+
+
+def test_resume_after_suspend_continues_from_the_checkpoint_on_another_size(rig):
+    storage = FakeStorage()
+    r = rig(workers=3, storage=storage)
+    r.drive_to_step(8)
+    r.store.update_spec(RUN, suspended=True)
+    r.drive()
+    step = r.ctl.last_completed_step()
+    r.store.update_spec(RUN, suspended=False, workers=2)
+    r2 = rig(workers=2, storage=storage, create=False)
+    r2.drive()
+    assert_finished_cleanly(r2)
+    assert r2.events("formed")[-1]["restored_from"] == step and r2.events("formed")[-1]["world_size"] == 2
+    assert r.group.steps_trained + r2.group.steps_trained == STEPS  # nothing lost across the suspension
+    assert r2.ctl.epoch == 2  # the fencing epoch carries on
+
+
+def test_suspend_while_scheduling(rig):
+    r = rig(workers=2, min_workers=2, capacity=1)
+    r.drive(lambda r: r.ctl.state.name == "SCHEDULING")
+    r.step()
+    r.store.update_spec(RUN, suspended=True)
+    r.drive(limit=100)
+    assert r.ctl.state.name == "SUSPENDED"
+    assert r.group.workers == {}
+    assert r.events("suspended")[0]["checkpoint_committed"] is False
+
+
+# --- capacity -----------------------------------------------------------------------
+
+
+def test_short_capacity_runs_at_the_largest_valid_size_then_grows(rig):
+    r = rig(workers=6, min_workers=2, capacity=5)
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 4  # 5 are up, but 5 does not divide the batch
+    r.drive_to_step(6)
+    assert len(r.ctl.members) == 4 and "RESIZING" not in r.phases()
+    r.group.add_capacity(1)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 6
+    r.drive()
+    assert_finished_cleanly(r)
+    assert [e["world_size"] for e in r.events("formed")] == [4, 6]
+    assert r.group.steps_trained == STEPS
+
+
+def test_below_min_workers_waits_in_scheduling_until_capacity_arrives(rig):
+    r = rig(workers=4, min_workers=2, capacity=1)
+    for _ in range(20):
+        r.step()
+    assert r.ctl.state.name == "SCHEDULING" and r.ctl.members == []
+    r.group.add_capacity(2)
+    r.drive(lambda r: r.ctl.state.name == "RUNNING", limit=50)
+    assert len(r.ctl.members) == 3
+    r.drive()
+    assert_finished_cleanly(r)
+
+
+def test_no_capacity_within_the_start_timeout_fails_with_a_reason(rig):
+    r = rig(workers=2, min_workers=2, capacity=1, opts=options(start_timeout_s=5.0))
+    r.drive(limit=500)
+    assert r.ctl.state.name == "FAILED"
+    reason = r.ctl.state.reason
+    assert "did not start within 5 s" in reason
+    assert "1 workers available" in reason and "smallest allowed size is 2" in reason
+    assert r.group.workers == {}
