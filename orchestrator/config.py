@@ -26,7 +26,9 @@ class ElasticConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = -1.0  # -1: one GPU each when the cluster has GPUs, else none
     hang_timeout_s: float = 0.0  # 0: derived, max(30 s, 20 x the median step time)
-    replace_wait_s: float = 5.0  # recovery waits this long for a replacement before shrinking
+    replace_wait_s: float = 1.0  # after a failure, wait this long for replacements before going on smaller
+    standby: int = 0  # warm spare workers kept started beyond the group: a failure or a grow uses one at once
+    boot_timeout_s: float = 120.0  # wait this long for workers that got resources and are still starting
     max_failures: int = 20
     backoff_s: float = 0.0  # first delay between recovery attempts; doubles with each recent failure
     store: str = ""  # "": the embedded store beside the checkpoints
@@ -42,9 +44,11 @@ class ElasticConfig:
         if not self.min_workers <= self.workers <= self.max_workers:
             raise ConfigError(f"elastic.workers={self.workers} (--workers) is outside [min_workers, max_workers] = "
                               f"[{self.min_workers}, {self.max_workers}]; pick a size in that range or widen it")
+        if self.standby < 0:
+            raise ConfigError(f"elastic.standby={self.standby} must be >= 0 (warm spare workers)")
         if self.cpus_per_worker < 0:
             raise ConfigError(f"elastic.cpus_per_worker={self.cpus_per_worker} must be >= 0")
-        for name in ("hang_timeout_s", "replace_wait_s", "backoff_s"):
+        for name in ("hang_timeout_s", "replace_wait_s", "boot_timeout_s", "backoff_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"elastic.{name}={getattr(self, name)} must be >= 0")
         if self.max_failures < 0:

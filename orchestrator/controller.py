@@ -48,13 +48,20 @@ class ControllerOptions:
     spec_every_s: float = 1.0  # how often the spec is re-read
     status_every_s: float = 1.0  # how often the status is written
     start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
-    replace_wait_s: float = 0.0  # recovery waits this long for replacements before shrinking
+    replace_wait_s: float = 0.0  # how long to wait for workers that have no resources before forming smaller
+    boot_timeout_s: float = 120.0  # how long a start or a grow waits for workers that are still booting
+    standby: int = 0  # warm workers kept started beyond the group: a failure or a grow uses one at once
     hang_timeout_s: float = 0.0  # 0: derived, max(hang_min_s, hang_factor x median step time)
     hang_min_s: float = 30.0
     hang_factor: float = 20.0
     call_timeout_s: float = 180.0  # bound on form / restore / save calls
+    # After a failure, how long survivors get to leave the collective they were in. Gloo frees a
+    # rank blocked on a peer that errored out only when that peer's process exits, so a survivor
+    # still blocked after this is replaced rather than waited for until the collective timeout.
+    settle_s: float = 5.0
     grow_check_s: float = 5.0  # how often a smaller-than-requested group looks for capacity
     lease_ttl_s: float = 15.0
+    store_wait_s: float = 300.0  # how long a write the run needs (epoch, final status) waits for the store
     failure: FailurePolicy = field(default_factory=FailurePolicy)
 
 
@@ -109,14 +116,15 @@ class Scheduling(State):
         if c.spec.suspended:
             return Suspending("suspend requested while scheduling")
         c.ensure_workers(self.target)
-        ready = c.group.ready(c.members + c.spares, timeout=c.opts.poll_s)
-        status = ScalingStatus(current=0, requested=self.target, available=len(ready), valid_sizes=c.valid_sizes)
-        size = c.scaling.target(status)
+        candidates = c.members + c.spares
+        ready = c.group.ready(candidates, timeout=c.opts.poll_s)
         waited = now - self.since
-        if size is not None and (size == min(self.target, c.spec.max_workers) or waited >= c.opts.replace_wait_s):
+        size = c.formable(ready, candidates, self.target, waited)
+        if size is not None:
             c.form(size, ready)
             return Running()
         if waited > c.opts.start_timeout_s:
+            status = ScalingStatus(current=0, requested=self.target, available=len(ready), valid_sizes=c.valid_sizes)
             decision = c.scaling.decide(status, now)
             return Failed(f"workers did not start within {c.opts.start_timeout_s:.0f} s: {decision.reason}")
         c.refresh_spec_throttled()
@@ -162,30 +170,30 @@ class Recovering(State):
         if decision.delay_s:
             time.sleep(decision.delay_s)
         last_step = c.last_completed_step()
+        world_before = len(c.members)
         t0 = c.clock()
         survivors = c.settle_after_failure(self.suspects)
         c.ensure_workers(c.desired())
         t_settled = c.clock()
-        deadline = t_settled + c.opts.replace_wait_s
         while True:
-            ready = c.group.ready(survivors + c.spares, timeout=min(c.opts.poll_s, max(0.0, deadline - c.clock())))
-            size = c.scaling.target(ScalingStatus(current=0, requested=c.desired(), available=len(ready),
-                                                  valid_sizes=c.valid_sizes))
-            if (size is not None and size >= min(c.desired(), len(survivors) + len(c.spares))) or c.clock() >= deadline:
+            candidates = survivors + c.spares
+            ready = c.group.ready(candidates, timeout=c.opts.poll_s)
+            waited = c.clock() - t_settled
+            # Survivors do not wait for new processes to boot: they go on at the best size ready now,
+            # and the group grows back at a step boundary once the replacements are up.
+            size = c.formable(ready, candidates, c.desired(), waited, wait_booting=False)
+            if size is not None or waited >= c.opts.replace_wait_s:
                 break
-        if size is None:
+        c.pending_recovery = {"detected_at": self.detected_at or t0, "last_step": last_step,
+                              "world_before": world_before, "failure_kind": self.failure.kind,
+                              "failure_time_unix": time.time() - (c.clock() - self.failure.time),
+                              "settled_at": t_settled, "phases": {"settle_s": t_settled - t0}}
+        if size is None:  # below min_workers: wait for capacity; the recovery completes when a group forms
             return Scheduling(c.desired(), "waiting for capacity after a failure")
-        t_ready = c.clock()
         try:
-            restored = c.form(size, ready)
+            c.form(size, ready)
         except GroupFailure as e:
             return Recovering(FailureRecord(e.kind, last_step, str(e), c.clock()), e.suspects, c.clock())
-        c.pending_recovery = {"detected_at": self.detected_at or t0, "last_step": last_step,
-                              "restored_step": restored, "world_before": len(survivors) + len(self.suspects),
-                              "world_after": size, "failure_kind": self.failure.kind,
-                              "failure_time_unix": time.time() - (c.clock() - self.failure.time),
-                              "phases": {"settle_s": t_settled - t0, "wait_replacement_s": t_ready - t_settled,
-                                         **c.form_phases}}
         return Running()
 
 
@@ -284,13 +292,14 @@ class Failed(Terminal):
 
 class Controller:
     def __init__(self, spec: RunSpec, store: RunStore, group, opts: ControllerOptions | None = None,
-                 clock=time.monotonic, controller_id: str | None = None):
+                 clock=time.monotonic, controller_id: str | None = None, sleep=time.sleep):
         self.spec = spec
         self.run_id = spec.run_id
         self.store = store
         self.group = group
         self.opts = opts or ControllerOptions()
         self.clock = clock
+        self.sleep = sleep
         self.controller_id = controller_id or f"ctl-{uuid.uuid4().hex[:8]}"
         self.cfg = config_from_dict(spec.config)
         self.total_steps = self.cfg.train.steps
@@ -299,6 +308,7 @@ class Controller:
         self.failures = FailureLog()
         self.state: State = Initializing()
         self.lease = None
+        self.fenced: str | None = None  # why this controller may no longer write (another one leads)
         self.epoch = 0
         self.members: list[str] = []  # worker ids, by rank
         self.spares: list[str] = []  # started, not in the group (pending or ready)
@@ -311,6 +321,8 @@ class Controller:
         self.pending_resize: dict | None = None
         self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
         self.next_grow_check = 0.0
+        self.booting_since: float | None = None  # when spares were first seen booting (growth waits for them)
+        self.resize_requested_at: float | None = None  # when a changed size request was first read
         self.next_spec_read = 0.0
         self.next_status = 0.0
         self.counters = {"recoveries": 0, "failures": 0, "steps_lost": 0, "resizes": 0}
@@ -338,13 +350,17 @@ class Controller:
         except GroupFailure as e:  # a group call (form, restore, save) failed where the state did not catch it
             nxt = Recovering(FailureRecord(e.kind, self.last_completed_step(), str(e), self.clock()), e.suspects,
                              self.clock())
+        except StoreUnavailable as e:  # only from until_store, past its bound
+            nxt = Failed(str(e))
+        if not nxt.terminal:
+            self.publish_throttled()
+            if self.fenced is not None:  # another controller leads the run now: stop, change nothing
+                nxt = Failed(f"fenced: {self.fenced}")
         if type(nxt) is not type(before):
             log.info("%s -> %s", before.name, nxt.name)
         self.state = nxt
         if nxt.terminal:
             self.finish(nxt)
-        else:
-            self.publish_throttled()
         return nxt
 
     def run(self) -> dict:
@@ -361,7 +377,8 @@ class Controller:
         return fits[-1] if fits else want
 
     def ensure_workers(self, target: int) -> None:
-        """Members plus spares started: at least ``target`` (extra spares beyond it are stopped)."""
+        """Members plus spares started: ``target`` plus the warm standbys (extra spares beyond it are stopped)."""
+        target += self.opts.standby
         have = len(self.members) + len(self.spares)
         if have < target:
             self.spares += self.group.start(target - have)
@@ -369,6 +386,30 @@ class Controller:
             for wid in self.spares[target - len(self.members):] if target >= len(self.members) else self.spares:
                 self.group.kill(wid)
             self.spares = self.spares[: max(0, target - len(self.members))]
+
+    def formable(self, ready: list[str], candidates: list[str], target: int, waited: float,
+                 wait_booting: bool = True) -> int | None:
+        """The size to form a group at now from ``ready`` workers, or None to wait for more.
+
+        The largest valid size up to ``target`` as soon as that many are ready.
+        Otherwise, after ``replace_wait_s``, the largest valid size that is
+        ready, unless (``wait_booting``) workers that already hold resources
+        (booting: a new process importing torch) would make it larger; those
+        are waited for up to ``boot_timeout_s``. Workers without resources
+        (no capacity in the cluster) are not waited for past ``replace_wait_s``.
+        """
+        full = self.scaling.target(ScalingStatus(0, target, target, self.valid_sizes))
+        size = self.scaling.target(ScalingStatus(0, target, len(ready), self.valid_sizes))
+        if size is not None and size == full:
+            return size
+        if size is None or waited < self.opts.replace_wait_s:
+            return None
+        if wait_booting and waited < self.opts.boot_timeout_s:
+            placed = self.group.placed(candidates)
+            could = self.scaling.target(ScalingStatus(0, target, len(placed), self.valid_sizes))
+            if could is not None and could > size:
+                return None
+        return size
 
     def form(self, size: int, ready: list[str]) -> int:
         """Make ``size`` of the ``ready`` workers the group of a new epoch; returns the restored step."""
@@ -379,7 +420,8 @@ class Controller:
         self.spares = [w for w in self.members + self.spares if w not in chosen]
         self.members = chosen
         self.train_calls = {}
-        self.epoch = self.store.bump_epoch(self.run_id, self.lease, self.epoch)
+        self.epoch = self.until_store(lambda: self.store.bump_epoch(self.run_id, self.lease, self.epoch),
+                                      "moving the run to a new epoch")
         rank0 = chosen[0]
         addr = self.group.info(rank0).get("ip", "127.0.0.1")
         port = self._group_call([rank0], "free_port")[rank0]
@@ -393,10 +435,31 @@ class Controller:
         self.progress = {"step": step}
         self.progress_at = self.clock()
         self.committed_step = restored[rank0]["from_step"]
+        if self.pending_recovery is not None and "restored_step" not in self.pending_recovery:
+            r = self.pending_recovery
+            r.update(restored_step=step, world_after=size)
+            r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
                    pids=[self.group.info(w).get("pid") for w in chosen])
         return step
+
+    def until_store(self, fn, what: str):
+        """``fn()``, retried while the run store is unreachable, for at most ``store_wait_s``.
+
+        For the writes the run cannot go on without (the epoch fence): the
+        group waits for the store rather than form without one.
+        """
+        deadline = self.clock() + self.opts.store_wait_s
+        while True:
+            try:
+                return fn()
+            except StoreUnavailable as e:
+                if self.clock() >= deadline:
+                    raise StoreUnavailable(f"{what}: the run store was unreachable for "
+                                           f"{self.opts.store_wait_s:.0f} s ({e})") from None
+                log.warning("%s: waiting for the run store (%s)", what, e)
+                self.sleep(min(1.0, self.opts.store_wait_s))
 
     def _group_call(self, wids: list[str], method: str, *args) -> dict:
         return self._collect([self.group.submit(w, method, *args) for w in wids], method)
@@ -466,17 +529,21 @@ class Controller:
             p = self.group.result(self.group.submit(self.members[0], "progress"), timeout=2.0)
         except (TimeoutError, WorkerLost):
             return
-        for s in p.get("saves", []):
-            if s["status"] == "committed":
-                self.committed_step = max(self.committed_step or 0, s["step"])
-            else:
-                self.event("checkpoint_failed", step=s["step"], error=s["error"])
+        self._absorb_saves(p.get("saves", []))
         if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
             self.progress = p
             self.progress_at = self.clock()
             self.step_times.append(p.get("step_seconds", 0.0))
             self.productive_s += p.get("step_seconds", 0.0)
             self._finish_pending(p)
+
+    def _absorb_saves(self, saves: list[dict]) -> None:
+        """Results of checkpoints as rank 0, the coordinator that commits them, reports them."""
+        for s in saves:
+            if s["status"] == "committed":
+                self.committed_step = max(self.committed_step or 0, s["step"])
+            else:
+                self.event("checkpoint_failed", step=s["step"], error=s["error"])
 
     def _finish_pending(self, p: dict) -> None:
         now = self.clock()
@@ -494,6 +561,7 @@ class Controller:
                        first_step_unix=p.get("time"), phases={k: round(v, 3) for k, v in r["phases"].items()})
         if self.pending_resize is not None:
             r, self.pending_resize = self.pending_resize, None
+            self.resize_requested_at = None
             self.counters["resizes"] += 1
             self.event("resized", from_workers=r["from"], to_workers=r["to"], resize_s=round(now - r["requested_at"], 3),
                        reason=r["reason"], step=p.get("step"), first_step_unix=p.get("time"))
@@ -518,23 +586,37 @@ class Controller:
         return Recovering(FailureRecord("hang", self.last_completed_step(), msg, self.clock()), suspects, self.clock())
 
     def check_scaling(self) -> State | None:
-        """Resize requests, shrink requests, and growth when spares are up."""
+        """Resize requests, shrink requests, and growth when spares are up.
+
+        Missing workers are started at most every ``grow_check_s``; spares
+        already started are looked at on every poll, and the group grows once
+        every spare that holds resources is up (one re-formation, not one per
+        worker), or when the rest have booted for longer than ``boot_timeout_s``.
+        """
         current, want = len(self.members), self.desired()
+        requested_at = self.resize_requested_at or self.clock()
         if want < current:
             size = self.scaling.target(ScalingStatus(current, want, current, self.valid_sizes))
             if size is not None and size != current:
-                return Resizing(size, f"resize to {want} requested", self.clock())
+                return Resizing(size, f"resize to {want} requested", requested_at)
             return None
         if want > current:
             now = self.clock()
-            if now < self.next_grow_check:
+            if now >= self.next_grow_check:
+                self.next_grow_check = now + min(self.opts.grow_check_s, 5.0)
+                self.ensure_workers(want)
+            if not self.spares:
                 return None
-            self.next_grow_check = now + min(self.opts.grow_check_s, 5.0)
-            self.ensure_workers(want)
             ready = self.group.ready(self.spares, timeout=0)
+            booting = [w for w in self.group.placed(self.spares) if w not in ready]
+            if booting and len(ready) < want - current:
+                self.booting_since = self.booting_since if self.booting_since is not None else now
+                if now - self.booting_since < self.opts.boot_timeout_s:
+                    return None
+            self.booting_since = None
             decision = self.scaling.decide(ScalingStatus(current, want, current + len(ready), self.valid_sizes), now)
             if isinstance(decision, Resize) and decision.workers > current:
-                return Resizing(decision.workers, decision.reason, self.clock())
+                return Resizing(decision.workers, decision.reason, requested_at)
         return None
 
     def stop_at_boundary(self) -> None:
@@ -557,6 +639,12 @@ class Controller:
             return False
         if self.committed_step == self.last_completed_step():
             return True
+        # A periodic save of this very step may still be uploading: let it finish and ask the
+        # coordinator whether it committed, so that every rank takes the same branch below.
+        flushed = self._group_call(self.members, "flush_saves")
+        self._absorb_saves(flushed[self.members[0]])
+        if self.committed_step == self.last_completed_step():
+            return True
         results = self._group_call(self.members, "save")
         ok = all(r["status"] == "committed" for r in results.values())
         if ok:
@@ -572,7 +660,7 @@ class Controller:
             self.group.kill(w)
         members = [w for w in self.members if w not in suspects]
         pending = [c for w, c in self.train_calls.items() if w in members]
-        deadline = self.clock() + max(10.0, self.opts.poll_s)
+        deadline = self.clock() + max(self.opts.settle_s, self.opts.poll_s)
         while pending and self.clock() < deadline:
             for call in self.group.wait(pending, timeout=0.5):
                 pending.remove(call)
@@ -601,6 +689,8 @@ class Controller:
             log.debug("spec not refreshed: %s", e)
             return
         if spec.generation != self.spec.generation:
+            if spec.workers != self.spec.workers:
+                self.resize_requested_at = now
             self.spec = spec
             self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
             self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
@@ -628,11 +718,34 @@ class Controller:
             self.publish()
 
     def publish(self) -> None:
+        if self.fenced is not None:
+            return
         try:
             self.store.put_status(self.run_id, self.snapshot(), self.lease)
             self._flush_events()
         except StoreUnavailable as e:
             log.debug("status not written (will catch up): %s", e)
+        except FencedError as e:
+            log.error("run %s: %s", self.run_id, e)
+            self.fenced = str(e)
+
+    def _publish_final(self) -> None:
+        """The final status and every event not yet written, waiting for the store up to ``store_wait_s``."""
+        if self.fenced is not None:
+            return
+
+        def write():
+            self.store.put_status(self.run_id, self.snapshot(), self.lease)
+            self._flush_events()
+            if self._unsent_events:
+                raise StoreUnavailable("events not written yet")
+
+        try:
+            self.until_store(write, "writing the final status")
+        except StoreUnavailable as e:
+            log.error("run %s: %s; `etrain status` shows the last status written", self.run_id, e)
+        except FencedError as e:
+            log.error("run %s: %s", self.run_id, e)
 
     def event(self, kind: str, **fields) -> None:
         e = {"kind": kind, "time": time.time(), "epoch": self.epoch, **fields}
@@ -656,6 +769,8 @@ class Controller:
                 try:
                     if not self.store.renew(self.lease):
                         log.error("lost the leadership of run %s; another controller leads it", self.run_id)
+                        self.fenced = "lost the leadership lease; another controller may lead the run"
+                        return
                 except StoreUnavailable as e:
                     log.debug("lease not renewed (store away): %s", e)
 
@@ -669,10 +784,9 @@ class Controller:
                 self.group.shutdown()
             except Exception as e:  # the group may be half gone already
                 log.debug("group shutdown: %s", e)
-        self.publish()
+        self._publish_final()
         self._stop_keeper.set()
-        if self.lease is not None and not isinstance(state, Failed) or (
-                isinstance(state, Failed) and "fenced" not in state.reason and self.lease is not None):
+        if self.lease is not None and self.fenced is None and not state.reason.startswith("fenced"):
             try:
                 self.store.release(self.lease)
             except StoreUnavailable:

@@ -137,16 +137,24 @@ class TrainWorker:
             return {"status": "done", "step": tr.step}
         except Exception as e:  # a vanished peer, a timeout, a bug: the controller decides
             log.debug("train failed: %s", traceback.format_exc())
-            return {"status": "failed", "step": tr.step, "error": describe(e), "kind": _failure_kind(e)}
+            failed = {"status": "failed", "step": tr.step, "error": describe(e), "kind": _failure_kind(e)}
+            # Leave the group now: closing this rank's connections fails the peers still blocked on
+            # it at once, instead of at the collective timeout. The process stays for the next epoch.
+            self._teardown()
+            return failed
 
     def _record(self, stats) -> None:
         with self._lock:
             self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank}
 
     def _collect_saves(self) -> None:
+        """Keep the results of finished saves for the controller: rank 0's (the coordinator) only,
+        since only it knows whether a save committed; the others' are dropped."""
         if self.ckpt is None:
             return
         for r in self.ckpt.poll():
+            if self.rank != 0:
+                continue
             with self._lock:
                 self._committed.append({"step": r.step, "status": r.status, "error": r.error, "bytes": r.bytes,
                                         "blocking_s": r.blocking_s, "persist_s": r.persist_s})
@@ -160,6 +168,15 @@ class TrainWorker:
         with self._lock:
             saves, self._committed = self._committed, []
             return {**self._last, "saves": saves}
+
+    def flush_saves(self) -> list[dict]:
+        """Wait for the save in flight (if any); return the results not yet reported (rank 0's)."""
+        if self.ckpt is not None:
+            self.ckpt.wait()
+        self._collect_saves()
+        with self._lock:
+            saves, self._committed = self._committed, []
+        return saves
 
     def save(self) -> dict:
         """Checkpoint the current step now and wait for its commit (collective)."""

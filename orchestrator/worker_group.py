@@ -35,6 +35,7 @@ class _Worker:
     actor: Any
     pg: Any
     info_ref: Any
+    pg_ref: Any  # ready when the placement group holds its resources
     info: dict | None = None
 
 
@@ -78,7 +79,7 @@ class RayWorkerGroup:
             if self.env:
                 opts["runtime_env"] = {"env_vars": dict(self.env)}
             actor = actor_cls.options(**opts).remote(self.config, wid, self.store_url, self.pg_timeout_s)
-            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote())
+            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg.ready())
             out.append(wid)
         return out
 
@@ -96,6 +97,15 @@ class RayWorkerGroup:
                 except Exception:  # it died while starting
                     self.kill(w.wid)
         return [w for w in wids if w in self.workers and self.workers[w].info is not None]
+
+    def placed(self, wids: list[str]) -> list[str]:
+        """Those of ``wids`` that hold their resources: up, or booting and soon up (never blocks)."""
+        import ray
+
+        waiting = {self.workers[w].pg_ref: w for w in wids if w in self.workers and self.workers[w].info is None}
+        done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0) if waiting else ([], [])
+        booting = {waiting[r] for r in done}
+        return [w for w in wids if w in self.workers and (self.workers[w].info is not None or w in booting)]
 
     def info(self, wid: str) -> dict:
         return self.workers[wid].info or {}

@@ -29,6 +29,7 @@ like ``orchestrator.worker.TrainWorker``:
   error (its ``train`` returns failed, peers' collective fails).
 * ``capacity`` bounds the workers placed at once; workers started beyond it
   stay pending (not ready) until ``add_capacity`` or a kill frees a slot.
+  A placed worker is up ``boot_s`` later (a new process importing torch).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class FakeWorker:
     wid: str
     seq: int
     placed: bool = False
+    up_at: float = 0.0  # fake-clock time its process is up (placed + boot_s)
     dead: bool = False  # the process is gone: every call raises WorkerLost
     hung: bool = False  # the process is stuck: no call ever returns
     killed: bool = False  # the controller killed it (it left ``workers``)
@@ -139,8 +141,10 @@ class FakeGroup:
 
     def __init__(self, clock: FakeClock, *, interval: int = 0, capacity: int | None = None,
                  faults: list[Fault] | tuple[Fault, ...] = (), storage: FakeStorage | None = None,
-                 step_seconds: float = 0.1, wait_budget: int | None = None):
+                 step_seconds: float = 0.1, wait_budget: int | None = None,
+                 boot_s: float | list[float] = 0.0):
         self.clock = clock
+        self.boot_s = boot_s  # a placed worker answers this long after it got its slot (a list: by start order)
         self.wait_budget = wait_budget  # a guard for ctl.run(): more wait() calls than this is a runaway loop
         self.interval = interval
         self.capacity = capacity
@@ -170,6 +174,8 @@ class FakeGroup:
             if self.capacity is not None and placed >= self.capacity:
                 break
             w.placed = True
+            boot = self.boot_s if not isinstance(self.boot_s, list) else self.boot_s[min(w.seq, len(self.boot_s) - 1)]
+            w.up_at = self.clock() + boot
             placed += 1
 
     # --- the RayWorkerGroup interface ----------------------------------------------
@@ -187,10 +193,19 @@ class FakeGroup:
 
     def ready(self, wids: list[str], timeout: float) -> list[str]:
         self._place()
-        up = [w for w in wids if w in self.workers and self.workers[w].placed]
+        up = self._up(wids)
         if len(up) < len(wids):
             self.clock.advance(timeout)  # ray.wait blocks the whole timeout when some are not up
+            up = self._up(wids)
         return up
+
+    def _up(self, wids: list[str]) -> list[str]:
+        return [w for w in wids if w in self.workers and self.workers[w].placed
+                and self.workers[w].up_at <= self.clock()]
+
+    def placed(self, wids: list[str]) -> list[str]:
+        self._place()
+        return [w for w in wids if w in self.workers and self.workers[w].placed]
 
     def info(self, wid: str) -> dict:
         w = self.workers[wid]
@@ -201,7 +216,7 @@ class FakeGroup:
         if wid not in self.workers:
             raise WorkerLost(f"worker {wid} is gone")
         w = self.workers[wid]
-        if not w.placed:
+        if not w.placed or w.up_at > self.clock():
             raise AssertionError(f"fake: {method} submitted to {wid}, which is not ready (the controller "
                                  "must only use workers that ready() returned)")
         call = Call(wid, method, _Ref())
@@ -314,6 +329,9 @@ class FakeGroup:
         elif method == "progress":
             saves, w.saves = w.saves, []
             call.ref.set({**w.last, "saves": saves})
+        elif method == "flush_saves":  # the fake's saves commit at once: nothing in flight to wait for
+            saves, w.saves = w.saves, []
+            call.ref.set(saves)
         elif method == "request_stop":
             w.stop = True
             call.ref.set(None)

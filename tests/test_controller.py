@@ -10,13 +10,15 @@ CLI would read are asserted too.
 from __future__ import annotations
 
 import types
+import uuid
 
 import pytest
 
+from checkpointing.errors import FencedError
 import orchestrator.controller as controller_module
 from orchestrator.controller import Controller, ControllerOptions
 from orchestrator.policies import FailurePolicy
-from orchestrator.store import RunSpec, open_store
+from orchestrator.store import RunSpec, StoreUnavailable, open_store
 from tests.fake_group import FakeClock, FakeGroup, FakeStorage, Fault
 
 RUN = "r"
@@ -42,9 +44,10 @@ class Rig:
     """A controller, its fake group, its clock and its store."""
 
     def __init__(self, tmp_path, *, workers=2, min_workers=1, max_workers=8, steps=STEPS, capacity=None,
-                 faults=(), opts=None, storage=None, step_seconds=0.1, create=True, wait_budget=None):
+                 faults=(), opts=None, storage=None, step_seconds=0.1, create=True, wait_budget=None,
+                 store_url=None):
         self.clock = FakeClock()
-        self.store = open_store(f"file://{tmp_path}/runs")
+        self.store = open_store(store_url or f"file://{tmp_path}/runs")
         self.spec = RunSpec(run_id=RUN, config=run_config(tmp_path, steps), workers=workers,
                             min_workers=min_workers, max_workers=max_workers)
         if create:
@@ -54,7 +57,7 @@ class Rig:
         self.group = FakeGroup(self.clock, interval=INTERVAL, capacity=capacity, faults=list(faults),
                                storage=storage, step_seconds=step_seconds, wait_budget=wait_budget)
         self.ctl = Controller(self.spec, self.store, self.group, opts or options(), clock=self.clock,
-                              controller_id="ctl-test")
+                              controller_id="ctl-test", sleep=self.clock.advance)
         self.trace = [self.ctl.state.name]
 
     def step(self) -> str:
@@ -319,6 +322,57 @@ def test_dead_worker_without_replacement_capacity_shrinks_then_grows_back(rig):
     assert r.group.steps_trained == STEPS + 2  # only the failure lost steps; the grow lost none
 
 
+def test_start_waits_for_booting_workers_rather_than_starting_small(rig):
+    # Both workers got their resources; one boots slower than replace_wait_s. Starting at 1 and
+    # growing to 2 a moment later would cost a second formation: wait for it instead.
+    r = rig(workers=2, opts=options(replace_wait_s=1.0, boot_timeout_s=60.0))
+    r.group.boot_s = 8.0
+    r.drive(lambda r: r.ctl.state.name == "RUNNING", limit=500)
+    assert len(r.ctl.members) == 2
+    r.drive()
+    assert_finished_cleanly(r)
+    assert [e["world_size"] for e in r.events("formed")] == [2] and r.events("resized") == []
+
+
+def test_booting_workers_are_waited_for_only_up_to_the_boot_timeout(rig):
+    r = rig(workers=2, opts=options(replace_wait_s=1.0, boot_timeout_s=5.0))
+    r.group.boot_s = [0.0, 1000.0]  # the second worker holds its slot but never comes up in time
+    t0 = r.clock()
+    r.drive(lambda r: r.ctl.state.name == "RUNNING", limit=500)
+    assert len(r.ctl.members) == 1
+    assert 5.0 <= r.clock() - t0 < 10.0
+
+
+def test_recovery_goes_on_with_the_survivors_and_grows_back_when_the_replacement_is_up(rig):
+    fault = Fault(rank=1, step=7, kind="die")
+    r = rig(workers=2, steps=200, faults=[fault], opts=options(replace_wait_s=1.0, boot_timeout_s=60.0))
+    r.drive_to_step(7)
+    r.group.boot_s = 6.0  # the replacement gets a slot at once and takes 6 s to come up
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING")
+    t_fail = r.clock()
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 1 and r.clock() - t_fail < 6.0  # it did not wait for the boot
+    r.drive(lambda r: len(r.ctl.members) == 2)
+    r.drive()
+    assert r.ctl.state.name == "FINISHED" and r.ctl.last_completed_step() == 200
+    assert [e["world_size"] for e in r.events("formed")] == [2, 1, 2]
+    assert [(e["from_workers"], e["to_workers"]) for e in r.events("resized")] == [(1, 2)]
+
+
+def test_a_warm_standby_replaces_a_dead_worker_at_once(rig):
+    fault = Fault(rank=1, step=7, kind="die")
+    r = rig(workers=2, faults=[fault], opts=options(replace_wait_s=1.0, standby=1))
+    r.group.boot_s = [0.0, 0.0, 0.0, 6.0]  # the standby is up from the start; its own replacement is slow
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.group.workers) == 3  # 2 members + 1 warm standby
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 2  # the standby took the dead worker's place
+    r.drive()
+    assert_finished_cleanly(r)
+    assert [e["world_size"] for e in r.events("formed")] == [2, 2] and r.events("resized") == []
+
+
 def test_failure_during_formation_is_recovered(rig):
     # Rank 1 dies while the first group restores: the controller must treat it as a failure
     # (recover, replace the worker), not crash.
@@ -370,6 +424,20 @@ def test_grow_on_request_at_a_step_boundary_loses_no_step(rig):
     assert resized["from_workers"] == 2 and resized["to_workers"] == 4
     assert r.events("formed")[-1]["restored_from"] == boundary
     assert r.events("recovered") == [] and r.status()["steps_lost"] == 0 and r.status()["resizes"] == 1
+
+
+def test_grow_waits_for_every_booting_spare_and_forms_once(rig):
+    r = rig(workers=2, steps=200)
+    r.drive_to_step(4)
+    r.group.boot_s = [0.0, 0.0, 2.0, 6.0]  # the two new workers come up 2 s and 6 s after they start
+    r.store.update_spec(RUN, workers=4)
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    assert all(w.up_at <= r.clock() for w in r.group.live())  # it waited for the slower spare too
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 4
+    r.drive()
+    assert [e["world_size"] for e in r.events("formed")] == [2, 4]
+    assert [(e["from_workers"], e["to_workers"]) for e in r.events("resized")] == [(2, 4)]
 
 
 def test_shrink_on_request_loses_no_step(rig):
@@ -542,3 +610,85 @@ def test_no_capacity_within_the_start_timeout_fails_with_a_reason(rig):
     assert "did not start within 5 s" in reason
     assert "1 workers available" in reason and "smallest allowed size is 2" in reason
     assert r.group.workers == {}
+
+
+# --- fencing -------------------------------------------------------------------------
+
+
+def test_a_controller_whose_run_another_controller_took_over_is_fenced(rig, etcd_server):
+    r = rig(workers=2, steps=200, store_url=f"{etcd_server.url}-{uuid.uuid4().hex[:6]}")
+    r.drive_to_step(6)
+    r.ctl.publish()
+    assert r.status()["phase"] == "RUNNING"
+    # The first controller's lease ends (as when it is cut off from etcd for longer than its TTL)
+    # and a second controller takes the run over and moves the epoch.
+    r.store.release(r.ctl.lease)
+    second = r.store.acquire(RUN, "ctl-second")
+    r.store.bump_epoch(RUN, second, r.ctl.epoch)
+    r.store.put_status(RUN, {"phase": "RUNNING", "controller_id": "ctl-second"}, second)
+    r.ctl.next_status = 0.0
+    r.drive()
+    assert r.ctl.state.name == "FAILED" and r.ctl.state.reason.startswith("fenced"), r.ctl.state.reason
+    assert r.status()["controller_id"] == "ctl-second"  # the fenced controller changed nothing
+    assert r.group.workers == {}  # and stopped its workers
+    with pytest.raises(FencedError):
+        r.store.bump_epoch(RUN, r.ctl.lease, r.ctl.epoch + 1)
+
+
+def test_recovery_that_waits_for_capacity_is_still_reported_as_a_recovery(rig):
+    fault = Fault(rank=1, step=7, kind="die", lose_capacity=True)
+    r = rig(workers=2, min_workers=2, capacity=2, steps=200, faults=[fault])
+    r.drive(lambda r: r.ctl.state.name == "SCHEDULING" and fault.fired)
+    r.group.add_capacity(1)
+    r.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.last_completed_step() > 5)
+    (rec,) = r.events("recovered")
+    assert rec["world_before"] == 2 and rec["world_after"] == 2 and rec["restored_step"] == 5
+    r.ctl.publish()
+    assert rec["steps_lost"] == 2 and r.status()["recoveries"] == 1
+
+
+# --- the run store away --------------------------------------------------------------
+
+
+def flaky(monkeypatch, store, method: str, failures: int) -> list:
+    """Make ``store.method`` raise StoreUnavailable ``failures`` times, then work; returns the call log."""
+    real, calls = getattr(store, method), []
+
+    def wrapper(*a, **kw):
+        calls.append(a)
+        if len(calls) <= failures:
+            raise StoreUnavailable("etcd at etcd://127.0.0.1:1/x is unreachable (ConnectionError)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(store, method, wrapper)
+    return calls
+
+
+def test_recovery_waits_for_the_store_to_move_the_epoch(rig, monkeypatch):
+    fault = Fault(rank=1, step=7, kind="die")
+    r = rig(workers=2, faults=[fault])
+    r.drive_to_step(7)
+    calls = flaky(monkeypatch, r.store, "bump_epoch", failures=3)
+    r.drive()
+    assert_finished_cleanly(r)
+    assert len(calls) == 4 and r.ctl.epoch == 2  # retried through the outage, then fenced as usual
+
+
+def test_a_store_away_for_longer_than_the_bound_fails_the_run_with_the_reason(rig, monkeypatch):
+    fault = Fault(rank=1, step=7, kind="die")
+    r = rig(workers=2, faults=[fault], opts=options(store_wait_s=5.0))
+    r.drive_to_step(7)
+    flaky(monkeypatch, r.store, "bump_epoch", failures=10_000)
+    r.drive()
+    assert r.ctl.state.name == "FAILED"
+    assert "run store was unreachable for 5 s" in r.ctl.state.reason
+    assert r.group.workers == {}
+
+
+def test_the_final_status_is_written_once_the_store_is_back(rig, monkeypatch):
+    r = rig(workers=2)
+    r.drive(lambda r: r.ctl.state.name == "FINISHING")
+    calls = flaky(monkeypatch, r.store, "put_status", failures=3)
+    r.drive()
+    assert r.status()["phase"] == "FINISHED" and len(calls) >= 4
+    assert r.events()[-1]["kind"] == "finished"
