@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A local Ray on 127.0.0.1 and ./runs: 2 workers, one killed and replaced, resized to 3,
+# suspended, resumed on 2, finished; then a summary table.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=2 \
-		-m trainer --config examples/tiny.toml --set train.steps=100
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/etrain demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

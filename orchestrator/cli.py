@@ -7,6 +7,7 @@
     etrain resize RUN --workers N         etrain stop RUN
     etrain train --config CONFIG.toml     (one rank of a run under torchrun; same as python -m trainer)
     etrain ckpt {ls,inspect,verify} URL
+    etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
 
 ``run`` starts a run on the Ray cluster at ``--address`` / ``$RAY_ADDRESS``
 (under ``ray job submit`` that is the job's cluster), or on a local Ray on
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="one rank of a run, under torchrun or alone (same as python -m trainer)",
                    add_help=False)
     sub.add_parser("ckpt", help="list, inspect and verify checkpoints", add_help=False)
+    sub.add_parser("demo", help="a local run with a killed worker, a resize, a suspend and a resume",
+                   add_help=False)
 
     p = sub.add_parser("run", help="start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it")
     p.add_argument("config", help="run config (TOML)")
@@ -90,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     if argv and argv[0] in ("train", "ckpt"):
         if argv[0] == "train":
             from trainer.cli import main as train_main
@@ -178,7 +185,10 @@ def cmd_status(args) -> int:
     elif not rows:
         print(f"no runs in {store.url}")
     else:
-        Console().print(status_table(rows))
+        console = Console()
+        if not console.is_terminal:  # a pipe or a log: no terminal width to fit, keep every column whole
+            console = Console(width=200)
+        console.print(status_table(rows))
         if args.run and rows[0].get("reason"):
             print(f"reason: {rows[0]['reason']}")
     return 0

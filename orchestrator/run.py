@@ -4,6 +4,10 @@
     final = launch(spec, store, address=None)       # local Ray on 127.0.0.1 unless RAY_ADDRESS is set
     sys.exit(exit_code(final))
 
+    run = BackgroundRun(spec, store)                # the same in a thread (Ray connected already) ...
+    run.wait(lambda s: s["step"] >= 6)             # ... with live snapshots from the run's controller
+    final = run.join()
+
 The driver (this process; under ``ray job submit``, the job's entrypoint)
 starts one :class:`ControllerActor` per run, which owns the worker group and
 drives the state machine of :mod:`orchestrator.controller`. The driver only
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 from trainer.config import config_from_dict, load_raw
 
@@ -92,9 +98,7 @@ def connect(address: str | None, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
         return False
-    # A local Ray stays on loopback: without this, Ray swaps 127.0.0.1 for the machine's routable
-    # address, and the workers' rendezvous would follow it off the loopback interface.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # A local Ray stays on loopback: workers report the node's address (127.0.0.1) for the rendezvous.
     ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False, namespace="etrain",
              log_to_driver=False, logging_level="warning")
     return True
@@ -104,6 +108,7 @@ def controller_options(spec: RunSpec) -> ControllerOptions:
     e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
                          max_workers=spec.max_workers)
     return ControllerOptions(hang_timeout_s=e.hang_timeout_s, replace_wait_s=e.replace_wait_s,
+                             boot_timeout_s=e.boot_timeout_s, standby=e.standby,
                              failure=FailurePolicy(max_failures=e.max_failures, backoff_s=e.backoff_s))
 
 
@@ -140,11 +145,15 @@ class ControllerActor:
         return self.ctl.events_log[n:]
 
 
+def controller_name(run_id: str) -> str:
+    return f"etrain-controller-{run_id}"
+
+
 def start_controller(spec: RunSpec, store_url: str):
     import ray
 
     cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
-    return cls.options(name=f"etrain-controller-{spec.run_id}", get_if_exists=False).remote(
+    return cls.options(name=controller_name(spec.run_id), get_if_exists=False).remote(
         spec, store_url, worker_resources(spec), controller_options(spec))
 
 
@@ -155,8 +164,10 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
 
     from .progress import Follower
 
-    cpus = num_cpus or int(max(spec.max_workers, spec.workers) * _cpus_per_worker(spec)) or 1
+    standby = int(spec.config.get("elastic", {}).get("standby", 0))
+    cpus = num_cpus or int((max(spec.max_workers, spec.workers) + standby) * _cpus_per_worker(spec)) or 1
     local = connect(address, cpus)
+    actor = None
     try:
         actor = start_controller(spec, store.url)
         done = actor.run.remote()
@@ -177,6 +188,8 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
                     follower.update(final, [])
                     return final
     finally:
+        if actor is not None:  # its name is free at once for a resume of the same run
+            ray.kill(actor, no_restart=True)
         if local:
             ray.shutdown()
 
@@ -189,6 +202,107 @@ def exit_code(final: dict) -> int:
     return 0 if final.get("phase") in TERMINAL_OK else 1
 
 
+def controller_actor(run_id: str):
+    """The live controller actor of a run in the connected cluster, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(controller_name(run_id), namespace="etrain")
+    except ValueError:
+        return None
+
+
+class BackgroundRun:
+    """``launch(spec, store)`` in a thread of this process, with the controller's live view.
+
+    Ray must already be initialized (``connect``). Used by ``etrain demo``,
+    the benchmarks and the tests to act on a run while it goes on.
+    """
+
+    def __init__(self, spec: RunSpec, store: RunStore, progress: bool = False):
+        self.spec = spec
+        self.result: dict = {}
+        self.error: BaseException | None = None
+
+        def go():
+            try:
+                self.result.update(launch(spec, store, progress=progress))
+            except BaseException as e:  # surfaced by join()
+                self.error = e
+
+        self.thread = threading.Thread(target=go, name=f"run-{spec.run_id}", daemon=True)
+        self.thread.start()
+        self.actor = self._wait_actor()
+
+    def _wait_actor(self, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            actor = controller_actor(self.spec.run_id)
+            if actor is not None:
+                return actor
+            if not self.thread.is_alive():
+                raise AssertionError(f"the run ended before its controller started: {self.error or self.result}")
+            time.sleep(0.1)
+        raise AssertionError("the controller actor did not start")
+
+    def snapshot(self) -> dict | None:
+        import ray
+
+        try:
+            return ray.get(self.actor.snapshot.remote(), timeout=10)
+        except Exception:  # the controller has ended
+            return None
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        import ray
+
+        try:
+            rows = ray.get(self.actor.events_since.remote(0), timeout=10)
+        except Exception:
+            return []
+        return [e for e in rows if kind is None or e["kind"] == kind]
+
+    def wait(self, pred, timeout: float = 300.0, what: str = "the condition") -> dict:
+        """Poll the live snapshot until ``pred(snapshot)`` holds; returns that snapshot."""
+        deadline = time.monotonic() + timeout
+        snap = None
+        while time.monotonic() < deadline:
+            snap = self.snapshot()
+            if snap is not None and pred(snap):
+                return snap
+            if not self.thread.is_alive():
+                raise AssertionError(f"the run ended before {what}: {self.error or self.result}")
+            time.sleep(0.1)
+        raise AssertionError(f"{what} did not happen within {timeout:.0f} s; last snapshot {snap}")
+
+    def wait_event(self, kind: str, count: int = 1, timeout: float = 300.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events(kind)
+            if len(found) >= count:
+                return found[count - 1]
+            if not self.thread.is_alive():
+                raise AssertionError(f"the run ended before event {kind!r} #{count}: {self.error or self.result}")
+            time.sleep(0.1)
+        raise AssertionError(f"no event {kind!r} #{count} within {timeout:.0f} s; events {self.events()}")
+
+    def close(self) -> None:
+        """End the run if it is still going (a test that failed half-way), so that nothing outlives the test."""
+        import ray
+
+        if self.thread.is_alive():
+            ray.kill(self.actor, no_restart=True)
+            self.thread.join(30)
+
+    def join(self, timeout: float = 600.0) -> dict:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise AssertionError(f"the run did not end within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 def submit_job(address: str, entrypoint: list[str], working_dir: str = ".") -> str:
     """Submit ``entrypoint`` as a new Ray job on the cluster whose dashboard is ``address``."""
     import shlex
@@ -197,5 +311,6 @@ def submit_job(address: str, entrypoint: list[str], working_dir: str = ".") -> s
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))}
     client = JobSubmissionClient(address)
-    return client.submit_job(entrypoint=shlex.join(["python", *entrypoint]),
+    python = os.environ.get("ETRAIN_JOB_PYTHON", "python")  # the cluster's interpreter that has etrain's deps
+    return client.submit_job(entrypoint=shlex.join([python, *entrypoint]),
                              runtime_env={"working_dir": working_dir, "env_vars": env})
