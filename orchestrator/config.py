@@ -26,7 +26,7 @@ class ElasticConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = -1.0  # -1: one GPU each when the cluster has GPUs, else none
     hang_timeout_s: float = 0.0  # 0: derived, max(30 s, 20 x the median step time)
-    replace_wait_s: float = 1.0  # after a failure, wait this long for replacements before going on smaller
+    replace_wait_s: float = 0.0  # after a failure, wait this long for replacements before going on smaller
     standby: int = 0  # warm spare workers kept started beyond the group: a failure or a grow uses one at once
     boot_timeout_s: float = 120.0  # wait this long for workers that got resources and are still starting
     max_failures: int = 20

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointing.errors import EtrainError, FencedError
+from checkpointing.manager import group_rank_errors
 from trainer.config import config_from_dict
 from trainer.parallel import valid_world_sizes
 
@@ -142,6 +143,7 @@ class Running(State):
         if isinstance(failure, State):
             return failure
         c.poll_progress()
+        c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
         c.refresh_spec_throttled()
         if c.spec.suspended:
             return Suspending("suspend requested")
@@ -168,7 +170,7 @@ class Recovering(State):
         if isinstance(decision, Fail):
             return Failed(decision.reason)
         if decision.delay_s:
-            time.sleep(decision.delay_s)
+            c.sleep(decision.delay_s)
         last_step = c.last_completed_step()
         world_before = len(c.members)
         t0 = c.clock()
@@ -321,6 +323,7 @@ class Controller:
         self.pending_resize: dict | None = None
         self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
         self.next_grow_check = 0.0
+        self.standby_ready = 0  # started workers outside the group that are up (read while RUNNING)
         self.booting_since: float | None = None  # when spares were first seen booting (growth waits for them)
         self.resize_requested_at: float | None = None  # when a changed size request was first read
         self.next_spec_read = 0.0
@@ -427,10 +430,13 @@ class Controller:
         port = self._group_call([rank0], "free_port")[rank0]
         t0 = self.clock()
         calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port) for r, w in enumerate(chosen)]
-        self._collect(calls, "form")
+        formed = self._collect(calls, "form")
         t1 = self.clock()
         restored = self._group_call(chosen, "restore")
         self.form_phases = {"form_s": t1 - t0, "restore_s": self.clock() - t1}
+        for r in formed.values():  # the slowest rank's time in each part of forming
+            for k, v in r.get("phases", {}).items():
+                self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))
         step = restored[rank0]["step"]
         self.progress = {"step": step}
         self.progress_at = self.clock()
@@ -440,6 +446,7 @@ class Controller:
             r.update(restored_step=step, world_after=size)
             r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
+                   rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
                    pids=[self.group.info(w).get("pid") for w in chosen])
         return step
@@ -513,10 +520,13 @@ class Controller:
         failed = {w: r for w, r in results.items() if r["status"] == "failed"}
         if failed:
             # The cause before its echoes: peers of a failing rank only see their collective fail.
-            wid, r = min(failed.items(), key=lambda kv: kv[1].get("kind") == "collective_failed")
-            return Recovering(FailureRecord(r.get("kind", "error"), step, r["error"], self.clock()), (),
-                              self.clock())
+            # The message groups the culprits by error ("ranks 1,3: X"), named by rank.
+            culprits = {w: r for w, r in failed.items() if r.get("kind") != "collective_failed"} or failed
+            kind = next(iter(culprits.values())).get("kind", "error")
+            message = group_rank_errors({self.members.index(w): r["error"] for w, r in culprits.items()})
+            return Recovering(FailureRecord(kind, step, message, self.clock()), (), self.clock())
         if len(results) == len(self.train_calls) and all(r["status"] == "done" for r in results.values()):
+            self.poll_progress()  # the last steps' figures (loss), which the final status reports
             self.progress["step"] = max(r["step"] for r in results.values())
             return Finishing("all steps done")
         return None  # "stopped" results are collected by stop_at_boundary
@@ -631,6 +641,7 @@ class Controller:
         if failed:
             r = next(iter(failed.values()))
             raise GroupFailure(r["error"], r.get("kind", "error"))
+        self.poll_progress()
         self.progress["step"] = max(r["step"] for r in results.values())
 
     def save_now(self) -> bool:
@@ -702,6 +713,7 @@ class Controller:
         return {
             "run_id": self.run_id, "phase": self.state.name, "reason": getattr(self.state, "reason", ""),
             "world_size": len(self.members), "workers_requested": self.spec.workers, "step": self.last_completed_step(),
+            "standby_ready": self.standby_ready,
             "total_steps": self.total_steps, "epoch": self.epoch, "loss": p.get("loss"), "lr": p.get("lr"),
             "tokens_per_s": p.get("tokens_per_s"), "latest_checkpoint": self.committed_step,
             "controller_id": self.controller_id, "started_unix": self.started_unix,

@@ -89,19 +89,30 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[Ru
 
 def connect(address: str | None, num_cpus: int) -> bool:
     """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local Ray on 127.0.0.1. True if local."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not address:
+        # A local Ray stays on loopback. Without this Ray names the node by the machine's routable
+        # address even when told 127.0.0.1, and the workers' rendezvous would follow it there. Ray
+        # reads it when imported (hence before the import below) and its processes inherit it.
+        os.environ.setdefault(_LOCAL_ONLY, "0")
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
         return False
-    # A local Ray stays on loopback: workers report the node's address (127.0.0.1) for the rendezvous.
-    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False, namespace="etrain",
-             log_to_driver=False, logging_level="warning")
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY] != "0"  # in case Ray was imported earlier
+    # address="local": a new instance, even when another Ray runs on this machine (ray.init() would join it).
+    ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+             namespace="etrain", log_to_driver=False, logging_level="warning")
     return True
+
+
+_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def controller_options(spec: RunSpec) -> ControllerOptions:

@@ -56,6 +56,17 @@ class TrainWorker:
         self._committed: list[dict] = []
         # One thread per CPU the actor holds (Ray sets OMP_NUM_THREADS to it).
         torch.set_num_threads(max(1, int(float(os.environ.get("OMP_NUM_THREADS", "1")))))
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Do at boot what the first ``form`` would otherwise pay for on the critical path of a recovery
+        or a grow: read the corpus and import the parallel and checkpoint machinery."""
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.pipelining  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+        self.corpus = load_corpus(self.cfg.data)
 
     # --- identity -------------------------------------------------------------------
 
@@ -82,7 +93,9 @@ class TrainWorker:
         self._teardown()
         world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
         device = resolve_device(self.cfg.parallel, 0)
+        t1 = time.monotonic()
         init_distributed(world, device, timeout_s=self.pg_timeout_s)
+        t2 = time.monotonic()
         if self.corpus is None:
             self.corpus = load_corpus(self.cfg.data)
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
@@ -91,7 +104,9 @@ class TrainWorker:
         self._stop.clear()
         with self._lock:
             self._last = {}  # progress of the old epoch is no progress of this one
-        return {"rank": rank, "seconds": time.monotonic() - t0}
+        t3 = time.monotonic()
+        return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
+                                                              "trainer_s": t3 - t2}}
 
     def _fence(self):
         if not self.store_url:

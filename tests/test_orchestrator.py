@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -243,8 +245,6 @@ def test_etcd_outage_keeps_training_and_the_status_catches_up(cluster, root, etc
 
 def test_ray_job_submit_runs_the_training_and_resume_submits_a_new_job(cluster, root, capsys, monkeypatch):
     """The user's path: `ray job submit --working-dir . -- python -m orchestrator run ...`."""
-    import sys
-
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     # This cluster's interpreter with etrain's dependencies is this one (a venv), not `python` on PATH.
@@ -296,3 +296,17 @@ def _wait_job(client, job: str, want, timeout: float = 240.0) -> None:
             return
         assert time.monotonic() < deadline, f"job {job} still {status}: {client.get_job_logs(job)[-3000:]}"
         time.sleep(0.5)
+
+
+def test_etrain_run_without_a_cluster_starts_a_local_ray_on_loopback(tmp_path):
+    """`etrain run` on a machine with no cluster: a local Ray whose workers meet on 127.0.0.1."""
+    root = f"file://{tmp_path}/runs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_USAGE_STATS_ENABLED"}
+    sets = [a for o in [*BASE, f'checkpoint.url="{root}"', "train.steps=6"] for a in ("--set", o)]
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "run", "examples/tiny.toml", "--workers", "2",
+                        "--run-id", "local", "--no-progress", *sets], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "run 'local' FINISHED at step 6/6" in r.stdout
+    formed = [e for e in open_store(root).events("local") if e["kind"] == "formed"]
+    assert formed and all(e["rendezvous"].startswith("127.0.0.1:") for e in formed)

@@ -1,0 +1,234 @@
+"""Recovery and resize time of an etrain run against torchrun's restart, same trainer, same kills.
+
+    python bench/recovery.py [--quick] [--kills 3] [--workers 2]
+
+etrain: a run on a local Ray (127.0.0.1) with ``workers`` TrainWorkers
+checkpointing every 10 steps, twice: with one warm standby worker
+(``elastic.standby = 1``: the standby takes the dead worker's place) and with
+none (the survivors go on smaller at once and the group grows back when the
+replacement is up). Every few steps one worker process is SIGKILLed; the
+figure is the time from the kill to the first step completed after the
+recovery (``mttr_s`` with the standby, ``mttr_no_standby_s`` without; medians
+over kills), the steps redone (``steps_lost``), and whether every recovery
+restored the newest committed checkpoint (``committed_steps_lost`` must be
+0). Then a resize to ``workers + 1``: ``resize_s`` is the time from the
+request to the first step at the new size.
+
+Baseline, in the same run: the same trainer and checkpoint interval under
+``torchrun --max-restarts`` (which restarts every process and resumes from the
+newest checkpoint), a rank killed the same way; ``baseline_torchrun_mttr_s``
+is the time from the kill to the first step logged after the restart.
+
+Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HUNG_S = 60  # a torchrun restart with no step after this long counts as hung (a normal one: 3-9 s here)
+BASE = ["run_id=bench", "model.preset=\"tiny\"", "data.max_bytes=2000000", "train.global_batch=12",
+        "train.micro_batch=1", "train.lr=0.003", "checkpoint.interval_steps=10", "checkpoint.keep_last=3"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="2 kills each (a few minutes here)")
+    ap.add_argument("--kills", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--every", type=int, default=15, help="steps between kills")
+    return ap.parse_args()
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+# --- etrain ------------------------------------------------------------------------
+
+
+def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int) -> dict:
+    import ray
+
+    from orchestrator.run import BackgroundRun, connect, prepare_run
+
+    steps = every * (kills + 2) + 30
+    overrides = [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}/etrain-{standby}\"",
+                 f"elastic.standby={standby}", f"run_id=\"bench-standby{standby}\""]
+    connect(None, num_cpus=workers + 1 + standby)
+    spec, store = prepare_run(None, overrides, workers=workers, max_workers=workers + 1)
+    run = BackgroundRun(spec, store)
+
+    mttr, lost, committed_lost = [], [], 0
+    for k in range(kills):
+        target = every * (k + 1) + 3
+        s = run.wait(lambda x: x["phase"] == "RUNNING" and x["step"] >= target and x["world_size"] == workers,
+                     what=f"step {target} on {workers} workers")
+        committed = s["latest_checkpoint"]
+        victim = run.events("formed")[-1]["pids"][-1]
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        rec = run.wait_event("recovered", k + 1)
+        mttr.append(rec["first_step_unix"] - t_kill)
+        lost.append(rec["steps_lost"])
+        if committed is not None and rec["restored_step"] < committed:
+            committed_lost += committed - rec["restored_step"]
+        print(f"etrain (standby {standby}) kill {k + 1}: step {s['step']}, pid {victim}: recovered in "
+              f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({rec['phases']}), {rec['steps_lost']} steps "
+              f"redone, restored {rec['restored_step']} (newest commit {committed})", flush=True)
+    # Steady state first: a full group, and the standby (if any) up again after the last failure.
+    run.wait(lambda x: x["phase"] == "RUNNING" and x["world_size"] == workers and x["standby_ready"] >= standby,
+             what="a full group")
+    before = len(run.events("resized"))  # grows back after a failure are resizes too
+    t_req = time.time()
+    store.update_spec(spec.run_id, workers=workers + 1)
+    rs = run.wait_event("resized", before + 1)
+    resize_s = rs["first_step_unix"] - t_req
+    print(f"etrain (standby {standby}) resize {workers} -> {workers + 1}: {resize_s:.2f} s from request to the "
+          "first step", flush=True)
+    result = run.join()
+    ray.shutdown()
+    return {"mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "resize_s": resize_s,
+            "final_phase": result.get("phase"), "final_step": result.get("step"), "steps": steps}
+
+
+# --- torchrun --------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(p))
+            except OSError:
+                continue
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return int(env[b"RANK"]) if b"RANK" in env else None
+    except (OSError, ValueError):
+        return None
+
+
+def bench_torchrun(root: str, kills: int, every: int, workers: int, max_hung: int = 3) -> dict:
+    """``kills`` measured restarts; a restart that hangs is counted and the baseline starts over."""
+    mttr, lost, hung, attempt = [], [], 0, 0
+    while len(mttr) < kills and hung < max_hung:
+        attempt += 1
+        got, got_lost, hang = _torchrun_attempt(os.path.join(root, f"torchrun-{attempt}"), kills - len(mttr),
+                                                every, workers)
+        mttr += got
+        lost += got_lost
+        hung += hang
+    return {"mttr": mttr, "steps_lost": lost, "hung": hung}
+
+
+def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[list, list, int]:
+    from tests.harness import free_port
+
+    os.makedirs(root, exist_ok=True)
+    steps = every * (kills + 2) + 30
+    log = os.path.join(root, "steps.jsonl")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), f"--nproc_per_node={workers}",
+           f"--max-restarts={kills}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "trainer",
+           "--quiet", "--log-file", log]
+    for o in [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}\"", "checkpoint.resume=true"]:
+        cmd += ["--set", o]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+    def rows():
+        try:
+            with open(log) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    mttr, lost, hung = [], [], 0
+    try:
+        for k in range(kills):
+            target = every * (k + 1) + 3
+            wait_for(lambda: rows() and rows()[-1]["step"] >= target, 300, "a step", poll=0.05)
+            victim = next((c for c in _children(proc.pid) if _rank_of(c) == workers - 1), None)
+            if victim is None:
+                raise RuntimeError("no rank process found under torchrun")
+            n_before, last_step = len(rows()), rows()[-1]["step"]
+            t_kill = time.time()
+            os.kill(victim, signal.SIGKILL)
+            try:
+                first = wait_for(lambda: len(r := rows()) > n_before and r[n_before], HUNG_S, "a step after restart")
+            except TimeoutError:  # torchrun's restart can hang: count it, start the baseline over
+                hung += 1
+                print(f"torchrun kill: no step within {HUNG_S} s of the restart (hung)", flush=True)
+                break
+            mttr.append(first["time"] - t_kill)
+            lost.append(max(0, last_step - (first["step"] - 1)))
+            print(f"torchrun kill: step {last_step}: first step after restart in {mttr[-1]:.2f} s, "
+                  f"{lost[-1]} steps redone", flush=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return mttr, lost, hung
+
+
+def main() -> int:
+    args = parse()
+    kills = args.kills or (2 if args.quick else 4)
+    with tempfile.TemporaryDirectory(prefix="etrain-bench-recovery-") as root:
+        base = bench_torchrun(root, kills, args.every, args.workers)
+        bare = bench_etrain(root, kills, args.every, args.workers, standby=0)
+        warm = bench_etrain(root, kills, args.every, args.workers, standby=1)
+    med = statistics.median
+    base_mttr = med(base["mttr"]) if base["mttr"] else float("nan")
+    out = {
+        "mttr_s": round(med(warm["mttr"]), 3),  # with one warm standby (elastic.standby = 1)
+        "mttr_all_s": [round(x, 3) for x in warm["mttr"]],
+        "mttr_no_standby_s": round(med(bare["mttr"]), 3),  # survivors go on smaller, grow back later
+        "mttr_no_standby_all_s": [round(x, 3) for x in bare["mttr"]],
+        "steps_lost": warm["steps_lost"],
+        "steps_lost_no_standby": bare["steps_lost"],
+        "committed_steps_lost": warm["committed_steps_lost"] + bare["committed_steps_lost"],
+        "resize_s": round(warm["resize_s"], 3),
+        "resize_no_standby_s": round(bare["resize_s"], 3),
+        "baseline_torchrun_mttr_s": round(base_mttr, 3),
+        "baseline_all_s": [round(x, 3) for x in base["mttr"]],
+        "baseline_steps_lost": base["steps_lost"],
+        "baseline_hung_restarts": base["hung"],
+        "mttr_ratio_vs_torchrun": round(med(warm["mttr"]) / base_mttr, 3),
+        "mttr_no_standby_ratio_vs_torchrun": round(med(bare["mttr"]) / base_mttr, 3),
+        "final_phases": [bare["final_phase"], warm["final_phase"]],
+        "workers": args.workers,
+        "kills": kills,
+    }
+    print(json.dumps(out))
+    ok = all(r["final_phase"] == "FINISHED" and r["final_step"] == r["steps"] for r in (bare, warm))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
