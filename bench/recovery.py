@@ -96,10 +96,12 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int) 
     # Steady state first: a full group, and the standby (if any) up again after the last failure.
     run.wait(lambda x: x["phase"] == "RUNNING" and x["world_size"] == workers and x["standby_ready"] >= standby,
              what="a full group")
-    before = len(run.events("resized"))  # grows back after a failure are resizes too
     t_req = time.time()
     store.update_spec(spec.run_id, workers=workers + 1)
-    rs = run.wait_event("resized", before + 1)
+    # Only a resize to the new size: a grow back after the last failure is a resize too.
+    rs = run.wait_event("resized", len(run.events("resized")) + 1)
+    while rs["to_workers"] != workers + 1:
+        rs = run.wait_event("resized", len(run.events("resized")) + 1)
     resize_s = rs["first_step_unix"] - t_req
     print(f"etrain (standby {standby}) resize {workers} -> {workers + 1}: {resize_s:.2f} s from request to the "
           "first step", flush=True)
@@ -173,7 +175,12 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
     try:
         for k in range(kills):
             target = every * (k + 1) + 3
-            wait_for(lambda: rows() and rows()[-1]["step"] >= target, 300, "a step", poll=0.05)
+            try:
+                wait_for(lambda: rows() and rows()[-1]["step"] >= target, 300, "a step", poll=0.05)
+            except TimeoutError:  # a restart of its own (a rank failed) that hung: count it, start over
+                hung += 1
+                print(f"torchrun: step {target} not reached within 300 s (a restart hung)", flush=True)
+                break
             victim = next((c for c in _children(proc.pid) if _rank_of(c) == workers - 1), None)
             if victim is None:
                 raise RuntimeError("no rank process found under torchrun")
@@ -191,8 +198,15 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
             print(f"torchrun kill: step {last_step}: first step after restart in {mttr[-1]:.2f} s, "
                   f"{lost[-1]} steps redone", flush=True)
     finally:
+        # torchrun starts each rank in a session of its own: end them by pid, then the agent.
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return mttr, lost, hung
 
 

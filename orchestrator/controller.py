@@ -46,7 +46,7 @@ log = logging.getLogger("etrain")
 @dataclass(kw_only=True)
 class ControllerOptions:
     poll_s: float = 0.2  # how often RUNNING looks at calls, progress and the spec
-    spec_every_s: float = 1.0  # how often the spec is re-read
+    spec_every_s: float = 0.5  # how often the spec is re-read (a resize or suspend waits at most this)
     status_every_s: float = 1.0  # how often the status is written
     start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
     replace_wait_s: float = 0.0  # how long to wait for workers that have no resources before forming smaller
@@ -175,11 +175,15 @@ class Recovering(State):
         world_before = len(c.members)
         t0 = c.clock()
         survivors = c.settle_after_failure(self.suspects)
-        c.ensure_workers(c.desired())
+        # Replacements for lost members start now; new standbys only once the group trains again,
+        # so that their boot does not compete with the recovery for the machine.
+        c.ensure_workers(c.desired(), standby=False)
         t_settled = c.clock()
+        poll = 0.0  # look first without waiting: a ready standby means the group can form now
         while True:
             candidates = survivors + c.spares
-            ready = c.group.ready(candidates, timeout=c.opts.poll_s)
+            ready = c.group.ready(candidates, timeout=poll)
+            poll = c.opts.poll_s
             waited = c.clock() - t_settled
             # Survivors do not wait for new processes to boot: they go on at the best size ready now,
             # and the group grows back at a step boundary once the replacements are up.
@@ -224,7 +228,7 @@ class Resizing(State):
         except GroupFailure as e:
             return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
                               c.clock())
-        c.ensure_workers(c.desired())  # a shrink leaves the old members as spares: stop the surplus
+        c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         c.pending_resize = {"requested_at": self.requested_at or c.clock(), "from": before, "to": self.target,
                             "reason": self.reason}
         return Running()
@@ -379,16 +383,19 @@ class Controller:
         fits = [n for n in self.scaling.allowed(self.valid_sizes) if n <= want]
         return fits[-1] if fits else want
 
-    def ensure_workers(self, target: int) -> None:
-        """Members plus spares started: ``target`` plus the warm standbys (extra spares beyond it are stopped)."""
-        target += self.opts.standby
+    def ensure_workers(self, target: int, standby: bool = True) -> None:
+        """Start workers until members plus spares are ``target`` plus the warm standbys (without
+        ``standby``: ``target``, starting no new standby); stop spares beyond ``target`` plus standbys."""
+        keep = target + self.opts.standby
+        want = keep if standby else target
         have = len(self.members) + len(self.spares)
-        if have < target:
-            self.spares += self.group.start(target - have)
-        elif have > target and self.spares:
-            for wid in self.spares[target - len(self.members):] if target >= len(self.members) else self.spares:
+        if have < want:
+            self.spares += self.group.start(want - have)
+        elif have > keep and self.spares:
+            room = max(0, keep - len(self.members))
+            for wid in self.spares[room:]:
                 self.group.kill(wid)
-            self.spares = self.spares[: max(0, target - len(self.members))]
+            self.spares = self.spares[:room]
 
     def formable(self, ready: list[str], candidates: list[str], target: int, waited: float,
                  wait_booting: bool = True) -> int | None:
@@ -605,6 +612,10 @@ class Controller:
         """
         current, want = len(self.members), self.desired()
         requested_at = self.resize_requested_at or self.clock()
+        if (want == current and self.opts.standby and self.pending_recovery is None and self.pending_resize is None
+                and self.clock() >= self.next_grow_check):  # top the standbys up once the group trains again
+            self.next_grow_check = self.clock() + min(self.opts.grow_check_s, 5.0)
+            self.ensure_workers(want)
         if want < current:
             size = self.scaling.target(ScalingStatus(current, want, current, self.valid_sizes))
             if size is not None and size != current:

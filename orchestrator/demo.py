@@ -3,11 +3,12 @@
     etrain demo [--steps 120] [--root file:///tmp/runs]
 
 On a local Ray (127.0.0.1) and local storage (``./runs``), it trains the tiny
-model on 2 workers and, while the run goes on, does what an operator and
-bad luck would do:
+model on 2 workers with one warm standby (``elastic.standby = 1``) and, while
+the run goes on, does what an operator and bad luck would do:
 
-1. SIGKILLs one worker process mid-run: the survivor keeps its process, a
-   replacement joins, the group restores the newest checkpoint;
+1. SIGKILLs one worker process mid-run: the survivor keeps its process, the
+   standby takes the dead worker's place, the group restores the newest
+   checkpoint;
 2. resizes the run 2 -> 3 workers (``etrain resize``), at a step boundary;
 3. suspends it (``etrain suspend``): a checkpoint is committed and every
    worker released;
@@ -47,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root or default_root()
     run_id = f"demo-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
     overrides = [f"train.steps={steps}", "data.seq_len=32", "data.max_bytes=2000000", "train.log_every=1000",
-                 f'checkpoint.url="{root}"', "checkpoint.interval_steps=10", "elastic.replace_wait_s=5"]
+                 f'checkpoint.url="{root}"', "checkpoint.interval_steps=10", "elastic.standby=1"]
     t_start = time.monotonic()
-    local = connect(None, num_cpus=4)
+    local = connect(None, num_cpus=4)  # 3 workers at most + 1 standby
     try:
         return _demo(args.config, overrides, steps, root, run_id, t_start)
     finally:

@@ -366,6 +366,9 @@ def test_a_warm_standby_replaces_a_dead_worker_at_once(rig):
     r.drive(lambda r: r.ctl.state.name == "RECOVERING")
     r.drive(lambda r: r.ctl.state.name == "RUNNING")
     assert len(r.ctl.members) == 2  # the standby took the dead worker's place
+    assert len(r.group.all_workers) == 3  # and no new process was started during the recovery
+    r.drive(lambda r: len(r.group.workers) == 3)  # a new standby once the group trains again
+    assert len(r.group.all_workers) == 4 and r.ctl.state.name == "RUNNING"
     r.drive()
     assert_finished_cleanly(r)
     assert [e["world_size"] for e in r.events("formed")] == [2, 2] and r.events("resized") == []

@@ -73,8 +73,21 @@ def init_distributed(world: World, device: torch.device, *, store: dist.Store | 
     else:
         if world.master_addr is None or world.master_port is None:
             raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them)")
-        dist.init_process_group(backend, init_method=f"tcp://{world.master_addr}:{world.master_port}",
-                                rank=world.rank, world_size=world.size, timeout=timeout, **kwargs)
+        if _under_torchrun(world):
+            # torchrun's agent already serves a store at MASTER_PORT, keyed afresh for every
+            # restart; "env://" joins it instead of standing up a second store of our own there.
+            init_method = "env://"
+        else:
+            init_method = f"tcp://{world.master_addr}:{world.master_port}"
+        dist.init_process_group(backend, init_method=init_method, rank=world.rank, world_size=world.size,
+                                timeout=timeout, **kwargs)
+
+
+def _under_torchrun(world: World) -> bool:
+    """Whether ``world`` is the one torchrun (its elastic agent) set up in this process's environment."""
+    env = os.environ
+    return ("TORCHELASTIC_RUN_ID" in env and env.get("MASTER_ADDR") == world.master_addr
+            and env.get("MASTER_PORT") == str(world.master_port) and env.get("RANK") == str(world.rank))
 
 
 def shutdown_distributed() -> None:
