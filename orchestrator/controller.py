@@ -36,7 +36,7 @@ from checkpointing.manager import group_rank_errors
 from trainer.config import config_from_dict
 from trainer.parallel import valid_world_sizes
 
-from .policies import Fail, FailureLog, FailurePolicy, FailureRecord, Resize, ScalingPolicy, ScalingStatus, Wait
+from .policies import Fail, FailureLog, FailurePolicy, FailureRecord, Resize, ScalingPolicy, ScalingStatus
 from .store import RunSpec, RunStore, StoreUnavailable
 from .worker_group import WorkerLost
 

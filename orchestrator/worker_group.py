@@ -47,7 +47,18 @@ class Call:
     seq: int = field(default_factory=itertools.count().__next__)
 
 
-class RayWorkerGroup:
+class Pinging:
+    """``alive()`` for a group that has ``submit`` and ``result`` (the Ray group and the tests' fake)."""
+
+    def alive(self, wid: str, timeout: float = 2.0) -> bool:
+        try:
+            self.result(self.submit(wid, "ping"), timeout=timeout)
+            return True
+        except (WorkerLost, TimeoutError):
+            return False
+
+
+class RayWorkerGroup(Pinging):
     def __init__(self, config: dict, run_id: str, store_url: str, *, resources: dict | None = None,
                  pg_timeout_s: float = 120.0, env: dict | None = None):
         self.config = config
@@ -134,18 +145,6 @@ class RayWorkerGroup:
             raise TimeoutError(f"worker {call.wid} did not answer {call.method} within {timeout} s") from None
         except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
             raise WorkerLost(f"worker {call.wid} died ({type(e).__name__})") from None
-
-    def call(self, wids: list[str], method: str, *args, timeout: float | None = None) -> dict[str, Any]:
-        """Call ``method`` on every worker at once; results by worker (raises the first WorkerLost)."""
-        calls = [self.submit(w, method, *args) for w in wids]
-        return {c.wid: self.result(c, timeout) for c in calls}
-
-    def alive(self, wid: str, timeout: float = 2.0) -> bool:
-        try:
-            self.result(self.submit(wid, "ping"), timeout=timeout)
-            return True
-        except (WorkerLost, TimeoutError):
-            return False
 
     def kill(self, wid: str) -> None:
         import ray

@@ -38,7 +38,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.worker_group import Call, WorkerLost
+from orchestrator.worker_group import Call, Pinging, WorkerLost
 
 
 class FakeClock:
@@ -136,7 +136,7 @@ class FakeWorker:
     pending: list[Call] = field(default_factory=list)  # calls that have not returned (hung worker)
 
 
-class FakeGroup:
+class FakeGroup(Pinging):
     """In-memory stand-in for ``RayWorkerGroup``; see the module docstring."""
 
     def __init__(self, clock: FakeClock, *, interval: int = 0, capacity: int | None = None,
@@ -255,17 +255,6 @@ class FakeGroup:
         if call.ref.error is not None:
             raise call.ref.error
         return call.ref.value
-
-    def call(self, wids: list[str], method: str, *args, timeout: float | None = None) -> dict[str, Any]:
-        calls = [self.submit(w, method, *args) for w in wids]
-        return {c.wid: self.result(c, timeout) for c in calls}
-
-    def alive(self, wid: str, timeout: float = 2.0) -> bool:
-        try:
-            self.result(self.submit(wid, "ping"), timeout=timeout)
-            return True
-        except (WorkerLost, TimeoutError):
-            return False
 
     def kill(self, wid: str) -> None:
         w = self.workers.pop(wid, None)
