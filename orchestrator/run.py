@@ -115,9 +115,14 @@ def connect(address: str | None, num_cpus: int) -> bool:
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+def elastic_of(spec: RunSpec) -> ElasticConfig:
+    """The run's ``[elastic]`` section with the sizes the spec holds now."""
+    return elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
+                            max_workers=spec.max_workers)
+
+
 def controller_options(spec: RunSpec) -> ControllerOptions:
-    e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
-                         max_workers=spec.max_workers)
+    e = elastic_of(spec)
     return ControllerOptions(hang_timeout_s=e.hang_timeout_s, replace_wait_s=e.replace_wait_s,
                              boot_timeout_s=e.boot_timeout_s, standby=e.standby,
                              failure=FailurePolicy(max_failures=e.max_failures, backoff_s=e.backoff_s))
@@ -126,8 +131,7 @@ def controller_options(spec: RunSpec) -> ControllerOptions:
 def worker_resources(spec: RunSpec) -> dict:
     import ray
 
-    e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
-                         max_workers=spec.max_workers)
+    e = elastic_of(spec)
     gpus = e.gpus_per_worker
     if gpus < 0:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
@@ -175,8 +179,8 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
 
     from .progress import Follower
 
-    standby = int(spec.config.get("elastic", {}).get("standby", 0))
-    cpus = num_cpus or int((max(spec.max_workers, spec.workers) + standby) * _cpus_per_worker(spec)) or 1
+    e = elastic_of(spec)
+    cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
     local = connect(address, cpus)
     actor = None
     try:
@@ -203,10 +207,6 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
             ray.kill(actor, no_restart=True)
         if local:
             ray.shutdown()
-
-
-def _cpus_per_worker(spec: RunSpec) -> float:
-    return float(spec.config.get("elastic", {}).get("cpus_per_worker", 1.0))
 
 
 def exit_code(final: dict) -> int:

@@ -96,8 +96,6 @@ class TrainWorker:
         t1 = time.monotonic()
         init_distributed(world, device, timeout_s=self.pg_timeout_s)
         t2 = time.monotonic()
-        if self.corpus is None:
-            self.corpus = load_corpus(self.cfg.data)
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
         self.ckpt = checkpoint_manager(self.cfg, world, epoch=epoch, fence=self._fence())
         self.epoch, self.rank = epoch, rank
