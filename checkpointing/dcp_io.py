@@ -26,6 +26,7 @@ import pickle
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,59 @@ def _host_bytes(t: torch.Tensor) -> memoryview | None:
         return None
 
 
+class PlannedItems:
+    """Finds the items of a plan DCP made earlier in a state dict of the same layout, by the paths
+    its planner flattened them from: what DCP's planner would resolve, without flattening the
+    state again or going through autograd for each shard (a ``planner`` for ``write_data``)."""
+
+    def __init__(self, paths: dict[str, tuple], state_dict: dict):
+        self.paths = paths
+        self.state_dict = state_dict
+
+    @staticmethod
+    def paths_of(plan: SavePlan, planner, state_dict: dict) -> dict[str, tuple] | None:
+        """Each item's path in ``state_dict``, checked against what ``planner`` (a DefaultSavePlanner
+        that planned it) resolved; None when some item is not a plain lookup (e.g. a ShardedTensor)."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed.tensor import DTensor
+
+        mappings, flat = getattr(planner, "mappings", None), getattr(planner, "state_dict", None)
+        if not getattr(planner, "flatten_state_dict", False) or mappings is None or flat is None:
+            return None
+        paths = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            path = mappings.get(fqn)
+            try:
+                obj = _lookup(state_dict, path)
+            except (KeyError, IndexError, TypeError):
+                return None
+            if obj is not flat.get(fqn):
+                return None
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and (
+                    isinstance(obj, ShardedTensor) or hasattr(obj, "__get_tensor_shard__")):
+                return None
+            paths[fqn] = path
+        return paths
+
+    def resolve_data(self, item):
+        from torch.distributed.tensor import DTensor
+
+        obj = _lookup(self.state_dict, self.paths[item.index.fqn])
+        if item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            return buf
+        return obj._local_tensor if isinstance(obj, DTensor) else obj
+
+
+def _lookup(state_dict, path):
+    obj = state_dict
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
 class EtrainWriter(StorageWriter):
     """Lays files out in ``write_data``; :meth:`upload` (later, in the thread
     that runs the save) waits for the files and sends the DCP metadata. One
@@ -132,7 +186,7 @@ class EtrainWriter(StorageWriter):
     """
 
     def __init__(self, storage: Storage, step_rel: str, *, file_size: int = FILE_SIZE,
-                 pool: StagingPool | None = None, overlap: bool = False):
+                 pool: StagingPool | None = None, overlap: bool = False, executor: ThreadPoolExecutor | None = None):
         super().__init__()
         self.storage = storage
         self.step_rel = step_rel
@@ -142,10 +196,17 @@ class EtrainWriter(StorageWriter):
         self.is_coordinator = False
         self.staged: list[_StagedFile] = []
         self.metadata: Metadata | None = None
+        self.metadata_blob: bytes | None = None  # the pickled metadata, when the caller has it already
+        self.plan: SavePlan | None = None  # the final local plan write_data was given
+        self.results: list[WriteResult] = []  # and what it answered
         self.staged_bytes = 0  # host memory this save copied into (device or non-contiguous tensors)
         self._buffers: list[torch.Tensor] = []
         self._uploads: list[Future] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []  # every upload this writer submitted, the metadata's included
+        # Upload threads: the caller's (kept from one save to the next: starting
+        # threads costs milliseconds each on a busy host), else made here.
+        self._executor = executor
+        self._own_executor = executor is None
         self.timings: dict[str, float] = {}  # monotonic times of write_data's start and end
 
     def reset(self, checkpoint_id=None) -> None:
@@ -163,6 +224,7 @@ class EtrainWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         self.timings["write_data"] = time.monotonic()
+        self.plan = plan
         prefix = plan.storage_data
         # Resolve and size every item, then lay the items out in files of ~file_size.
         items = []
@@ -174,16 +236,10 @@ class EtrainWriter(StorageWriter):
             else:
                 t = data.detach()
                 items.append((item, t, t.numel() * t.element_size()))
-        files: list[list] = [[]]
-        sizes = [0]
-        for entry in items:
-            if sizes[-1] and sizes[-1] + entry[2] > self.file_size:
-                files.append([])
-                sizes.append(0)
-            files[-1].append(entry)
-            sizes[-1] += _padded(entry[2])
+        files = _split(items, self.file_size, upload_threads(self.storage))
         results = []
-        self._executor = ThreadPoolExecutor(max(1, self.storage.concurrency // 2), thread_name_prefix="etrain-up")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(upload_threads(self.storage), thread_name_prefix="etrain-up")
         for k, group in enumerate(files):
             if not group:
                 continue
@@ -199,7 +255,8 @@ class EtrainWriter(StorageWriter):
                 off += _padded(n)
             self.staged.append(staged)
             if self.overlap:
-                self._uploads.append(self._executor.submit(self._upload_file, staged))
+                self._uploads.append(self._submit(self._upload_file, staged))
+        self.results = results
         self.timings["write_data_end"] = time.monotonic()
         fut: TorchFuture = TorchFuture()
         fut.set_result(results)
@@ -244,6 +301,11 @@ class EtrainWriter(StorageWriter):
                 torch.cuda.synchronize()  # the upload thread reads this buffer next
         return _StagedFile(name, views, sum(len(v) for v in views), keep)
 
+    def _submit(self, fn, *args) -> Future:
+        fut = self._executor.submit(fn, *args)
+        self._futures.append(fut)
+        return fut
+
     def _upload_file(self, f: _StagedFile) -> FileEntry:
         crc = self.storage.put_parts(f"{self.step_rel}/{f.path}", f.parts)
         return FileEntry(f.path, f.size, crc)
@@ -263,13 +325,15 @@ class EtrainWriter(StorageWriter):
         """Wait for this rank's file uploads; the coordinator adds the metadata. Raises the first failure."""
         try:
             if not self.overlap:
-                self._uploads = [self._executor.submit(self._upload_file, f) for f in self.staged]
+                self._uploads = [self._submit(self._upload_file, f) for f in self.staged]
             meta = None
             if self.is_coordinator:
-                if self.metadata is None:
-                    raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
-                blob = pickle.dumps(self.metadata)
-                meta = self._executor.submit(self.storage.put, f"{self.step_rel}/{METADATA_NAME}", blob)
+                if self.metadata_blob is None:
+                    if self.metadata is None:
+                        raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
+                    self.metadata_blob = pickle.dumps(self.metadata)
+                blob = self.metadata_blob
+                meta = self._submit(self.storage.put, f"{self.step_rel}/{METADATA_NAME}", blob)
             entries = [f.result() for f in self._uploads]
             if meta is not None:
                 meta.result()
@@ -280,8 +344,14 @@ class EtrainWriter(StorageWriter):
 
     def abort(self) -> None:
         """Cancel the uploads not started and wait for the others: after this no thread reads the state."""
-        if self._executor is not None:
+        if self._executor is None:
+            return
+        if self._own_executor:
             self._executor.shutdown(wait=True, cancel_futures=True)
+            return
+        for f in self._futures:
+            f.cancel()
+        wait_all(self._futures)
 
     def release(self) -> None:
         """Drop the views of the state; hand the host buffers back (to the pool, for the next save)."""
@@ -298,6 +368,28 @@ class EtrainWriter(StorageWriter):
 
 def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _split(items: list, file_size: int, threads: int) -> list[list]:
+    """Items (in order) into files of about equal size, at most ~``file_size`` each; more than one
+    file makes a multiple of ``threads``, so every upload thread gets the same work. Each item
+    goes to the file its middle byte falls in."""
+    total = sum(_padded(n) for *_, n in items)
+    count = max(1, -(-total // file_size))
+    if count > 1:
+        count = -(-count // threads) * threads
+    files: list[list] = [[] for _ in range(count)]
+    pos = 0
+    for entry in items:
+        n = _padded(entry[2])
+        files[min(count - 1, (pos + n // 2) * count // max(total, 1))].append(entry)
+        pos += n
+    return files
+
+
+def upload_threads(storage: Storage) -> int:
+    """How many files one rank writes at once."""
+    return storage.concurrency if not storage.is_local else max(1, storage.concurrency // 2)
 
 
 class EtrainReader(StorageReader):

@@ -16,11 +16,14 @@ step without a manifest, so it does not exist for any reader, and the
 previous checkpoint is untouched. At most one save is in flight; another
 request waits for it or is skipped with a warning (``when_busy``).
 
-DCP save plans are cached: when every rank still holds the same state layout
-as at this manager's previous save (same tensors, dtypes, shapes, shardings,
-same group), DCP reuses that save's plans and metadata instead of sending
-every rank's plan to the coordinator and back. Any change, on any rank,
-starts a fresh plan.
+Only the first save of a state layout goes through DCP's planning (its
+object collectives, and per tensor the work of finding its shard). A save
+whose every rank still holds the layout that this manager's last planned
+save was made for (same keys, tensors, dtypes, shapes, shardings, same
+group; see ``_layout_fingerprint``) and lays its items out in the same
+places reuses that save's plan and DCP metadata: each rank lays out and
+starts writing its files at once, and one small collective confirms that
+every rank could; any difference, on any rank, makes it a planned save.
 
 Fencing: each save carries the epoch of the controller that ordered it. A
 commit is refused when the fence (``fence()``, by default the run's ``FENCE``
@@ -33,11 +36,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
+import posixpath
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,20 @@ from .storage import Storage
 log = logging.getLogger("etrain")
 
 RANKS_DIR = "_ranks"
+STALE_UPLOAD_CHECK_S = 600.0  # retention looks for abandoned multipart uploads at most this often
+
+
+@dataclass(frozen=True)
+class _PlannedLayout:
+    """What a save planned by DCP leaves for later saves of the same layout (see the module doc)."""
+
+    plan_id: str  # rank 0's nonce of the planned save: the same on every rank
+    layout: str  # _layout_fingerprint of the state it was planned for
+    plan: Any  # this rank's final DCP SavePlan
+    paths: dict  # where each of its items is in the state dict (dcp_io.PlannedItems)
+    results: list  # this rank's WriteResults: where each item went
+    is_coordinator: bool
+    metadata_blob: bytes | None  # the pickled DCP metadata (coordinator only)
 
 
 @dataclass
@@ -116,12 +136,12 @@ class CheckpointManager:
         self._writer = None  # the EtrainWriter of the save in flight
         self._pool = None  # dcp_io.StagingPool, made at the first save
         self._gc_thread: threading.Thread | None = None
+        self._stale_checked = -float("inf")  # when retention last looked for stale multipart uploads
         self._group = None  # process group of the background saves
         self._snap_cache: dict = {}  # path -> host buffer of the async snapshot
-        self._plan_key: str | None = None  # DCP plan-cache key of the last successful save
-        self._plan_layout: str = ""  # the state layout it was planned for
-        self._plan_keys: set[str] = set()  # every key this manager used, dropped with it
-        weakref.finalize(self, _drop_plan_caches, self._plan_keys)
+        self._snap_views: dict = {}  # path -> the DTensor over that buffer, made once (from_local costs)
+        self._planned: _PlannedLayout | None = None  # the last save DCP planned, while its layout holds
+        self._io: ThreadPoolExecutor | None = None  # file upload threads, kept from one save to the next
         self._done: list[SaveResult] = []
         self._lock = threading.Lock()
 
@@ -143,6 +163,15 @@ class CheckpointManager:
 
     def latest_committed(self) -> int | None:
         for s in reversed(self.steps()):
+            if self.is_committed(s):
+                return s
+        return None
+
+    def _latest_committed_after(self, step: int) -> int | None:
+        """The newest committed step after ``step``, if any (one listing when there is none)."""
+        for s in reversed(self.steps()):
+            if s <= step:
+                return None
             if self.is_committed(s):
                 return s
         return None
@@ -233,13 +262,22 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _snapshot(self, obj, path: str = ""):
-        """A copy of every tensor in ``obj`` in host buffers kept from one save to the next."""
+    def _snapshot(self, state_dict: dict) -> dict:
+        """A copy of every tensor in ``state_dict`` in host buffers kept from one save to the next."""
+        import torch
+
+        devices: set[str] = set()
+        out = self._snapshot_tree(state_dict, "", devices)
+        if "cuda" in devices:
+            torch.cuda.current_stream().synchronize()  # once, after every copy was queued
+        return out
+
+    def _snapshot_tree(self, obj, path: str, devices: set[str]):
         import torch
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, dict):
-            return {k: self._snapshot(v, f"{path}/{k}") for k, v in obj.items()}
+            return {k: self._snapshot_tree(v, f"{path}/{k}", devices) for k, v in obj.items()}
         if not isinstance(obj, torch.Tensor):
             return obj
         local = obj._local_tensor if isinstance(obj, DTensor) else obj
@@ -247,34 +285,28 @@ class CheckpointManager:
         if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
             buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
             self._snap_cache[path] = buf
+        devices.add(local.device.type)
         buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
-        if local.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        if isinstance(obj, DTensor):
-            return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+        if not isinstance(obj, DTensor):
+            return buf
+        view = self._snap_views.get(path)
+        if (view is None or view._local_tensor.data_ptr() != buf.data_ptr() or view.device_mesh is not obj.device_mesh
+                or view.placements != obj.placements or view.shape != obj.shape or view.stride() != obj.stride()):
+            view = DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
                                       stride=obj.stride())
-        return buf
+            self._snap_views[path] = view
+        return view
 
-    def _agree(self, state_dict: dict, group) -> tuple[str, str]:
-        """One collective before each save: rank 0's nonce, and the DCP plan-cache key every rank uses.
+    def _agree(self, plan_id: str | None, group) -> tuple[str, bool]:
+        """One collective before each save: rank 0's nonce, and whether every rank can reuse ``plan_id``.
 
-        The key of the previous save is reused only when every rank made that
-        save with this key and still holds the state layout it was planned
-        for; otherwise all ranks take a fresh key (an empty cache: full
-        planning). A key shared by all ranks is what DCP's cache needs: a
-        rank that skips sending its plan relies on the coordinator having it.
+        ``plan_id`` is the plan this rank has laid its files out by (None: it
+        needs a planned save). The plan is reused only when every rank names
+        the same one.
         """
-        layout = _layout_fingerprint(state_dict)
-        mine = (self._plan_key, layout == self._plan_layout,
-                f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
+        mine = (plan_id, f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
         everyone = self._all_gather(mine, group)
-        nonce = everyone[0][2]
-        key = everyone[0][0]
-        if key is None or any(k != key or not same for k, same, _ in everyone):
-            _drop_plan_caches(self._plan_keys)
-            key = f"etrain-{nonce}"
-        self._plan_key, self._plan_layout = None, layout  # set again once this save's plan succeeded
-        return nonce, key
+        return everyone[0][1], plan_id is not None and all(p == plan_id for p, _ in everyone)
 
     def _all_gather(self, value, group) -> list:
         import torch.distributed as dist
@@ -285,45 +317,100 @@ class CheckpointManager:
         dist.all_gather_object(out, value, group=group or self.process_group)
         return out
 
+    def _new_writer(self, step: int):
+        from .dcp_io import EtrainWriter, StagingPool, upload_threads
+
+        if self._pool is None:
+            self._pool = StagingPool()
+        if self._io is None:
+            self._io = ThreadPoolExecutor(upload_threads(self.storage), thread_name_prefix="etrain-up")
+            weakref.finalize(self, self._io.shutdown, wait=False)
+        writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
+                              overlap=True, executor=self._io)
+        self._writer = writer
+        return writer
+
+    def _drop_writer(self, writer) -> None:
+        """No upload thread may outlive a failed save (they read the state)."""
+        writer.abort()
+        writer.release()
+        if self._writer is writer:
+            self._writer = None
+
+    def _lay_out_as_planned(self, step: int, state_dict: dict, layout: str):
+        """Lay this rank's files out by the last planned save and start writing them, if its layout
+        still holds. Returns the writer and the plan id, or (None, None). Never raises: every rank
+        must go on to ``_agree``."""
+        from .dcp_io import PlannedItems
+
+        planned = self._planned
+        if planned is None or planned.layout != layout:
+            return None, None
+        writer = None
+        try:
+            writer = self._new_writer(step)
+            writer.is_coordinator = planned.is_coordinator
+            writer.metadata_blob = planned.metadata_blob
+            writer.write_data(planned.plan, PlannedItems(planned.paths, state_dict))
+            if writer.results == planned.results:
+                return writer, planned.plan_id
+            log.debug("checkpoint at step %d: items moved (sizes changed); planning again", step)
+        except Exception as e:
+            log.debug("checkpoint at step %d: cannot reuse the last plan (%s); planning again", step, describe(e))
+        if writer is not None:
+            self._drop_writer(writer)
+        return None, None
+
     def _save_now(self, job: dict, state_dict: dict, group) -> SaveResult:
-        """DCP plan + lay out + upload + commit, in the calling thread."""
+        """Plan (or reuse the last plan) + lay out + upload + commit, in the calling thread."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_io import EtrainWriter, StagingPool
+        from .dcp_io import PlannedItems
 
         step = job["step"]
         t0 = time.monotonic()
         writer = None
         try:
+            layout = _layout_fingerprint(state_dict)
+            writer, plan_id = self._lay_out_as_planned(step, state_dict, layout)
+            t1 = time.monotonic()
             # Markers of this attempt live under a name all ranks share and no
             # earlier attempt at the same step used.
-            job["nonce"], key = self._agree(state_dict, group)
-            if self._pool is None:
-                self._pool = StagingPool()
-            writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
-                                  overlap=True)
-            self._writer = writer
-            self._plan_keys.add(key)
-            dcp.save(state_dict, storage_writer=writer, planner=_cached_planner(key), process_group=group,
-                     no_dist=self.world_size == 1 and not dist.is_initialized())
-            self._plan_key = key
+            job["nonce"], reuse = self._agree(plan_id, group)
+            t2 = time.monotonic()
+            if reuse:
+                w0 = writer.timings["write_data"]
+                job["dcp_phases"] = {"plan": w0 - t0, "lay_out": t1 - w0, "agree": t2 - t1}
+            else:
+                if writer is not None:  # another rank cannot reuse the plan
+                    self._drop_writer(writer)
+                self._planned = None
+                writer = self._new_writer(step)
+                planner = DefaultSavePlanner()
+                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
+                         no_dist=self.world_size == 1 and not dist.is_initialized())
+                blob = pickle.dumps(writer.metadata) if writer.is_coordinator else None
+                writer.metadata_blob = blob
+                paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
+                if paths is not None:
+                    self._planned = _PlannedLayout(job["nonce"], layout, writer.plan, paths, writer.results,
+                                                   writer.is_coordinator, blob)
+                t3 = time.monotonic()
+                w0, w1 = writer.timings.get("write_data", t3), writer.timings.get("write_data_end", t3)
+                job["dcp_phases"] = {"plan": w0 - t0, "lay_out": w1 - w0, "dcp_finish": t3 - w1}
         except (Exception, CheckpointException) as e:
-            _drop_plan_caches(self._plan_keys)
-            if writer is not None:  # no upload thread may outlive a failed save (they read the state)
-                writer.abort()
-                writer.release()
-                self._writer = None
+            self._planned = None
+            if writer is not None:
+                self._drop_writer(writer)
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}",
                              blocking_s=job.get("blocking", time.monotonic() - job["t0"]))
             log.warning("checkpoint at step %d failed: %s", step, res.error)
             self._finish(res)
             return res
         job["writer"] = writer
-        t1 = time.monotonic()
-        w0, w1 = writer.timings.get("write_data", t1), writer.timings.get("write_data_end", t1)
-        job["dcp_phases"] = {"plan": w0 - t0, "lay_out": w1 - w0, "dcp_finish": t1 - w1}
         return self._persist(job)
 
     def _persist(self, job: dict) -> SaveResult:
@@ -366,27 +453,36 @@ class CheckpointManager:
 
     def _wait_for_ranks(self, rel: str, nonce: str) -> dict[int, dict]:
         where = f"{rel}/{RANKS_DIR}/{nonce}"
-        deadline = time.monotonic() + self.commit_timeout_s
-        delay = 0.002  # the other ranks are usually a few ms behind: look again soon, then back off
+        start = time.monotonic()
+        deadline = start + self.commit_timeout_s
+        # The other ranks are usually a few ms behind: look again soon, then back off,
+        # never sleeping past more than 1/20 of the time waited so far.
+        floor = 0.002 if self.storage.is_local else 0.01
         while True:
             names = [n for n in self.storage.list_dir(where) if n.startswith("rank_")]
-            if len(names) >= self.world_size:
-                blobs = self.storage.get_many([f"{where}/{n}" for n in names])
-                return {int(b["rank"]): b for b in (json.loads(v) for v in blobs.values())}
-            if names:  # a failed rank reports early
-                blobs = self.storage.get_many([f"{where}/{n}" for n in names])
-                failed = {int(b["rank"]): b["error"] for b in map(json.loads, blobs.values()) if not b["ok"]}
-                if failed:
-                    raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
+            # A marker being written on a local disk can be listed before its bytes are in
+            # (no renames): one that does not parse yet is read again on the next look.
+            markers = {}
+            if names:
+                for blob in self.storage.get_many([f"{where}/{n}" for n in names]).values():
+                    try:
+                        b = json.loads(blob)
+                    except ValueError:
+                        continue
+                    markers[int(b["rank"])] = b
+            if len(markers) >= self.world_size:
+                return markers
+            failed = {r: b["error"] for r, b in markers.items() if not b["ok"]}  # a failed rank reports early
+            if failed:
+                raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
             if time.monotonic() > deadline:
-                have = {int(n[5:10]) for n in names}
+                have = set(markers)
                 missing = [r for r in range(self.world_size) if r not in have]
                 label = "rank" if len(missing) == 1 else "ranks"
                 raise CheckpointError(
                     f"not committed: {label} {','.join(map(str, missing))} did not finish uploading "
                     f"within {self.commit_timeout_s:.0f} s")
-            time.sleep(delay)
-            delay = min(0.5, delay * 1.5)
+            time.sleep(min(0.5, max(floor, 0.05 * (time.monotonic() - start))))
 
     def _commit(self, job: dict, own_entries) -> int:
         step = job["step"]
@@ -402,11 +498,12 @@ class CheckpointManager:
         for b in markers.values():
             for f in b["files"]:
                 files[f["path"]] = f
+        self._check_sizes(rel, files.values())
         fence = self.fence()
         if fence > self.epoch:
             raise FencedError(f"not committed: epoch {self.epoch} is fenced off by epoch {fence}")
-        newest = self.latest_committed()
-        if newest is not None and newest > step:
+        newest = self._latest_committed_after(step)
+        if newest is not None:
             theirs = self.read_manifest(newest)
             if theirs.epoch > self.epoch:
                 raise FencedError(f"not committed: epoch {theirs.epoch} already committed step {newest}")
@@ -422,6 +519,21 @@ class CheckpointManager:
         job["phases"]["commit"] = time.monotonic() - t0
         self._start_gc()
         return manifest.total_bytes
+
+    def _check_sizes(self, rel: str, files) -> None:
+        """Every file a rank reported is in storage at the size it meant to write: a write that the
+        storage cut short while reporting success is caught here, before the commit, not at load."""
+        by_dir: dict[str, list[dict]] = {}
+        for f in files:
+            by_dir.setdefault(posixpath.dirname(f["path"]), []).append(f)
+        for sub, entries in by_dir.items():
+            present = self.storage.list_dir(f"{rel}/{sub}" if sub else rel)
+            for f in entries:
+                size = present.get(posixpath.basename(f["path"]))
+                if size != f["size"]:
+                    found = "is missing" if size is None else f"holds {size} bytes"
+                    raise CheckpointError(f"not committed: {rel}/{f['path']} {found}, {f['size']} were written "
+                                          "(a truncated or lost write)")
 
     def _start_gc(self) -> None:
         """Retention runs beside the next steps, not inside the save that triggered it."""
@@ -470,7 +582,9 @@ class CheckpointManager:
                 # The manifest goes first: a half-deleted checkpoint must not look committed.
                 self.storage.delete_tree(f"{self.step_rel(s)}/{MANIFEST_NAME}")
             self.storage.delete_tree(self.step_rel(s))
-        self.storage.abort_stale_uploads(self.prefix, older_than_s=3600)
+        if time.monotonic() - self._stale_checked > STALE_UPLOAD_CHECK_S:
+            self.storage.abort_stale_uploads(self.prefix, older_than_s=3600)
+            self._stale_checked = time.monotonic()
         return sorted(doomed)
 
     # --- loading -----------------------------------------------------------------
@@ -563,36 +677,18 @@ class CheckpointManager:
         return problems
 
 
-def _cached_planner(key: str):
-    """DCP's default save planner with its plan cache under ``key`` (see ``_agree``)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = key  # DCP's own default is the class name, shared by every save in the process
-    return planner
-
-
-def _drop_plan_caches(keys: set[str]) -> None:
-    """Forget DCP's cached plans under ``keys`` (class-level dicts that would otherwise keep them)."""
-    if not keys:
-        return
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
-                 "_cached_metadata"):
-        cache = getattr(SavePlanner, name, None)
-        if isinstance(cache, dict):
-            for k in keys:
-                cache.pop(k, None)
-    keys.clear()
-
-
 def _layout_fingerprint(state_dict) -> str:
-    """A digest of everything a DCP save plan depends on: keys, and per tensor its dtype, shapes and sharding."""
+    """A digest of everything this rank's DCP save plan depends on: the keys, and per tensor its
+    dtype, shapes, sharding and the properties DCP records (``TensorProperties``). Where non-tensor
+    items land (their serialized size) is checked after laying out instead."""
     import torch
     from torch.distributed.tensor import DTensor
 
     h = hashlib.blake2b(digest_size=16)
+    coords: dict[int, tuple] = {}
+
+    def props(t: torch.Tensor, requires_grad: bool) -> str:
+        return f"{t.dtype}{t.layout}{int(requires_grad)}{int(t.is_pinned())}"
 
     def walk(obj, path: str) -> None:
         if isinstance(obj, dict):
@@ -603,11 +699,13 @@ def _layout_fingerprint(state_dict) -> str:
             for i, v in enumerate(obj):
                 walk(v, f"{path}/{i}")
         elif isinstance(obj, DTensor):
-            mesh = obj.device_mesh
-            h.update(f"{path}:D{obj.dtype}{tuple(obj.shape)}{tuple(obj._local_tensor.shape)}{obj.placements}"
-                     f"{tuple(mesh.shape)}{mesh.get_coordinate()};".encode())
+            mesh, local = obj.device_mesh, obj._local_tensor
+            if id(mesh) not in coords:
+                coords[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
+            h.update(f"{path}:D{tuple(obj.shape)}{tuple(local.shape)}{obj.placements}{coords[id(mesh)]}"
+                     f"{props(local, obj.requires_grad)};".encode())
         elif isinstance(obj, torch.Tensor):
-            h.update(f"{path}:T{obj.dtype}{tuple(obj.shape)};".encode())
+            h.update(f"{path}:T{tuple(obj.shape)}{props(obj, obj.requires_grad)};".encode())
         else:
             h.update(f"{path}:{type(obj).__name__};".encode())
 

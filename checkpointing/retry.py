@@ -60,6 +60,11 @@ def describe(exc: BaseException) -> str:
         err = response.get("Error", {})
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
         return f"{err.get('Code', type(exc).__name__)} (HTTP {status}): {err.get('Message', '')}".strip()
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # DCP's CheckpointException: its text is a traceback per rank; name each rank's own error instead.
+        return "; ".join(f"rank {rank}: {describe(pair[0]) if isinstance(pair, tuple) else pair}"
+                         for rank, pair in sorted(failures.items()))[:600]
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]
 

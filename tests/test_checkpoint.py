@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from checkpointing.manager import CheckpointManager
@@ -160,20 +159,27 @@ def test_flipped_byte_fails_verify_and_load_falls_back(storage_url):
 def test_storage_faults_retry_then_commit_or_fail_cleanly(storage_url):
     flaky = ['checkpoint.faults={error_rate = 0.3, delay_s = 0.01, seed = 5}']
     down = ['checkpoint.faults={fail_after = 0}', "checkpoint.timeout_s=3"]
+    truncating = ['checkpoint.faults={truncate_rate = 1.0, ops = ["put"], path_contains = ".distcp"}']
     res = plan(2, storage_url, [
         {"save_overrides": flaky, "train": 1, "save": "run", "state": False},
         # The storage goes away: the save fails within its bound, training goes on,
         # and the committed checkpoint is untouched.
         {"save_overrides": down, "load": "run", "train": 1, "save": "run", "state": False},
         {"load": "run", "train": 1, "state": False},
+        # The storage keeps half of every shard while reporting success: the commit sees the sizes
+        # and refuses; the truncated step never appears committed.
+        {"save_overrides": truncating, "load": "run", "train": 1, "save": "run", "state": False},
     ])
-    first, second, third = res[0]  # rank 0, one result per action
+    first, second, third, fourth = res[0]  # rank 0, one result per action
     assert first["saves"] == [(1, "committed", "")]
     assert first["faults_injected"].get("error", 0) > 0
     (step, status, error), = second["saves"]
     assert (step, status) == (2, "failed") and "injected storage fault" in error
     assert second["save_seconds"] < 15
     assert third["loaded_step"] == 1 and len(third["losses"]) == 1
+    (step, status, error), = fourth["saves"]
+    assert (step, status) == (2, "failed") and ".distcp holds" in error and "truncated" in error, error
+    assert CheckpointManager(storage_url, "run").committed_steps() == [1]
 
 
 def test_one_save_in_flight_second_waits_or_is_skipped(tmp_path):
@@ -182,3 +188,62 @@ def test_one_save_in_flight_second_waits_or_is_skipped(tmp_path):
     assert res["skip_committed"] == [1]
     assert res["wait"] == [(1, "committed"), (2, "committed")]
     assert res["wait_committed"] == [1, 2]
+
+
+def repeated_saves(payload: dict) -> dict:
+    """Saves of one manager in a row: the first plans, later ones of the same layout reuse its plan;
+    a new key, or a non-tensor item that grew, plans again. Runs in each rank."""
+    from tests.ckpt_jobs import full_state
+    from trainer.config import load_config
+    from trainer.data import load_corpus
+    from trainer.loop import Trainer, checkpoint_manager
+    from trainer.world import World, init_distributed, shutdown_distributed
+
+    world = World.from_env()
+    init_distributed(world, torch.device("cpu"))
+    try:
+        cfg = load_config(None, payload["base"] + ZERO3 + ["checkpoint.async_save=false", "checkpoint.keep_last=10"])
+        corpus = load_corpus(cfg.data)
+        trainer = Trainer(cfg, world, corpus=corpus, device=torch.device("cpu"))
+        mgr = checkpoint_manager(cfg, world)
+        saved, planned, notes = {}, {}, {}
+        # Steps 3 and 4 save asynchronously (from snapshot buffers: step 3 plans again where
+        # their tensor properties differ from the live tensors'). Serialized non-tensor items
+        # are 64-byte aligned: a few more characters would not move anything.
+        for step, note in [(1, None), (2, None), (3, None), (4, None), (5, "a"), (6, "b" * 5000), (7, "c" * 5000)]:
+            trainer.train_step()
+            mgr.async_save = step in (3, 4)
+            state = trainer.optimizer.checkpoint_state()
+            if note is not None:
+                state["extra"] = {"note": note}
+                notes[step] = note
+            mgr.save(trainer.step, state, layout=trainer.layout(), config_hash="h", trainer_state={})
+            mgr.wait()
+            (res,) = mgr.poll()
+            assert res.ok, res
+            planned[trainer.step] = "dcp_finish" in res.phases
+            saved[trainer.step] = full_state(trainer)
+        loaded = {}
+        for step in saved:
+            fresh = Trainer(cfg, world, corpus=corpus, device=torch.device("cpu"))
+            state = fresh.optimizer.checkpoint_state()
+            if step in notes:
+                state["extra"] = {"note": ""}
+            mgr.load(state, step=step)
+            got = full_state(fresh)
+            same = got.keys() == saved[step].keys() and all(torch.equal(got[k], v) for k, v in saved[step].items())
+            loaded[step] = (same, state.get("extra", {}).get("note"))
+        return {"planned": planned, "loaded": loaded, "notes": notes}
+    finally:
+        shutdown_distributed()
+
+
+def test_saves_of_an_unchanged_layout_reuse_the_plan(storage_url):
+    res = run_ranks("tests.test_checkpoint:repeated_saves", 2, {"base": base(storage_url)})
+    for r in res:
+        planned = r["planned"]
+        planned.pop(3)
+        assert planned == {1: True, 2: False, 4: False, 5: True, 6: True, 7: False}
+        for step, (same, note) in r["loaded"].items():
+            assert same, f"step {step} loaded other values than it saved"
+            assert note == r["notes"].get(step), (step, note)

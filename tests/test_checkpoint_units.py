@@ -11,7 +11,7 @@ from checkpointing.errors import CheckpointError, EtrainError, StorageError
 from checkpointing.faults import StorageFaults
 from checkpointing.manager import group_rank_errors, retained_steps
 from checkpointing.manifest import FileEntry, Manifest, checksum, parse_step_dir, step_dir
-from checkpointing.retry import RetryPolicy, TransientStorageError, is_transient
+from checkpointing.retry import RetryPolicy, TransientStorageError, describe, is_transient
 from checkpointing.storage import MiB, Storage
 
 
@@ -143,3 +143,14 @@ def test_errors_never_show_credentials(s3_server):
     with pytest.raises((StorageError, FileNotFoundError)) as e:
         s.put("a.bin", b"1")
     assert "testing" not in str(e.value)  # the access key and secret used here
+
+
+def test_a_dcp_failure_is_described_by_each_ranks_own_error():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise ValueError("chunk sizes disagree for model.w")
+    except ValueError as e:
+        wrapped = _wrap_exception(e)
+    text = describe(CheckpointException("step", {1: wrapped}))
+    assert text == "rank 1: ValueError: chunk sizes disagree for model.w"
