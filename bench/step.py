@@ -16,35 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute here)")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--rounds", type=int, default=0)
-    ap.add_argument("--steps-per-round", type=int, default=0)
-    return ap.parse_args()
-
-
-def launch(args: argparse.Namespace) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.world)))
-    cmd = [torchrun, f"--nproc_per_node={args.world}", "--master_addr=127.0.0.1", f"--master_port={port}",
-           __file__, *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
+from bench.torchrun import parse_args, relaunch  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -131,8 +109,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    a = parse()
+    a = parse_args("fewer rounds (under a minute here)")
     if "RANK" in os.environ:
         worker(a)
     else:
-        sys.exit(launch(a))
+        sys.exit(relaunch(__file__, a.world))

@@ -33,6 +33,9 @@ def test_defaults_and_overrides(tmp_path):
     (["data.seq_len=1000"], "data.seq_len=1000 exceeds model.max_seq_len=256"),
     (["checkpoint.interval_steps=10"], "checkpoint.interval_steps=10 needs checkpoint.url"),
     (["parallel.tp"], "must look like section.field=value"),
+    (["metrics.port=70000"], "metrics.port=70000 must be 0 (a free port) or a port number up to 65535"),
+    (["metrics.every_s=0"], "metrics.every_s=0.0 must be > 0"),
+    (["metrics.enable=false"], "unknown key metrics.enable; did you mean 'enabled'"),
 ])
 def test_bad_config_names_field_and_fix(overrides, message):
     with pytest.raises(ConfigError) as e:

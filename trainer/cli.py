@@ -24,6 +24,7 @@ from .config import load_config
 from .data import load_corpus
 from .loop import StepStats, Trainer, checkpoint_manager
 from .parallel import ParallelDims, resolve_device
+from .telemetry import comm_meter
 from .world import World, init_distributed, shutdown_distributed
 
 
@@ -53,13 +54,33 @@ def format_memory(measured: dict[str, int], predicted: dict[str, int], rank: int
     return f"memory rank {rank}: " + ", ".join(parts)
 
 
-def report_saves(ckpt, world: World) -> None:
+def report_saves(ckpt, world: World) -> list[dict]:
+    """Print the saves that finished; return them (as dicts) for the metrics."""
     if ckpt is None:
-        return
-    for r in ckpt.poll():
+        return []
+    done = ckpt.poll()
+    for r in done:
         if world.is_main and r.ok:
             print(f"etrain: checkpoint step {r.step} committed: {r.bytes / 2**20:.1f} MiB, "
                   f"blocked {r.blocking_s * 1e3:.0f} ms, persisted in {r.persist_s:.2f} s", flush=True)
+    return [{"step": r.step, "status": r.status, "bytes": r.bytes, "blocking_s": r.blocking_s,
+             "persist_s": r.persist_s} for r in done]
+
+
+def start_metrics(cfg, world: World):
+    """The run's Prometheus endpoint on rank 0 (docs/metrics.md), or None when ``metrics.enabled`` is off."""
+    if not cfg.metrics.enabled:
+        return None
+    import torch.distributed as dist
+
+    from orchestrator.metrics import LauncherMetrics
+
+    store = dist.distributed_c10d._get_default_store() if world.size > 1 else None
+    m = LauncherMetrics(cfg, world, store)
+    if m.url:
+        print(f"etrain: metrics at {m.url}" + (f" (Prometheus target file {m.endpoint.file_sd_path})"
+                                                if m.endpoint.file_sd_path else ""), flush=True)
+    return m
 
 
 def setup_logging(world: World) -> None:
@@ -88,11 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"etrain: invalid config: {e}", file=sys.stderr)
         return 2
 
+    meter = comm_meter(install=cfg.metrics.enabled and cfg.metrics.comm)
+    meter.enabled = cfg.metrics.enabled and cfg.metrics.comm
     init_distributed(world, device)
+    metrics = None
     log = open(args.log_file, "a") if (args.log_file and world.is_main) else None
     try:
         trainer = Trainer(cfg, world, corpus=corpus, device=device)
+        meter.name_axes(trainer.mesh)
         ckpt = checkpoint_manager(cfg, world)
+        metrics = start_metrics(cfg, world)
         if ckpt is not None and cfg.checkpoint.resume:
             manifest = trainer.load_checkpoint(ckpt)
             if world.is_main:
@@ -121,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             every = cfg.checkpoint.interval_steps
             if ckpt is not None and every and (s.step % every == 0 or s.step == total):
                 trainer.save_checkpoint(ckpt)
-            report_saves(ckpt, world)
+            saves = report_saves(ckpt, world)
+            if metrics is not None:
+                metrics.after_step(s, trainer, ckpt, saves)
         if ckpt is not None:
             ckpt.wait()
-            report_saves(ckpt, world)
+            saves = report_saves(ckpt, world)
+            if metrics is not None:
+                metrics.record_saves(saves)
         if world.is_main and last is not None:
             print(f"etrain: trained {total} steps in {time.monotonic() - t0:.1f} s; "
                   f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)
@@ -134,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"etrain: invalid config: {e}", file=sys.stderr)
         return 2
     finally:
+        if metrics is not None:
+            metrics.close()
         if log:
             log.close()
         shutdown_distributed()

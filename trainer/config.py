@@ -4,7 +4,7 @@
     cfg = load_config("examples/tiny.toml", overrides=["parallel.tp=2"])
 
 A whole run is one TOML file with the sections ``[model]``, ``[data]``,
-``[train]``, ``[parallel]`` and ``[checkpoint]``; ``--set section.field=value``
+``[train]``, ``[parallel]``, ``[checkpoint]`` and ``[metrics]``; ``--set section.field=value``
 overrides any field (the value is parsed as TOML, falling back to a string).
 Each section validates itself in ``__post_init__``; checks that span sections
 run in :class:`TrainConfig`; checks that need the world size run in
@@ -270,6 +270,32 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    """The run's Prometheus endpoint (docs/metrics.md). Served by the controller on Ray and by
+    rank 0 under torchrun."""
+
+    enabled: bool = True
+    # Address and port of the endpoint; port 0 picks a free one. Printed at start.
+    addr: str = "127.0.0.1"
+    port: int = 0
+    # Directory of Prometheus file_sd target files ("" = $ETRAIN_PROMETHEUS_DIR, else ~/.etrain/prometheus;
+    # "-" = write none).
+    file_sd_dir: str = ""
+    # Time every collective (calls, bytes, seconds, bus bandwidth); off leaves torch.distributed untouched.
+    comm: bool = True
+    # How often ranks send their communication and memory figures.
+    every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port={self.port} must be 0 (a free port) or a port number up to 65535")
+        if self.every_s <= 0:
+            raise ConfigError(f"metrics.every_s={self.every_s} must be > 0 (seconds between rank reports)")
+        if not self.addr:
+            raise ConfigError('metrics.addr is empty; use "127.0.0.1", or "0.0.0.0" to listen on every interface')
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """One training run. Cross-section checks live here."""
 
@@ -279,6 +305,7 @@ class TrainConfig:
     train: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         m, p, d, t = self.model, self.parallel, self.data, self.train
@@ -336,6 +363,7 @@ class TrainConfig:
         d = self.to_dict()
         d.pop("parallel")
         d.pop("checkpoint")
+        d.pop("metrics")
         d.pop("run_id")
         d["train"].pop("log_every")
         blob = json.dumps(d, sort_keys=True).encode()
@@ -348,6 +376,7 @@ _SECTIONS: dict[str, type] = {
     "train": OptimConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
 }
 _TOP_LEVEL = {"run_id": str}
 # Sections owned by other components of a run (the orchestrator's [elastic]);
