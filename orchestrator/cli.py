@@ -5,6 +5,8 @@
     etrain status [RUN] [--json]          etrain events RUN [--json]
     etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
     etrain resize RUN --workers N         etrain stop RUN
+    etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
+    etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
     etrain train --config CONFIG.toml     (one rank of a run under torchrun; same as python -m trainer)
     etrain ckpt {ls,inspect,verify} URL
     etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
@@ -81,6 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
     p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
     p.add_argument("--no-progress", action="store_true")
+    _add_store(p)
+
+    p = sub.add_parser("top", help="a live view of a run's metrics: loss, throughput, communication, memory, "
+                                   "checkpoints, recoveries")
+    p.add_argument("run", nargs="?", help="run id (its endpoint is read from the run store)")
+    p.add_argument("--url", help="the metrics endpoint itself, e.g. a torchrun job's http://HOST:PORT/metrics")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _add_store(p)
+
+    p = sub.add_parser("chaos", help="inject faults into a live run, then judge it against a failure-free reference")
+    p.add_argument("run")
+    p.add_argument("--plan", help="chaos plan (TOML: [chaos] and [[fault]] tables; see docs/chaos.md)")
+    p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="a fault, e.g. kind=kill_worker,at_step=10 (repeatable; adds to --plan)")
+    p.add_argument("--reference", nargs="?", const="", default=None, metavar="REF_RUN",
+                   help="compare with a failure-free run: REF_RUN if it finished, else run one (RUN-reference)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw loss and world size over time, faults marked")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line too")
+    p.add_argument("--address", help="the run's Ray cluster (default $RAY_ADDRESS, else the local one)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the run at most")
     _add_store(p)
 
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
@@ -194,6 +217,21 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_chaos(args) -> int:
+    from .chaos import main as chaos_main
+
+    return chaos_main(args, _store(args))
+
+
+def cmd_top(args) -> int:
+    from .top import main as top_main
+
+    if not args.run and not args.url:
+        print("etrain: top needs a RUN (or --url http://HOST:PORT/metrics)", file=sys.stderr)
+        return EXIT_USAGE
+    return top_main(args, None if args.url else _store(args))
+
+
 def cmd_events(args) -> int:
     from .progress import describe_event
 
@@ -277,7 +315,8 @@ def cmd_resize(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
-            "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize}
+            "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
+            "chaos": cmd_chaos}
 
 
 if __name__ == "__main__":

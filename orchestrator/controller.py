@@ -33,6 +33,7 @@ from typing import Any
 
 from checkpointing.errors import EtrainError, FencedError
 from checkpointing.manager import group_rank_errors
+from checkpointing.retry import describe
 from trainer.config import config_from_dict
 from trainer.parallel import valid_world_sizes
 
@@ -41,6 +42,8 @@ from .store import RunSpec, RunStore, StoreUnavailable
 from .worker_group import WorkerLost
 
 log = logging.getLogger("etrain")
+
+HISTORY_MAX = 100_000  # steps kept in the run's history (the newest)
 
 
 @dataclass(kw_only=True)
@@ -97,8 +100,11 @@ class Initializing(State):
         c.lease = c.store.acquire(c.run_id, c.controller_id, ttl_s=c.opts.lease_ttl_s)
         c.start_lease_keeper()
         c.epoch = c.store.current_epoch(c.run_id)
+        c.history = c.store.get_history(c.run_id)  # a resumed run's steps so far
         c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
                 controller_id=c.controller_id)
+        if c.metrics_url:
+            c.event("metrics", url=c.metrics_url, file_sd=c.metrics_file_sd)
         return Scheduling(c.desired(), "starting")
 
 
@@ -143,6 +149,7 @@ class Running(State):
         if isinstance(failure, State):
             return failure
         c.poll_progress()
+        c.poll_telemetry()
         c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
         c.refresh_spec_throttled()
         if c.spec.suspended:
@@ -164,6 +171,9 @@ class Recovering(State):
 
     def step(self, c: Controller) -> State:
         decision = c.opts.failure.decide(c.failures.add(self.failure), c.clock())
+        if c.metrics is not None:  # detection is measured from the last sign of progress
+            detected = self.detected_at or c.clock()
+            c.metrics.observe_failure(self.failure.kind, max(0.0, detected - c.progress_at))
         c.event("failure", failure_kind=self.failure.kind, step=self.failure.step, message=self.failure.message,
                 decision=decision.reason, world_size=len(c.members))
         log.warning("failure: %s", decision.reason)
@@ -174,6 +184,7 @@ class Recovering(State):
         last_step = c.last_completed_step()
         world_before = len(c.members)
         t0 = c.clock()
+        c.poll_progress(timeout=0.5)  # rank 0's last steps (history, saves) before anyone is killed
         survivors = c.settle_after_failure(self.suspects)
         # Replacements for lost members start now; new standbys only once the group trains again,
         # so that their boot does not compete with the recovery for the machine.
@@ -265,7 +276,11 @@ class Finishing(State):
                 c.stop_at_boundary()
             c.save_now()
         except GroupFailure as e:
+            # A member died during the final save: recover like any failure, so that the last steps are
+            # trained again (if they must be) and the final checkpoint commits; never finish without it.
             log.warning("the final checkpoint failed: %s", e)
+            return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
+                              c.clock())
         c.group.shutdown()
         c.members, c.spares, c.train_calls = [], [], {}
         c.event("finished", step=c.last_completed_step(), reason=self.reason)
@@ -298,7 +313,7 @@ class Failed(Terminal):
 
 class Controller:
     def __init__(self, spec: RunSpec, store: RunStore, group, opts: ControllerOptions | None = None,
-                 clock=time.monotonic, controller_id: str | None = None, sleep=time.sleep):
+                 clock=time.monotonic, controller_id: str | None = None, sleep=time.sleep, metrics=None):
         self.spec = spec
         self.run_id = spec.run_id
         self.store = store
@@ -341,6 +356,15 @@ class Controller:
         self._lock = threading.Lock()
         self._keeper: threading.Thread | None = None
         self._stop_keeper = threading.Event()
+        # The run's Prometheus figures (orchestrator.metrics.RunMetrics), None without an endpoint.
+        self.metrics = metrics
+        self.metrics_url: str | None = None
+        self.metrics_file_sd: str | None = None  # the Prometheus target file of the endpoint
+        self._telemetry_calls: dict[str, Any] = {}
+        self.next_telemetry = 0.0
+        self.history: list[list] = []  # every step trained, from rank 0 (RunStore.put_history)
+        self.storage_faults: dict | None = None  # injected by `etrain chaos`, for every worker
+        self.next_history = 0.0
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -366,6 +390,9 @@ class Controller:
         if type(nxt) is not type(before):
             log.info("%s -> %s", before.name, nxt.name)
         self.state = nxt
+        if self.metrics is not None:
+            self.metrics.observe_run(world_size=len(self.members), epoch=self.epoch, phase=nxt.name,
+                                     goodput=self.goodput())
         if nxt.terminal:
             self.finish(nxt)
         return nxt
@@ -435,6 +462,8 @@ class Controller:
         rank0 = chosen[0]
         addr = self.group.info(rank0).get("ip", "127.0.0.1")
         port = self._group_call([rank0], "free_port")[rank0]
+        if self.storage_faults is not None:  # chaos: replacements get the injected storage faults too
+            self._group_call(chosen, "set_storage_faults", self.storage_faults)
         t0 = self.clock()
         calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port) for r, w in enumerate(chosen)]
         formed = self._collect(calls, "form")
@@ -448,6 +477,10 @@ class Controller:
         self.progress = {"step": step}
         self.progress_at = self.clock()
         self.committed_step = restored[rank0]["from_step"]
+        if self.metrics is not None:
+            self.metrics.observe_commit(self.committed_step)
+            self.metrics.forget_ranks_above(size)
+            self._telemetry_calls = {}
         if self.pending_recovery is not None and "restored_step" not in self.pending_recovery:
             r = self.pending_recovery
             r.update(restored_step=step, world_after=size)
@@ -455,6 +488,7 @@ class Controller:
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
                    rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
+                   nodes=[self.group.info(w).get("node_id", "") for w in chosen],
                    pids=[self.group.info(w).get("pid") for w in chosen])
         return step
 
@@ -483,7 +517,7 @@ class Controller:
         deadline = self.clock() + self.opts.call_timeout_s
         pending = list(calls)
         out = {}
-        lost = []
+        lost, raised = [], []
         while pending and self.clock() < deadline:
             for call in self.group.wait(pending, timeout=min(1.0, max(0.0, deadline - self.clock()))):
                 pending.remove(call)
@@ -491,10 +525,17 @@ class Controller:
                     out[call.wid] = self.group.result(call)
                 except WorkerLost as e:
                     lost.append((call.wid, str(e)))
-            if lost:
+                except Exception as e:  # the method raised in a live worker: a peer vanished mid-collective
+                    raised.append((call.wid, describe(getattr(e, "cause", None) or e)))
+            if lost or raised:
                 break
         if lost:
             raise GroupFailure(f"{what}: " + "; ".join(m for _, m in lost), "actor_died", [w for w, _ in lost])
+        if raised:
+            # The worker that raised lives on (its process group is rebuilt by the next form); the failure
+            # that caused it is found when the group settles.
+            ranks = {self.members.index(w) if w in self.members else -1: m for w, m in raised}
+            raise GroupFailure(f"{what}: " + group_rank_errors(ranks), "collective_failed", [])
         if pending:
             raise GroupFailure(f"{what} did not finish within {self.opts.call_timeout_s:.0f} s on workers "
                                f"{','.join(c.wid for c in pending)}", "hang", [c.wid for c in pending])
@@ -538,27 +579,36 @@ class Controller:
             return Finishing("all steps done")
         return None  # "stopped" results are collected by stop_at_boundary
 
-    def poll_progress(self) -> None:
+    def poll_progress(self, timeout: float = 2.0) -> None:
         """Rank 0's last step (every rank reaches the same step boundary)."""
         if not self.members:
             return
         try:
-            p = self.group.result(self.group.submit(self.members[0], "progress"), timeout=2.0)
+            p = self.group.result(self.group.submit(self.members[0], "progress"), timeout=timeout)
         except (TimeoutError, WorkerLost):
             return
         self._absorb_saves(p.get("saves", []))
+        rows = p.pop("history", None) or []
+        self.history.extend(rows)
+        del self.history[:-HISTORY_MAX]
+        self.productive_s += sum(r[5] for r in rows if len(r) > 5)  # every step's time, not only the polled one
         if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
             self.progress = p
             self.progress_at = self.clock()
+            if self.metrics is not None:
+                self.metrics.observe_step(p)
             self.step_times.append(p.get("step_seconds", 0.0))
-            self.productive_s += p.get("step_seconds", 0.0)
             self._finish_pending(p)
 
     def _absorb_saves(self, saves: list[dict]) -> None:
         """Results of checkpoints as rank 0, the coordinator that commits them, reports them."""
         for s in saves:
+            if self.metrics is not None:
+                self.metrics.observe_save(s)
             if s["status"] == "committed":
                 self.committed_step = max(self.committed_step or 0, s["step"])
+            elif s["status"] == "skipped":  # when_busy="skip": the next interval saves
+                log.info("checkpoint of step %d skipped: a save was in flight", s["step"])
             else:
                 self.event("checkpoint_failed", step=s["step"], error=s["error"])
 
@@ -571,6 +621,8 @@ class Controller:
             self.counters["steps_lost"] += lost
             seconds = now - r["detected_at"]
             self.recovery_seconds.append(seconds)
+            if self.metrics is not None:
+                self.metrics.observe_recovery(seconds, lost)
             self.event("recovered", time_to_recover_s=round(seconds, 3), steps_lost=lost,
                        restored_step=r["restored_step"], world_before=r["world_before"],
                        world_after=r["world_after"], failure_kind=r["failure_kind"],
@@ -580,6 +632,8 @@ class Controller:
             r, self.pending_resize = self.pending_resize, None
             self.resize_requested_at = None
             self.counters["resizes"] += 1
+            if self.metrics is not None:
+                self.metrics.observe_resize()
             self.event("resized", from_workers=r["from"], to_workers=r["to"], resize_s=round(now - r["requested_at"], 3),
                        reason=r["reason"], step=p.get("step"), first_step_unix=p.get("time"))
 
@@ -669,6 +723,8 @@ class Controller:
             return True
         results = self._group_call(self.members, "save")
         ok = all(r["status"] == "committed" for r in results.values())
+        if self.metrics is not None:
+            self.metrics.observe_save({**results[self.members[0]], "status": "committed" if ok else "failed"})
         if ok:
             self.committed_step = self.last_completed_step()
         else:
@@ -720,7 +776,6 @@ class Controller:
 
     def snapshot(self) -> dict:
         p = self.progress
-        elapsed = max(1e-9, time.time() - self.started_unix)
         return {
             "run_id": self.run_id, "phase": self.state.name, "reason": getattr(self.state, "reason", ""),
             "world_size": len(self.members), "workers_requested": self.spec.workers, "step": self.last_completed_step(),
@@ -731,8 +786,44 @@ class Controller:
             "recoveries": self.counters["recoveries"], "failures": len(self.failures.records),
             "steps_lost": self.counters["steps_lost"], "resizes": self.counters["resizes"],
             "last_recovery_s": self.recovery_seconds[-1] if self.recovery_seconds else None,
-            "goodput": min(1.0, self.productive_s / elapsed),
+            "goodput": self.goodput(), "metrics_url": self.metrics_url,
         }
+
+    def goodput(self) -> float:
+        """Productive step time over wall time since the controller started."""
+        return min(1.0, self.productive_s / max(1e-9, time.time() - self.started_unix))
+
+    def set_storage_faults(self, faults: dict | None) -> int:
+        """Chaos: storage faults on every started worker, and on those started later."""
+        self.storage_faults = faults
+        wids = list(self.members) + list(self.spares)
+        calls = [self.group.submit(w, "set_storage_faults", faults) for w in wids]
+        self.group.wait(calls, timeout=10.0)
+        self.event("chaos_storage", faults=faults)
+        return len(wids)
+
+    def poll_telemetry(self) -> None:
+        """Every ``metrics.every_s``: collect the members' telemetry asked for last time, ask again.
+        Never waits: a member busy in a long step answers on a later poll."""
+        if self.metrics is None:
+            return
+        done = self.group.wait(list(self._telemetry_calls.values()), timeout=0) if self._telemetry_calls else []
+        for call in done:
+            self._telemetry_calls.pop(call.wid, None)
+            try:
+                t = self.group.result(call, timeout=0)
+            except Exception as e:  # a worker that died is the failure path's business
+                log.debug("telemetry of %s: %s", call.wid, e)
+                continue
+            if call.wid in self.members:
+                self.metrics.observe_ranks(call.wid, {**t, "rank": self.members.index(call.wid)})
+        now = self.clock()
+        if now < self.next_telemetry:
+            return
+        self.next_telemetry = now + self.cfg.metrics.every_s
+        for w in self.members:
+            if w not in self._telemetry_calls:
+                self._telemetry_calls[w] = self.group.submit(w, "telemetry")
 
     def publish_throttled(self) -> None:
         now = self.clock()
@@ -746,6 +837,9 @@ class Controller:
         try:
             self.store.put_status(self.run_id, self.snapshot(), self.lease)
             self._flush_events()
+            if self.clock() >= self.next_history:
+                self.next_history = self.clock() + 30.0
+                self.store.put_history(self.run_id, self.history)
         except StoreUnavailable as e:
             log.debug("status not written (will catch up): %s", e)
         except FencedError as e:
@@ -759,6 +853,7 @@ class Controller:
 
         def write():
             self.store.put_status(self.run_id, self.snapshot(), self.lease)
+            self.store.put_history(self.run_id, self.history)
             self._flush_events()
             if self._unsent_events:
                 raise StoreUnavailable("events not written yet")
@@ -788,14 +883,20 @@ class Controller:
         """Renew the leadership lease in the background; losing it ends this controller's writes."""
 
         def keep():
-            while not self._stop_keeper.wait(self.opts.lease_ttl_s / 3):
+            # Renew every third of the TTL; after a failed renewal (the store away) try again each second, so
+            # that a short outage, whose failed request may itself take a client timeout, cannot outlast the
+            # lease between two tries.
+            wait_s = self.opts.lease_ttl_s / 3
+            while not self._stop_keeper.wait(wait_s):
                 try:
                     if not self.store.renew(self.lease):
                         log.error("lost the leadership of run %s; another controller leads it", self.run_id)
                         self.fenced = "lost the leadership lease; another controller may lead the run"
                         return
+                    wait_s = self.opts.lease_ttl_s / 3
                 except StoreUnavailable as e:
                     log.debug("lease not renewed (store away): %s", e)
+                    wait_s = min(1.0, self.opts.lease_ttl_s / 3)
 
         self._keeper = threading.Thread(target=keep, name="etrain-lease", daemon=True)
         self._keeper.start()

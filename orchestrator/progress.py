@@ -36,6 +36,9 @@ def describe_event(e: dict) -> str | None:
         return f"[suspended] at step {e.get('step')} (checkpoint committed: {e.get('checkpoint_committed')})"
     if k == "failed":
         return f"[failed] {e.get('reason')}"
+    if k == "metrics":
+        where = f" (Prometheus target file {e['file_sd']})" if e.get("file_sd") else ""
+        return f"[metrics] {e.get('url')}{where}"
     return None
 
 

@@ -149,9 +149,14 @@ class ControllerActor:
         group = RayWorkerGroup(spec.config, spec.run_id, store_url, resources=resources,
                                env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
         self.ctl = Controller(spec, store, group, opts)
+        self.endpoint = start_metrics(self.ctl)
 
     def run(self) -> dict:
-        return self.ctl.run()
+        try:
+            return self.ctl.run()
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.close()
 
     def snapshot(self) -> dict:
         return self.ctl.snapshot()
@@ -159,16 +164,52 @@ class ControllerActor:
     def events_since(self, n: int) -> list[dict]:
         return self.ctl.events_log[n:]
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def set_storage_faults(self, faults: dict | None) -> int:
+        """Chaos: storage faults on every started worker (members and spares); returns how many."""
+        return self.ctl.set_storage_faults(faults)
+
+
+def start_metrics(ctl: Controller):
+    """The run's Prometheus endpoint per ``[metrics]`` (docs/metrics.md), or None when disabled.
+    Listening on every interface, the endpoint advertises this node's address for discovery."""
+    import ray
+
+    m = ctl.cfg.metrics
+    if not m.enabled:
+        return None
+    from .metrics import MetricsEndpoint, RunMetrics
+
+    ctl.metrics = RunMetrics(ctl.run_id)
+    try:
+        endpoint = MetricsEndpoint(ctl.metrics, addr=m.addr, port=m.port, file_sd_dir=m.file_sd_dir,
+                                   advertise=ray.util.get_node_ip_address())
+    except OSError as e:  # the port is taken: the run goes on without an endpoint, and says so
+        log.error("metrics: cannot listen on %s:%d (%s); set metrics.port to a free port or 0", m.addr, m.port, e)
+        ctl.metrics = None
+        return None
+    ctl.metrics_url, ctl.metrics_file_sd = endpoint.url, endpoint.file_sd_path
+    return endpoint
+
 
 def controller_name(run_id: str) -> str:
     return f"etrain-controller-{run_id}"
 
 
 def start_controller(spec: RunSpec, store_url: str):
+    """The run's controller, on this process's node: the driver's (the head node under ``ray job
+    submit``), which the job cannot outlive anyway. Never on a worker's node, whose loss it must
+    survive."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
-    return cls.options(name=controller_name(spec.run_id), get_if_exists=False).remote(
+    return cls.options(name=controller_name(spec.run_id), get_if_exists=False, scheduling_strategy=here).remote(
         spec, store_url, worker_resources(spec), controller_options(spec))
 
 

@@ -149,6 +149,15 @@ class RunStore(ABC):
         raw = self._read(run_id, "status")
         return json.loads(raw) if raw else None
 
+    def put_history(self, run_id: str, rows: list[list]) -> None:
+        """Every step the run trained: [step, loss, world size, samples consumed, unix time, step seconds] rows,
+        in order (a step redone after a restore appears again). The controller writes it."""
+        self._write(run_id, "history", json.dumps(rows))
+
+    def get_history(self, run_id: str) -> list[list]:
+        raw = self._read(run_id, "history")
+        return json.loads(raw) if raw else []
+
     @abstractmethod
     def put_status(self, run_id: str, status: dict, lease: Lease) -> None:
         """Write the observed status; FencedError unless ``lease`` still leads the run."""
@@ -279,8 +288,17 @@ class StorageRunStore(RunStore):
         return bool(holder) and holder["expires_unix"] > time.time()
 
     def current_epoch(self, run_id):
-        data = self._guard(lambda: self.storage.get(f"{run_id}/FENCE"))
-        return int(json.loads(data)["epoch"]) if data else 0
+        # A local file being rewritten reads empty or half written for a moment: read again.
+        for attempt in range(20):
+            data = self._guard(lambda: self.storage.get(f"{run_id}/FENCE"))
+            if data is None:
+                return 0
+            try:
+                return int(json.loads(data)["epoch"])
+            except (ValueError, KeyError):
+                if attempt == 19:
+                    raise StoreUnavailable(f"{run_id}/FENCE is unreadable: {bytes(data)[:40]!r}") from None
+                time.sleep(0.01)
 
     def bump_epoch(self, run_id, lease, expected):
         holder = self._leader(run_id)

@@ -8,7 +8,10 @@ The controller drives every member of a group with the same calls at once:
     save()                                 a checkpoint now, committed before it returns
 
 and, from a second thread of the actor while ``train`` runs, ``progress()``
-and ``request_stop()``. A stop request is a vote carried by the step's own
+and ``request_stop()``. The calls that touch torch (the four above and
+``leave``) run on one thread of their own, the actor's ``torch`` concurrency
+group: DTensor keeps per-thread caches that must be cleared when the process
+joins a new group (``trainer.world.forget_meshes``). A stop request is a vote carried by the step's own
 all-reduce, so every rank stops after the same step. When a peer vanishes,
 the collective in ``train`` fails and ``train`` returns "failed" while this
 process lives on, ready to ``form`` the next epoch: that is in-place
@@ -25,6 +28,7 @@ import threading
 import time
 import traceback
 
+import ray
 import torch
 
 from checkpointing.retry import describe
@@ -32,13 +36,19 @@ from trainer.config import config_from_dict
 from trainer.data import load_corpus
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.parallel import resolve_device
+from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
 
 log = logging.getLogger("etrain")
 
 
+# The actor's concurrency: ``torch`` is the one thread every call that touches torch runs on.
+CONCURRENCY = {"max_concurrency": 4, "concurrency_groups": {"torch": 1}}
+on_torch_thread = ray.method(concurrency_group="torch")
+
+
 class TrainWorker:
-    """Wrapped with ``ray.remote(max_concurrency=4)`` by the worker group."""
+    """Wrapped with ``ray.remote(**CONCURRENCY)`` by the worker group."""
 
     def __init__(self, config: dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
         self.cfg = config_from_dict(config)
@@ -54,6 +64,13 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._last: dict = {}
         self._committed: list[dict] = []
+        self.steps = StepMeter()
+        self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
+        # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
+        self._history: list[list] = []
+        # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
+        self.meter = comm_meter(install=self.cfg.metrics.enabled and self.cfg.metrics.comm)
+        self.meter.enabled = self.cfg.metrics.enabled and self.cfg.metrics.comm
         # One thread per CPU the actor holds (Ray sets OMP_NUM_THREADS to it).
         torch.set_num_threads(max(1, int(float(os.environ.get("OMP_NUM_THREADS", "1")))))
         self._warm_up()
@@ -87,6 +104,7 @@ class TrainWorker:
 
     # --- group membership ----------------------------------------------------------
 
+    @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``."""
         t0 = time.monotonic()
@@ -97,11 +115,15 @@ class TrainWorker:
         init_distributed(world, device, timeout_s=self.pg_timeout_s)
         t2 = time.monotonic()
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
+        self.meter.name_axes(self.trainer.mesh)
         self.ckpt = checkpoint_manager(self.cfg, world, epoch=epoch, fence=self._fence())
+        self._apply_storage_faults()
         self.epoch, self.rank = epoch, rank
         self._stop.clear()
         with self._lock:
             self._last = {}  # progress of the old epoch is no progress of this one
+            if rank != 0:  # only rank 0's history is collected
+                self._history = []
         t3 = time.monotonic()
         return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
                                                               "trainer_s": t3 - t2}}
@@ -115,6 +137,7 @@ class TrainWorker:
         run_id = self.cfg.run_id
         return lambda: store.current_epoch(run_id)
 
+    @on_torch_thread
     def restore(self) -> dict:
         """Load the newest valid checkpoint into this layout (collective). Step 0 if there is none."""
         t0 = time.monotonic()
@@ -129,11 +152,13 @@ class TrainWorker:
         self.ckpt = None
         shutdown_distributed()
 
+    @on_torch_thread
     def leave(self) -> None:
         self._teardown()
 
     # --- training -----------------------------------------------------------------------
 
+    @on_torch_thread
     def train(self, until_step: int) -> dict:
         """Train until ``until_step``, a stop vote, or a failure (returned, never raised)."""
         tr, interval = self.trainer, self.cfg.checkpoint.interval_steps
@@ -157,8 +182,14 @@ class TrainWorker:
             return failed
 
     def _record(self, stats) -> None:
+        self.steps.observe(stats.step_seconds, stats.data_seconds)
+        util = mfu(self.cfg, self.trainer.device, stats.tokens_per_s, stats.world_size)
         with self._lock:
-            self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank}
+            self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank,
+                          "mfu": util}
+            if self.rank == 0:
+                self._history.append([stats.step, stats.loss, stats.world_size, stats.samples_consumed,
+                                      self._last["time"], stats.step_seconds])
 
     def _collect_saves(self) -> None:
         """Keep the results of finished saves for the controller: rank 0's (the coordinator) only,
@@ -172,15 +203,35 @@ class TrainWorker:
                 self._committed.append({"step": r.step, "status": r.status, "error": r.error, "bytes": r.bytes,
                                         "blocking_s": r.blocking_s, "persist_s": r.persist_s})
 
+    def telemetry(self) -> dict:
+        """This rank's cumulative communication and step figures and its memory now (for the metrics)."""
+        return {**rank_telemetry(self.trainer, self.ckpt, self.meter), "rank": self.rank,
+                "steps": self.steps.snapshot()}
+
+    def set_storage_faults(self, faults: dict | None) -> None:
+        """Chaos: make this rank's checkpoint storage slow, failing or truncating (``StorageFaults``
+        fields), from now on and in later epochs; None goes back to the config's ``checkpoint.faults``."""
+        self._storage_faults = faults
+        self._apply_storage_faults()
+
+    def _apply_storage_faults(self) -> None:
+        if self.ckpt is None:
+            return
+        from checkpointing.faults import StorageFaults
+
+        raw = self._storage_faults if self._storage_faults is not None else self.cfg.checkpoint.faults
+        self.ckpt.storage.faults = StorageFaults.from_dict(raw) if raw else None
+
     def request_stop(self) -> None:
         self._stop.set()
 
     def progress(self) -> dict:
-        """The last step this rank completed, and checkpoint results not yet reported."""
+        """The last step this rank completed, and checkpoint results and steps (rank 0) not yet reported."""
         self._collect_saves()
         with self._lock:
             saves, self._committed = self._committed, []
-            return {**self._last, "saves": saves}
+            history, self._history = self._history, []
+            return {**self._last, "saves": saves, "history": history}
 
     def flush_saves(self) -> list[dict]:
         """Wait for the save in flight (if any); return the results not yet reported (rank 0's)."""
@@ -191,6 +242,7 @@ class TrainWorker:
             saves, self._committed = self._committed, []
         return saves
 
+    @on_torch_thread
     def save(self) -> dict:
         """Checkpoint the current step now and wait for its commit (collective)."""
         if self.ckpt is None:
@@ -202,7 +254,8 @@ class TrainWorker:
         results = self.ckpt.poll()
         res = results[-1] if results else res
         return {"status": res.status if res else "failed", "error": res.error if res else "no result",
-                "step": self.trainer.step, "blocking_s": res.blocking_s if res else 0.0}
+                "step": self.trainer.step, "blocking_s": res.blocking_s if res else 0.0,
+                "bytes": res.bytes if res else 0, "persist_s": res.persist_s if res else 0.0}
 
     def step(self) -> int:
         return self.trainer.step if self.trainer is not None else -1

@@ -75,9 +75,9 @@ class RayWorkerGroup(Pinging):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .worker import TrainWorker
+        from .worker import CONCURRENCY, TrainWorker
 
-        actor_cls = ray.remote(max_concurrency=4)(TrainWorker)
+        actor_cls = ray.remote(**CONCURRENCY)(TrainWorker)
         out = []
         for _ in range(n):
             wid = f"w{next(self._counter)}-{uuid.uuid4().hex[:4]}"

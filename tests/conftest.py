@@ -41,11 +41,7 @@ def s3_server():
     try:
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -74,6 +70,17 @@ def storage_url(request, tmp_path):
         return f"file://{tmp_path}/ckpt"
     endpoint = request.getfixturevalue("s3_server")
     return f"s3://{new_bucket(endpoint)}/runs"
+
+
+def terminate(proc: subprocess.Popen | None) -> None:
+    """End a server this session started: SIGTERM, then SIGKILL after 10 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class EtcdServer:
@@ -105,13 +112,7 @@ class EtcdServer:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.proc = None
 
 
@@ -119,6 +120,116 @@ class EtcdServer:
 def etcd_server(tmp_path_factory):
     server = EtcdServer(str(tmp_path_factory.mktemp("etcd")))
     server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class PrometheusServer:
+    """A real Prometheus on loopback with the project's scrape config (deploy/prometheus.yml), its
+    file_sd directory moved to ``targets_dir`` and its scrape interval shortened for tests."""
+
+    def __init__(self, work_dir: str):
+        import yaml
+
+        self.targets_dir = os.path.join(work_dir, "targets")
+        os.makedirs(self.targets_dir)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "deploy", "prometheus.yml")) as f:
+            cfg = yaml.safe_load(f)
+        job = next(j for j in cfg["scrape_configs"] if j["job_name"] == "etrain")
+        job["scrape_interval"], job["scrape_timeout"] = "1s", "1s"
+        job["file_sd_configs"][0]["files"] = [os.path.join(self.targets_dir, "*.json")]
+        job["file_sd_configs"][0]["refresh_interval"] = "1s"
+        config = os.path.join(work_dir, "prometheus.yml")
+        with open(config, "w") as f:
+            yaml.safe_dump(cfg, f)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={os.path.join(work_dir, 'data')}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(work_dir, "prometheus.log"), "w"),
+            start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("prometheus did not start; see prometheus.log in " + work_dir) from None
+                time.sleep(0.2)
+
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        """An instant query through the HTTP API: the result vector."""
+        import json
+        import urllib.parse
+
+        params = {"query": promql, **({"time": f"{at:.3f}"} if at else {})}
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}", timeout=10) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def targets(self) -> list[dict]:
+        import json
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10) as r:
+            return json.load(r)["data"]["activeTargets"]
+
+    def stop(self) -> None:
+        terminate(self.proc)
+
+
+@pytest.fixture(autouse=True)
+def _end_runs():
+    """Close the runs a test started (tests.cluster.start_run), even when it failed half-way."""
+    yield
+    import sys
+
+    cluster = sys.modules.get("tests.cluster")
+    while cluster is not None and cluster.RUNS:
+        cluster.RUNS.pop().close()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray cluster for the session's Ray tests: a head with no CPUs and three 1-CPU worker
+    nodes, each its own raylet, on 127.0.0.1 (tests.cluster.LocalCluster)."""
+    from tests.cluster import LocalCluster
+
+    c = LocalCluster(node_cpus=[1, 1, 1])
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """A failure-free run of tests.cluster.RUN_BASE at 2 workers: what faulted runs must match.
+    Its final status, plus ``root`` and ``store`` (where it ran) and its step ``history``."""
+    from orchestrator.run import BackgroundRun, prepare_run
+    from tests.cluster import RUN_BASE
+
+    root = f"file://{tmp_path_factory.mktemp('ref')}/runs"
+    spec, st = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"'], workers=2,
+                           run_id="reference", store=root)
+    run = BackgroundRun(spec, st)
+    try:
+        final = run.join()
+    finally:
+        run.close()
+    assert final["phase"] == "FINISHED", final
+    return {**final, "final": final, "root": root, "store": st, "history": st.get_history("reference")}
+
+
+@pytest.fixture(scope="session")
+def prometheus(tmp_path_factory):
+    server = PrometheusServer(str(tmp_path_factory.mktemp("prometheus")))
     try:
         yield server
     finally:

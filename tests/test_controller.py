@@ -521,6 +521,18 @@ def test_resize_postponed_when_the_boundary_checkpoint_fails(rig):
     assert r.group.steps_trained == STEPS
 
 
+def test_member_dying_during_the_final_save_is_recovered_and_the_final_checkpoint_commits(rig):
+    # 22 steps with a checkpoint every 5: the last periodic one is step 20, so step 22 needs the final save.
+    fault = Fault(rank=1, step=22, kind="die", during="save")
+    r = rig(workers=2, steps=22, faults=[fault])
+    r.drive()
+    assert fault.fired
+    assert r.ctl.state.name == "FINISHED", r.ctl.state.reason
+    assert "RECOVERING" in r.phases()[r.phases().index("FINISHING"):]
+    assert r.group.storage.latest() == 22 and r.status()["latest_checkpoint"] == 22
+    assert r.ctl.last_completed_step() == 22
+
+
 # --- suspend and resume ---------------------------------------------------------------
 
 

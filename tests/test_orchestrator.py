@@ -1,8 +1,9 @@
 """Runs on a real multi-node Ray cluster on 127.0.0.1: recovery, resize, suspend/resume, growth, etcd outage.
 
-One cluster for the module (a head with no CPUs and a 3-CPU node, each its
-own raylet). Workers are real ``TrainWorker`` actors training the tiny model
-over gloo; they are killed with SIGKILL, nodes are added and removed, and
+One cluster for the session (a head with no CPUs and three 1-CPU nodes, each
+its own raylet, shared with tests/test_chaos.py) and one failure-free
+reference run (tests/conftest.py). Workers are real ``TrainWorker`` actors
+training the tiny model over gloo; they are killed with SIGKILL, nodes are added and removed, and
 the etcd server is stopped and started. The CLI is called as a user calls
 it (``orchestrator.cli.main``), against the same run store.
 """
@@ -21,25 +22,17 @@ import pytest
 
 from checkpointing.manager import CheckpointManager
 from orchestrator.cli import main as etrain
-from orchestrator.run import BackgroundRun, prepare_resume, prepare_run
+from orchestrator.run import prepare_resume
 from orchestrator.store import open_store
-from tests.cluster import LocalCluster
-
-STEPS = 40
-INTERVAL = 4
-GLOBAL_BATCH = 12
-BASE = ['model.preset="tiny"', "data.seq_len=32", "data.max_bytes=1000000", f"train.steps={STEPS}",
-        f"train.global_batch={GLOBAL_BATCH}", "train.micro_batch=1", "train.warmup_steps=4", "train.log_every=1000",
-        f"checkpoint.interval_steps={INTERVAL}"]
+from tests.cluster import GLOBAL_BATCH, RUN_BASE as BASE, STEPS, follow, start_run
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalCluster(node_cpus=[3])
-    try:
-        yield c
-    finally:
-        c.shutdown()
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture
@@ -47,28 +40,7 @@ def root(tmp_path):
     return f"file://{tmp_path}/runs"
 
 
-_RUNS: list[BackgroundRun] = []
-
-
-@pytest.fixture(autouse=True)
-def _end_runs():
-    """A test that fails half-way leaves no run behind for the next one."""
-    yield
-    while _RUNS:
-        _RUNS.pop().close()
-
-
-def start(root: str, *extra: str, workers=2, min_workers=None, max_workers=None, store=None, run_id=None):
-    run_id = run_id or f"t-{uuid.uuid4().hex[:6]}"
-    spec, st = prepare_run("examples/tiny.toml", [*BASE, f'checkpoint.url="{root}"', *extra], workers=workers,
-                           min_workers=min_workers, max_workers=max_workers, run_id=run_id, store=store or root)
-    return follow(spec, st), st
-
-
-def follow(spec, store) -> BackgroundRun:
-    run = BackgroundRun(spec, store)
-    _RUNS.append(run)
-    return run
+start = start_run
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -90,17 +62,8 @@ def assert_finished(final: dict, run_id: str, root: str) -> None:
     assert final_manifest(root, run_id).trainer_state["samples_consumed"] == STEPS * GLOBAL_BATCH
 
 
-@pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """A failure-free run at 2 workers: its final loss is what the faulted runs must reach."""
-    root = f"file://{tmp_path_factory.mktemp('ref')}/runs"
-    run, _ = start(root, run_id="reference")
-    final = run.join()
-    assert_finished(final, "reference", root)
-    return {**final, "root": root}
-
-
 def test_clean_run_reports_through_the_cli(reference, capsys):
+    assert_finished(reference["final"], "reference", reference["root"])
     code, out, _ = cli(capsys, "status", "reference", "--json", "--store", reference["root"])
     assert code == 0
     st = json.loads(out)
@@ -110,9 +73,14 @@ def test_clean_run_reports_through_the_cli(reference, capsys):
     assert code == 0 and "[started]" in out and "[formed]" in out and "[finished]" in out
 
 
-def test_killed_worker_recovers_in_place_and_matches_the_failure_free_run(cluster, root, reference, capsys):
-    run, store = start(root, "elastic.standby=1")  # a warm spare takes the dead worker's place at once
+def test_killed_worker_recovers_in_place_and_matches_the_failure_free_run(cluster, root, reference, capsys,
+                                                                         prometheus):
+    # A warm spare takes the dead worker's place at once. A real Prometheus discovers the run's
+    # endpoint through its target file and scrapes it throughout.
+    run, store = start(root, "elastic.standby=1", f'metrics.file_sd_dir="{prometheus.targets_dir}"')
     before = run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 10 and s["latest_checkpoint"], what="step 10")
+    code, out, _ = cli(capsys, "top", before["run_id"], "--once", "--interval", "0.3", "--store", root)
+    assert code == 0 and "all_gather" in out and "dp_shard" in out and "RUNNING" in out, out
     formed = run.events("formed")[0]
     survivor_pid, victim_pid = formed["pids"]
     os.kill(victim_pid, signal.SIGKILL)
@@ -133,7 +101,38 @@ def test_killed_worker_recovers_in_place_and_matches_the_failure_free_run(cluste
     # Same world size, restored from a checkpoint: the same computation as the run that never failed.
     assert final["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     code, out, _ = cli(capsys, "events", final["run_id"], "--store", root)
-    assert "[failure]" in out and "[recovered]" in out
+    assert "[failure]" in out and "[recovered]" in out and "[metrics]" in out
+    assert final["metrics_url"].startswith("http://127.0.0.1:")
+    assert_prometheus_saw(prometheus, final["run_id"], failures=1)
+
+
+def assert_prometheus_saw(prom, run_id: str, failures: int) -> None:
+    """What Prometheus scraped from the run, asked through its HTTP API after the run ended."""
+    sel = f'run_id="{run_id}"'
+
+    def values(promql: str) -> list[float]:
+        return [float(r["value"][1]) for r in prom.query(promql)]
+
+    def over_run(promql: str) -> list[float]:  # the run's samples are at most minutes old
+        deadline = time.monotonic() + 20  # a scrape may still be being ingested
+        while True:
+            got = values(promql)
+            if got or time.monotonic() > deadline:
+                return got
+            time.sleep(1)
+
+    assert over_run(f"count_over_time(etrain_steps_total{{{sel}}}[10m]) >= 3"), "fewer than 3 scrapes"
+    assert over_run(f"max_over_time(etrain_steps_total{{{sel}}}[10m]) - min_over_time(etrain_steps_total{{{sel}}}[10m]) > 5")
+    grown = over_run(f'max_over_time(etrain_comm_bytes_total{{{sel},kind="all_gather"}}[10m]) '
+                     f'- min_over_time(etrain_comm_bytes_total{{{sel},kind="all_gather"}}[10m]) > 0')
+    assert grown, "all-gather bytes never grew between scrapes"
+    params = over_run(f'max_over_time(etrain_memory_bytes{{{sel},kind="params"}}[10m])')
+    assert len(params) >= 2 and all(v > 0 for v in params), params
+    assert all(v > 0 for v in over_run(f'max_over_time(etrain_memory_bytes{{{sel},kind="rss"}}[10m])'))
+    assert over_run(f"max_over_time(etrain_failures_total{{{sel}}}[10m])") == [float(failures)]
+    assert over_run(f"max_over_time(etrain_recoveries_total{{{sel}}}[10m])") == [float(failures)]
+    assert over_run(f"max_over_time(etrain_time_to_recover_seconds_count{{{sel}}}[10m])") == [float(failures)]
+    assert over_run(f"max_over_time(etrain_time_to_recover_seconds_sum{{{sel}}}[10m])")[0] > 0
 
 
 def test_resize_up_and_down_at_step_boundaries_loses_no_step(cluster, root, reference, capsys):

@@ -93,3 +93,25 @@ def _under_torchrun(world: World) -> bool:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, which hold the device meshes they were made on.
+
+    Two meshes of the same shape and axis names compare equal even across process
+    groups, so after a re-formation a cached decision would hand out the old
+    mesh, with this rank's old coordinate and dead groups (DCP then sees two ranks
+    claim one shard, and training diverges). A process that joins a new group
+    must forget them: the Python cache of every thread (a fresh one replaces
+    it) and the fast-path cache of the calling thread, which is the one that
+    trains (TrainWorker runs all torch work on one thread).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
