@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-ray soak bench clean
 
 # Re-runs only when pyproject.toml changes. torch is installed first, pinned,
 # so that pip never pulls a CUDA build as a dependency of something else.
@@ -23,8 +23,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/etrain demo
 
+# Unit, multi-process (gloo), real etcd, S3 (moto) and Prometheus tests: about 8 minutes here.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not ray and not soak" tests
+
+# The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/test_orchestrator.py,
+# tests/test_chaos.py): about 12 minutes here. CI runs it after `make test`.
+test-ray: $(STAMP)
+	$(BIN)/python -m pytest -q -m "ray and not soak" tests
+
+# The chaos soak in its bounded form (about 2 minutes): a worker killed every 15-30 s over 150 steps.
+# ETRAIN_SOAK_STEPS=3000 makes it a long soak.
+soak: $(STAMP)
+	ETRAIN_SOAK_STEPS=$${ETRAIN_SOAK_STEPS:-150} $(BIN)/python -m pytest -q -m soak tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/step.py --quick
