@@ -48,16 +48,23 @@ def use_reference(st, reference: dict, ref_id: str = "reference") -> str:
     return ref_id
 
 
-def chaos_run(root: str, plan_text: str, reference: dict, *extra: str, store: str | None = None,
-              tmp_path=None) -> dict:
-    """Start a run, drive the plan until it ends, judge it against the reference."""
-    run, st = start(root, *extra, store=store)
+def drive(run, st, plan_text: str, tmp_path, timeout_s: float = 400):
+    """Drive the plan (TOML text) against the live run until it ends, as `etrain chaos --plan` does;
+    returns the plan, the driver and the run's final status."""
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text(plan_text)
     plan = load_plan(str(plan_file))
     chaos = Chaos(run.spec.run_id, st, plan)
-    final = chaos.run(timeout_s=400)
+    final = chaos.run(timeout_s=timeout_s)
     run.join()
+    return plan, chaos, final
+
+
+def chaos_run(root: str, plan_text: str, reference: dict, *extra: str, store: str | None = None,
+              tmp_path=None) -> dict:
+    """Start a run, drive the plan until it ends, judge it against the reference."""
+    run, st = start(root, *extra, store=store)
+    plan, chaos, final = drive(run, st, plan_text, tmp_path)
     ref_id = use_reference(st, reference, f"{run.spec.run_id}-ref")  # it lives in another store
     result = judge(run.spec.run_id, st, plan, chaos, final, ref_id)
     assert result["passed"], json.dumps(result, indent=1, default=str)
@@ -181,18 +188,13 @@ def test_corrupt_newest_checkpoint_before_resume_falls_back_and_passes_the_oracl
 
 @pytest.mark.soak
 def test_soak_with_a_fault_every_15_to_30_s_keeps_goodput(cluster, tmp_path):
-    """Bounded in CI by ETRAIN_SOAK_STEPS (default 150 steps, about a minute here)."""
+    """Bounded in CI by ETRAIN_SOAK_STEPS (default 150 steps, about 2 minutes here; `make soak`)."""
     steps = int(os.environ.get("ETRAIN_SOAK_STEPS", "150"))
     plan = ("[chaos]\nseed = 7\n[[fault]]\nkind = \"kill_worker\"\nrandom = true\nmin_gap_s = 15\n"
             "max_gap_s = 30\n")
     root = f"file://{tmp_path}/runs"
     run, st = start(root, f"train.steps={steps}", "elastic.standby=1")
-    plan_file = tmp_path / "plan.toml"
-    plan_file.write_text(plan)
-    p = load_plan(str(plan_file))
-    chaos = Chaos(run.spec.run_id, st, p)
-    final = chaos.run(timeout_s=3600)
-    run.join()
+    p, chaos, final = drive(run, st, plan, tmp_path, timeout_s=3600)
     result = judge(run.spec.run_id, st, p, chaos, final)
     assert result["passed"], result
     assert result["faults_injected"] >= 1 and result["faults_recovered"] == result["faults_injected"]

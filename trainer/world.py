@@ -14,6 +14,7 @@ training code has no special case for world size 1.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.errors import ConfigError
+
+log = logging.getLogger("etrain")
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,15 @@ def forget_meshes() -> None:
     it) and the fast-path cache of the calling thread, which is the one that
     trains (TrainWorker runs all torch work on one thread).
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+    try:  # private parts of torch 2.13's DTensor: say so if a later torch moved them
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
-    prop = DTensor._op_dispatcher.sharding_propagator
-    prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    clear_redistribute_planner_cache()
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        clear_redistribute_planner_cache()
+    except (ImportError, AttributeError) as e:
+        log.warning("cannot drop DTensor's sharding caches with this torch (%s): a process that rejoins a "
+                    "group under another rank may compute on its old meshes", e)
