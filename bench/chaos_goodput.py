@@ -32,7 +32,8 @@ sys.path.insert(0, ROOT)
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="about 3 minutes of chaos (about 7 minutes in all here)")
+    ap.add_argument("--quick", action="store_true",
+                    help="1200 steps per run (about 25 minutes in all on a loaded 2-core machine)")
     ap.add_argument("--every", type=float, default=60.0, help="seconds between kills")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: about 10 faults' worth)")
     return ap.parse_args()
