@@ -634,8 +634,9 @@ class Controller:
             self.counters["resizes"] += 1
             if self.metrics is not None:
                 self.metrics.observe_resize()
-            self.event("resized", from_workers=r["from"], to_workers=r["to"], resize_s=round(now - r["requested_at"], 3),
-                       reason=r["reason"], step=p.get("step"), first_step_unix=p.get("time"))
+            self.event("resized", from_workers=r["from"], to_workers=r["to"],
+                       resize_s=round(now - r["requested_at"], 3), reason=r["reason"], step=p.get("step"),
+                       first_step_unix=p.get("time"))
 
     def last_completed_step(self) -> int:
         return int(self.progress.get("step", 0) or 0)

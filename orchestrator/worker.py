@@ -11,8 +11,9 @@ and, from a second thread of the actor while ``train`` runs, ``progress()``
 and ``request_stop()``. The calls that touch torch (the four above and
 ``leave``) run on one thread of their own, the actor's ``torch`` concurrency
 group: DTensor keeps per-thread caches that must be cleared when the process
-joins a new group (``trainer.world.forget_meshes``). A stop request is a vote carried by the step's own
-all-reduce, so every rank stops after the same step. When a peer vanishes,
+joins a new group (``trainer.world.forget_meshes``). A stop request is a
+vote carried by the step's own all-reduce, so every rank stops after the
+same step. When a peer vanishes,
 the collective in ``train`` fails and ``train`` returns "failed" while this
 process lives on, ready to ``form`` the next epoch: that is in-place
 recovery. The worker never talks to other workers except through
@@ -69,8 +70,9 @@ class TrainWorker:
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[list] = []
         # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
-        self.meter = comm_meter(install=self.cfg.metrics.enabled and self.cfg.metrics.comm)
-        self.meter.enabled = self.cfg.metrics.enabled and self.cfg.metrics.comm
+        timed = self.cfg.metrics.enabled and self.cfg.metrics.comm
+        self.meter = comm_meter(install=timed)
+        self.meter.enabled = timed
         # One thread per CPU the actor holds (Ray sets OMP_NUM_THREADS to it).
         torch.set_num_threads(max(1, int(float(os.environ.get("OMP_NUM_THREADS", "1")))))
         self._warm_up()
