@@ -66,3 +66,66 @@ def test_torchrun_two_processes_write_step_log(tmp_path):
         assert {"step", "loss", "lr", "tokens_per_s", "step_seconds", "world_size"} <= row.keys()
         assert row["world_size"] == 2 and row["tokens_per_s"] > 0
     assert "step 6/6" in r.stdout and "memory rank 0" in r.stdout
+
+
+def _rank_pids(agent_pid: int) -> dict[int, int]:
+    """The rank processes torchrun's agent started: {RANK: pid}."""
+    out = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                    continue
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            out[int(env[b"RANK"])] = int(p)
+        except (OSError, KeyError, ValueError):
+            continue
+    return out
+
+
+def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
+    """A rank SIGKILLed twice under ``torchrun --max-restarts``: every restart forms its group afresh
+    (torchrun's static rendezvous keeps one store for the job: stale keys hung or refused restarts),
+    resumes from the newest checkpoint, and the job finishes every step."""
+    import signal
+    import time
+
+    log = tmp_path / "steps.jsonl"
+    e = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [TORCHRUN, "--nproc_per_node=2", "--max-restarts=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "trainer", "--config", "examples/tiny.toml", "--quiet",
+           "--log-file", str(log)]
+    for o in ["parallel.zero_stage=2", "train.steps=24", "data.max_bytes=1000000", "checkpoint.interval_steps=4",
+              f'checkpoint.url="file://{tmp_path}/ckpt"', "checkpoint.resume=true"]:
+        cmd += ["--set", o]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+    def steps():
+        try:
+            return [json.loads(line)["step"] for line in log.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    try:
+        for at in (6, 14):
+            deadline = time.monotonic() + 120
+            while not (steps() and steps()[-1] >= at) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                time.sleep(0.05)
+            assert steps() and steps()[-1] >= at, f"step {at} not reached: {steps()}"
+            os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            for pid in _rank_pids(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    seen = steps()
+    assert seen[-1] == 24 and sorted(set(seen)) == list(range(1, 25))
+    # Two restarts, each resuming at a committed step (a multiple of 4) and redoing at most 4 steps.
+    resumes = [b for a, b in zip(seen, seen[1:]) if b <= a]
+    assert len(resumes) == 2 and all((b - 1) % 4 == 0 for b in resumes), seen

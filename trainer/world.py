@@ -76,14 +76,28 @@ def init_distributed(world: World, device: torch.device, *, store: dist.Store | 
     else:
         if world.master_addr is None or world.master_port is None:
             raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them)")
-        if _under_torchrun(world):
-            # torchrun's agent already serves a store at MASTER_PORT, keyed afresh for every
-            # restart; "env://" joins it instead of standing up a second store of our own there.
-            init_method = "env://"
-        else:
-            init_method = f"tcp://{world.master_addr}:{world.master_port}"
+        if _under_torchrun(world) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_agent_store(world, timeout), rank=world.rank,
+                                    world_size=world.size, timeout=timeout, **kwargs)
+            return
+        init_method = "env://" if _under_torchrun(world) else f"tcp://{world.master_addr}:{world.master_port}"
         dist.init_process_group(backend, init_method=init_method, rank=world.rank, world_size=world.size,
                                 timeout=timeout, **kwargs)
+
+
+def _agent_store(world: World, timeout: datetime.timedelta) -> dist.Store:
+    """The torchrun agent's store, under a prefix of this restart's own.
+
+    The agent serves one store at MASTER_PORT for the whole job, and its static
+    rendezvous (torchrun's default with ``--master_addr``) keeps the same keys
+    across restarts. Process groups key their rendezvous by group name, which
+    is the same in every attempt, so a restarted rank would read the address
+    of a peer from before the restart (the process that was killed) and fail
+    with "connection refused", or wait on a barrier counter already spent.
+    A prefix per ``TORCHELASTIC_RESTART_COUNT`` gives every attempt fresh keys.
+    """
+    client = dist.TCPStore(world.master_addr, world.master_port, world.size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"etrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def _under_torchrun(world: World) -> bool:
