@@ -49,7 +49,7 @@ HISTORY_MAX = 100_000  # steps kept in the run's history (the newest)
 @dataclass(kw_only=True)
 class ControllerOptions:
     poll_s: float = 0.2  # how often RUNNING looks at calls, progress and the spec
-    spec_every_s: float = 0.5  # how often the spec is re-read (a resize or suspend waits at most this)
+    spec_every_s: float = 0.2  # how often the spec is re-read (a resize or suspend waits at most this)
     status_every_s: float = 1.0  # how often the status is written
     start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
     replace_wait_s: float = 0.0  # how long to wait for workers that have no resources before forming smaller
@@ -222,12 +222,15 @@ class Resizing(State):
     name = "RESIZING"
 
     def step(self, c: Controller) -> State:
+        t0 = c.clock()
         try:
             c.stop_at_boundary()
+            t1 = c.clock()
             saved = c.save_now()
         except GroupFailure as e:
             return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
                               c.clock())
+        t2 = c.clock()
         if not saved:
             log.warning("resize to %d postponed: the boundary checkpoint did not commit", self.target)
             c.next_grow_check = c.clock() + c.opts.grow_check_s
@@ -240,8 +243,10 @@ class Resizing(State):
             return Recovering(FailureRecord(e.kind, c.last_completed_step(), str(e), c.clock()), e.suspects,
                               c.clock())
         c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
-        c.pending_resize = {"requested_at": self.requested_at or c.clock(), "from": before, "to": self.target,
-                            "reason": self.reason}
+        requested = self.requested_at or t0
+        c.pending_resize = {"requested_at": requested, "from": before, "to": self.target, "reason": self.reason,
+                            "phases": {"notice_s": t0 - requested, "stop_s": t1 - t0, "save_s": t2 - t1,
+                                       **c.form_phases}}
         return Running()
 
 
@@ -461,7 +466,7 @@ class Controller:
                                       "moving the run to a new epoch")
         rank0 = chosen[0]
         addr = self.group.info(rank0).get("ip", "127.0.0.1")
-        port = self._group_call([rank0], "free_port")[rank0]
+        port = self._group_call([rank0], "rendezvous_port")[rank0]
         if self.storage_faults is not None:  # chaos: replacements get the injected storage faults too
             self._group_call(chosen, "set_storage_faults", self.storage_faults)
         t0 = self.clock()
@@ -636,7 +641,7 @@ class Controller:
                 self.metrics.observe_resize()
             self.event("resized", from_workers=r["from"], to_workers=r["to"],
                        resize_s=round(now - r["requested_at"], 3), reason=r["reason"], step=p.get("step"),
-                       first_step_unix=p.get("time"))
+                       first_step_unix=p.get("time"), phases={k: round(v, 3) for k, v in r["phases"].items()})
 
     def last_completed_step(self) -> int:
         return int(self.progress.get("step", 0) or 0)
@@ -769,7 +774,10 @@ class Controller:
             return
         if spec.generation != self.spec.generation:
             if spec.workers != self.spec.workers:
-                self.resize_requested_at = now
+                # From the request itself by the requester's clock, so that resize_s includes the time to
+                # notice it; bounded (never in the future, at most 10 s back) against clocks that disagree.
+                waited = time.time() - spec.updated_unix if spec.updated_unix else 0.0
+                self.resize_requested_at = now - min(max(0.0, waited), 10.0)
             self.spec = spec
             self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
             self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))

@@ -66,6 +66,7 @@ class RunSpec:
     stop: bool = False
     generation: int = 0  # bumped by every change, so the controller can tell a new request
     created_unix: float = field(default_factory=time.time)
+    updated_unix: float = 0.0  # when the last change was requested (the requester's clock)
     ray_address: str = ""  # the cluster that ran it last ("" = a local Ray)
 
     def to_json(self) -> str:
@@ -137,6 +138,7 @@ class RunStore(ABC):
                 raise ValueError(f"RunSpec has no field {k!r}")
             setattr(spec, k, v)
         spec.generation += 1
+        spec.updated_unix = time.time()
         self._write_spec(spec)
         return spec
 

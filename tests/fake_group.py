@@ -291,7 +291,7 @@ class FakeGroup(Pinging):
         return None
 
     def _execute(self, w: FakeWorker, call: Call, method: str, args: tuple) -> None:
-        if method == "free_port":
+        if method == "rendezvous_port":
             call.ref.set(next(self._ports))
         elif method == "ping":
             call.ref.set(1000 + w.seq)

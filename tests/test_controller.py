@@ -422,6 +422,11 @@ def test_grow_on_request_at_a_step_boundary_loses_no_step(rig):
     assert r.group.steps_trained == STEPS  # no step lost or recomputed
     (resized,) = r.events("resized")
     assert resized["from_workers"] == 2 and resized["to_workers"] == 4
+    phases = resized["phases"]
+    assert {"notice_s", "stop_s", "save_s", "form_s", "restore_s"} <= phases.keys()
+    assert all(v >= 0 for v in phases.values())
+    parts = sum(phases[k] for k in ("notice_s", "stop_s", "save_s", "form_s", "restore_s"))
+    assert parts <= resized["resize_s"] + 1e-3  # the parts before the first step at the new size
     assert r.events("formed")[-1]["restored_from"] == boundary
     assert r.events("recovered") == [] and r.status()["steps_lost"] == 0 and r.status()["resizes"] == 1
 

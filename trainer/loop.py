@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,7 +39,6 @@ from .data import Batcher, Corpus, load_corpus
 from .optim import build_optimizer
 from .parallel import ParallelDims, build_model_parts, lm_loss, resolve_device, resolve_precision
 from .world import World
-
 
 log = logging.getLogger("etrain")
 
@@ -155,9 +155,11 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------
 
-    def train_step(self, stop: bool = False) -> StepStats:
+    def train_step(self, stop: bool | Callable[[], bool] = False) -> StepStats:
         """Train one step. ``stop``: this rank votes to stop after it; the vote rides on the
-        step's own all-reduce, so every rank learns the outcome at the same step boundary."""
+        step's own all-reduce, so every rank learns the outcome at the same step boundary.
+        A callable is asked at the all-reduce, after the backward pass: a stop requested
+        while the step computes still ends this step, not the next one."""
         cfg, t0 = self.cfg, time.monotonic()
         lr = lr_at(cfg, self.step)
         positions = self.batcher.local_positions(self.samples_consumed)
@@ -206,7 +208,7 @@ class Trainer:
         if self.cfg.model.dropout > 0:
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
-    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool) -> tuple[float, float, float]:
+    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool]) -> tuple[float, float, float]:
         """One all-reduce for the global gradient norm, the mean loss and the stop votes.
 
         The loss is counted once per data-parallel rank: by the last pipeline
@@ -214,7 +216,7 @@ class Trainer:
         """
         counts = self.parts.has_last_stage and self.coords["tp"] == 0
         contrib = loss_sum.float() if (counts and loss_sum is not None) else torch.zeros((), device=self.device)
-        vote = torch.full((), 1.0 if stop else 0.0, device=self.device)
+        vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
         reduced = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote])
         if self.world.size > 1:
             dist.all_reduce(reduced)
