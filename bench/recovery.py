@@ -1,6 +1,6 @@
 """Recovery and resize time of an etrain run against torchrun's restart, same trainer, same kills.
 
-    python bench/recovery.py [--quick] [--kills 3] [--workers 2]
+    python bench/recovery.py [--quick] [--kills 3] [--workers 2] [--resizes 3]
 
 etrain: a run on a local Ray (127.0.0.1) with ``workers`` TrainWorkers
 checkpointing every 10 steps, twice: with one warm standby worker
@@ -11,8 +11,11 @@ figure is the time from the kill to the first step completed after the
 recovery (``mttr_s`` with the standby, ``mttr_no_standby_s`` without; medians
 over kills), the steps redone (``steps_lost``), and whether every recovery
 restored the newest committed checkpoint (``committed_steps_lost`` must be
-0). Then a resize to ``workers + 1``: ``resize_s`` is the time from the
-request to the first step at the new size.
+0). Then resizes to ``workers + 1`` and back: ``resize_s`` is the time from
+the request to the first step completed at the new size, the median of
+``resizes`` grows with a ready standby (each resize event carries its
+phases: notice, stop at the boundary, checkpoint, form, restore); without a
+standby one grow, which also waits for the new process to boot.
 
 Baseline, in the same run: the same trainer and checkpoint interval under
 ``torchrun --max-restarts`` (which restarts every process and resumes from the
@@ -48,6 +51,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kills", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--every", type=int, default=15, help="steps between kills")
+    ap.add_argument("--resizes", type=int, default=3, help="grows (and shrinks back) with a standby")
     return ap.parse_args()
 
 
@@ -64,12 +68,12 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.02):
 # --- etrain ------------------------------------------------------------------------
 
 
-def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int) -> dict:
+def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, resizes: int = 3) -> dict:
     import ray
 
     from orchestrator.run import BackgroundRun, connect, prepare_run
 
-    steps = every * (kills + 2) + 30
+    steps = every * (kills + 2) + 30 + 40 * resizes
     overrides = [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}/etrain-{standby}\"",
                  f"elastic.standby={standby}", f"run_id=\"bench-standby{standby}\""]
     connect(None, num_cpus=workers + 1 + standby)
@@ -93,21 +97,32 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int) 
         print(f"etrain (standby {standby}) kill {k + 1}: step {s['step']}, pid {victim}: recovered in "
               f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({rec['phases']}), {rec['steps_lost']} steps "
               f"redone, restored {rec['restored_step']} (newest commit {committed})", flush=True)
-    # Steady state first: a full group, and the standby (if any) up again after the last failure.
-    run.wait(lambda x: x["phase"] == "RUNNING" and x["world_size"] == workers and x["standby_ready"] >= standby,
-             what="a full group")
-    t_req = time.time()
-    store.update_spec(spec.run_id, workers=workers + 1)
-    # Only a resize to the new size: a grow back after the last failure is a resize too.
-    rs = run.wait_event("resized", len(run.events("resized")) + 1)
-    while rs["to_workers"] != workers + 1:
-        rs = run.wait_event("resized", len(run.events("resized")) + 1)
-    resize_s = rs["first_step_unix"] - t_req
-    print(f"etrain (standby {standby}) resize {workers} -> {workers + 1}: {resize_s:.2f} s from request to the "
-          "first step", flush=True)
+    # Resizes from a steady state: a full group, and the standby (if any) up again. Grows to
+    # ``workers + 1`` and shrinks back, ``resizes`` times; ``resize_s`` is the median grow.
+    grows, shrinks = [], []
+    for r in range(resizes):
+        for size in (workers + 1, workers):
+            run.wait(lambda x, n=size: x["phase"] == "RUNNING" and x["world_size"] == (workers + workers + 1 - n)
+                     and x["standby_ready"] >= (standby if n > workers else 0), what="a steady group")
+            t_req = time.time()
+            store.update_spec(spec.run_id, workers=size)
+            # Only a resize to the new size: a grow back after the last failure is a resize too.
+            rs = run.wait_event("resized", len(run.events("resized")) + 1)
+            while rs["to_workers"] != size:
+                rs = run.wait_event("resized", len(run.events("resized")) + 1)
+            took = rs["first_step_unix"] - t_req
+            (grows if size > workers else shrinks).append(took)
+            print(f"etrain (standby {standby}) resize {rs['from_workers']} -> {size}: {took:.2f} s from request to "
+                  f"the first step ({rs.get('phases')})", flush=True)
+            if standby == 0 and size > workers:  # without a standby every grow waits for a boot: one is enough
+                break
+        if standby == 0:
+            break
+    store.update_spec(spec.run_id, stop=True)  # the rest of the steps would measure nothing
     result = run.join()
     ray.shutdown()
-    return {"mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "resize_s": resize_s,
+    return {"mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "grows": grows,
+            "shrinks": shrinks,
             "final_phase": result.get("phase"), "final_step": result.get("step"), "steps": steps}
 
 
@@ -215,8 +230,8 @@ def main() -> int:
     kills = args.kills or (2 if args.quick else 4)
     with tempfile.TemporaryDirectory(prefix="etrain-bench-recovery-") as root:
         base = bench_torchrun(root, kills, args.every, args.workers)
-        bare = bench_etrain(root, kills, args.every, args.workers, standby=0)
-        warm = bench_etrain(root, kills, args.every, args.workers, standby=1)
+        bare = bench_etrain(root, kills, args.every, args.workers, standby=0, resizes=1)
+        warm = bench_etrain(root, kills, args.every, args.workers, standby=1, resizes=args.resizes)
     med = statistics.median
     base_mttr = med(base["mttr"]) if base["mttr"] else float("nan")
     out = {
@@ -227,8 +242,10 @@ def main() -> int:
         "steps_lost": warm["steps_lost"],
         "steps_lost_no_standby": bare["steps_lost"],
         "committed_steps_lost": warm["committed_steps_lost"] + bare["committed_steps_lost"],
-        "resize_s": round(warm["resize_s"], 3),
-        "resize_no_standby_s": round(bare["resize_s"], 3),
+        "resize_s": round(med(warm["grows"]), 3),  # grow workers -> workers + 1, a standby ready; median
+        "resize_all_s": [round(x, 3) for x in warm["grows"]],
+        "resize_shrink_s": round(med(warm["shrinks"]), 3),
+        "resize_no_standby_s": round(med(bare["grows"]), 3),  # the grow waits for a new process to boot
         "baseline_torchrun_mttr_s": round(base_mttr, 3),
         "baseline_all_s": [round(x, 3) for x in base["mttr"]],
         "baseline_steps_lost": base["steps_lost"],
@@ -240,7 +257,7 @@ def main() -> int:
         "kills": kills,
     }
     print(json.dumps(out))
-    ok = all(r["final_phase"] == "FINISHED" and r["final_step"] == r["steps"] for r in (bare, warm))
+    ok = all(r["final_phase"] == "FINISHED" for r in (bare, warm)) and out["committed_steps_lost"] == 0
     return 0 if ok else 1
 
 
