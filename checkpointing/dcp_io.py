@@ -170,6 +170,18 @@ def _lookup(state_dict, path):
     return obj
 
 
+def file_prefix(epoch: int) -> str:
+    """What every file name of a save by ``epoch`` starts with ("" at epoch 0, "e<epoch>" after).
+
+    A writer of an old epoch may live on after a newer one formed (cut off
+    from the network, paused) and save the same step again. The fence refuses
+    its commit, but its uploads land anyway: under the names the newer
+    epoch's committed files have, they would overwrite them. Names of their
+    own per epoch leave a committed checkpoint untouched by any stale writer.
+    """
+    return f"e{epoch}" if epoch else ""
+
+
 class EtrainWriter(StorageWriter):
     """Lays files out in ``write_data``; :meth:`upload` (later, in the thread
     that runs the save) waits for the files and sends the DCP metadata. One
@@ -183,13 +195,18 @@ class EtrainWriter(StorageWriter):
     ``overlap=True`` starts each file's upload as soon as it is laid out,
     while DCP finishes its collectives; otherwise :meth:`upload` starts them.
     Upload threads never run collectives.
+
+    Every file name carries the save's ``epoch`` (see :func:`file_prefix`).
     """
 
     def __init__(self, storage: Storage, step_rel: str, *, file_size: int = FILE_SIZE,
-                 pool: StagingPool | None = None, overlap: bool = False, executor: ThreadPoolExecutor | None = None):
+                 pool: StagingPool | None = None, overlap: bool = False, executor: ThreadPoolExecutor | None = None,
+                 epoch: int = 0):
         super().__init__()
         self.storage = storage
         self.step_rel = step_rel
+        self.epoch = epoch
+        self.metadata_name = file_prefix(epoch) + METADATA_NAME
         self.file_size = file_size
         self.pool = pool
         self.overlap = overlap
@@ -220,7 +237,7 @@ class EtrainWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Each rank's files get a distinct prefix, so no two ranks write the same object.
-        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=f"{file_prefix(self.epoch)}__{i}_") for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         self.timings["write_data"] = time.monotonic()
@@ -333,11 +350,11 @@ class EtrainWriter(StorageWriter):
                         raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
                     self.metadata_blob = pickle.dumps(self.metadata)
                 blob = self.metadata_blob
-                meta = self._submit(self.storage.put, f"{self.step_rel}/{METADATA_NAME}", blob)
+                meta = self._submit(self.storage.put, f"{self.step_rel}/{self.metadata_name}", blob)
             entries = [f.result() for f in self._uploads]
             if meta is not None:
                 meta.result()
-                entries.append(FileEntry(METADATA_NAME, len(blob), checksum(blob)))
+                entries.append(FileEntry(self.metadata_name, len(blob), checksum(blob)))
         finally:
             self.abort()
         return entries
@@ -429,7 +446,11 @@ class EtrainReader(StorageReader):
         return out
 
     def read_metadata(self) -> Metadata:
-        blob = self._fetch([METADATA_NAME])[METADATA_NAME]
+        names = [p for p in self.files if p.endswith(METADATA_NAME)]
+        if len(names) != 1:
+            raise CorruptCheckpointError(f"{self.step_rel}: the manifest lists {len(names)} DCP metadata files, "
+                                         "not one")
+        blob = self._fetch(names)[names[0]]
         return pickle.loads(blob)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:

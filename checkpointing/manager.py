@@ -326,7 +326,7 @@ class CheckpointManager:
             self._io = ThreadPoolExecutor(upload_threads(self.storage), thread_name_prefix="etrain-up")
             weakref.finalize(self, self._io.shutdown, wait=False)
         writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
-                              overlap=True, executor=self._io)
+                              overlap=True, executor=self._io, epoch=self.epoch)
         self._writer = writer
         return writer
 

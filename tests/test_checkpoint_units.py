@@ -154,3 +154,29 @@ def test_a_dcp_failure_is_described_by_each_ranks_own_error():
         wrapped = _wrap_exception(e)
     text = describe(CheckpointException("step", {1: wrapped}))
     assert text == "rank 1: ValueError: chunk sizes disagree for model.w"
+
+
+def test_a_fenced_writer_never_touches_the_files_of_a_committed_checkpoint(tmp_path):
+    """A stale writer (an old epoch, cut off or paused while a newer epoch formed) that saves the same step
+    after the newer epoch committed it: its commit is refused, and the committed checkpoint stays whole
+    (each epoch writes files of its own names, the DCP metadata included)."""
+    import torch
+
+    from checkpointing.manager import CheckpointManager
+
+    url = f"file://{tmp_path}/ckpt"
+
+    def save(epoch: int, value: float, n: int):
+        mgr = CheckpointManager(url, "r", epoch=epoch, async_save=False)
+        state = {"model": {"w": torch.full((n,), value)}}
+        return mgr, mgr.save(5, state, layout={"world_size": 1}, config_hash="h",
+                             trainer_state={"step": 5, "samples_consumed": 10})
+
+    new, res = save(2, 1.0, 1000)
+    new.write_fence(2)
+    assert res.status == "committed"
+    _, stale = save(1, 7.0, 300)  # the old epoch's save of the same step, with another layout
+    assert stale.status == "failed" and "fenced off by epoch 2" in stale.error
+    assert new.verify(5) == []
+    into = {"model": {"w": torch.zeros(1000)}}
+    assert new.load(into).epoch == 2 and torch.equal(into["model"]["w"], torch.full((1000,), 1.0))
