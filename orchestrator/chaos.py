@@ -39,6 +39,11 @@ A plan is a list of faults, each with a schedule::
     duration_s = 8
     mode = "stop"             # "stop": SIGSTOP/SIGCONT; "restart": end it and start it again
 
+    [[fault]]
+    kind = "partition_node"   # cut the node a rank runs on off the network for duration_s (default 20)
+    at_step = 50              # (a node in a network namespace of its own: orchestrator/netns.py)
+    rank = 0
+
 Faults fire only while the run is RUNNING (an ``after_fault`` one fires on
 time, whatever the phase). Worker processes are found from the run's last
 ``formed`` event; signals reach other nodes through a Ray task pinned to the
@@ -52,8 +57,13 @@ against a failure-free reference run of the same config: the same final
 step; every step trained once in the final trajectory with its data cursor
 at exactly step x global batch (no sample skipped or repeated); the loss at
 every step within ``loss_rtol`` of the reference; every committed checkpoint
-verifies. Network partitions are not offered: the nodes of a one-machine Ray
-cluster share one loopback interface, so there is no link to cut.
+verifies; no checkpoint committed by an epoch after a newer one formed (a
+stale writer the fence should have refused).
+
+A partition needs a link to cut: the nodes of a one-machine Ray cluster share
+one loopback interface, so ``partition_node`` works on nodes started in
+network namespaces of their own on the machine where ``etrain chaos`` runs
+(``python -m orchestrator.netns node ...``), and says so for any other node.
 """
 
 from __future__ import annotations
@@ -70,12 +80,15 @@ from dataclasses import dataclass, field
 
 from checkpointing.errors import ConfigError
 
+from . import netns
 from .store import RunStore, StoreUnavailable
 
 log = logging.getLogger("etrain")
 
-KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage")
-PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank")
+KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "partition_node")
+# Faults that take a member out of the group: the controller must see a failure and re-form without it.
+PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank", "partition_node")
+WINDOW_S = {"partition_node": 20.0}  # duration_s when the plan leaves it out; 10 s for the other kinds
 TERMINAL = ("FINISHED", "FAILED", "SUSPENDED")
 
 
@@ -96,16 +109,16 @@ class FaultSpec:
     max_count: int = 1_000_000
     # targets and windows
     rank: int | None = None
-    duration_s: float = 10.0
+    duration_s: float | None = None  # storage, etcd_outage, partition_node: how long the fault lasts
     error_rate: float = 0.0
     truncate_rate: float = 0.0
     mode: str = "stop"
 
     def __post_init__(self) -> None:
         where = f"fault kind={self.kind!r}"
-        if self.kind == "net_partition":
-            raise ConfigError(f"{where}: not available here: the nodes of a one-machine Ray cluster share "
-                              "loopback, so there is no link between them to cut; use kill_node or hang_rank")
+        if self.kind in ("net_partition", "partition", "network_partition"):
+            raise ConfigError(f"{where} is unknown; a network partition is kind=\"partition_node\" (cuts the link of "
+                              "a node in a network namespace of its own; docs/chaos.md)")
         if self.kind not in KINDS:
             raise ConfigError(f"{where} is unknown; use one of {', '.join(KINDS)}")
         schedules = [self.at_step is not None, self.every_s is not None, self.random, self.after_fault is not None]
@@ -116,6 +129,8 @@ class FaultSpec:
             raise ConfigError(f"{where}: every_s={self.every_s} must be > 0")
         if self.random and not 0 < self.min_gap_s <= self.max_gap_s:
             raise ConfigError(f"{where}: need 0 < min_gap_s <= max_gap_s (got {self.min_gap_s}, {self.max_gap_s})")
+        if self.duration_s is None:
+            self.duration_s = WINDOW_S.get(self.kind, 10.0)
         if self.duration_s <= 0:
             raise ConfigError(f"{where}: duration_s={self.duration_s} must be > 0")
         if self.mode not in ("stop", "restart"):
@@ -343,7 +358,7 @@ class Injection:
     time: float  # unix
     step: int
     target: dict = field(default_factory=dict)
-    ended: float | None = None  # windows (storage, etcd): when the fault was lifted
+    ended: float | None = None  # windows (storage, etcd, partition): when the fault was lifted
     committed: int | None = None  # the newest committed step the driver knew of at injection
     error: str | None = None
 
@@ -360,6 +375,7 @@ class Chaos:
         self.open_windows: list[tuple[Injection, FaultSpec]] = []
         self.status: dict = {}
         self.etcd: EtcdControl | None = None
+        self.next_node_check = 0.0
         self.started = time.time()
 
     # --- the loop ---
@@ -367,20 +383,23 @@ class Chaos:
     def run(self, timeout_s: float = 3600.0) -> dict:
         """Inject until the run ends (or ``timeout_s``); returns the run's final status."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                self.status = self.store.get_status(self.run_id) or self.status
-            except StoreUnavailable:
-                pass  # our own etcd outage, most likely: go on with the last status
-            now = time.time()
-            if self.status.get("phase") in TERMINAL:
-                break
-            self._close_windows(now)
-            for i, spec in enumerate(self.plan.faults):
-                if self._due(i, spec, now):
-                    self.inject(i, spec)
-            time.sleep(self.poll_s)
-        self._close_windows(float("inf"))
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    self.status = self.store.get_status(self.run_id) or self.status
+                except StoreUnavailable:
+                    pass  # our own etcd outage, most likely: go on with the last status
+                now = time.time()
+                if self.status.get("phase") in TERMINAL:
+                    break
+                self._close_windows(now)
+                self._watch_partitions(now)
+                for i, spec in enumerate(self.plan.faults):
+                    if self._due(i, spec, now):
+                        self.inject(i, spec)
+                time.sleep(self.poll_s)
+        finally:  # whatever ends the loop (Ctrl-C included), no link stays cut and no etcd stopped
+            self._close_windows(float("inf"))
         return self.status
 
     def _due(self, i: int, spec: FaultSpec, now: float) -> bool:
@@ -426,12 +445,28 @@ class Chaos:
                     if spec.kind == "storage":
                         if not ended:  # a run that ended took its workers (and their faults) with it
                             self._controller().set_storage_faults.remote(None)
+                    elif spec.kind == "partition_node":
+                        netns.set_link(inj.target["link"], up=True)
                     else:
                         self.etcd.start(spec.mode)
                 except Exception as e:
                     inj.error = f"lifting the fault: {type(e).__name__}: {e}"
                 inj.ended = time.time()
                 self.open_windows.remove((inj, spec))
+
+    def _watch_partitions(self, now: float) -> None:
+        """When Ray declares a cut-off node dead (its health checks fail): seconds after the cut."""
+        open_cuts = [inj for inj, spec in self.open_windows
+                     if spec.kind == "partition_node" and "node_dead_after_s" not in inj.target]
+        if not open_cuts or now < self.next_node_check:
+            return
+        self.next_node_check = now + 0.5
+        import ray
+
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        for inj in open_cuts:
+            if not alive.get(inj.target["node"], False):
+                inj.target["node_dead_after_s"] = round(now - inj.time, 2)
 
     # --- targets ---
 
@@ -477,6 +512,22 @@ class Chaos:
             raise RuntimeError(f"rank {t['rank']} runs on the node of the run's controller (the driver's node); "
                                "killing it ends the run (choose another rank)")
         t["raylet"] = on_node(t["node"], kill_node_of, t["pid"])
+
+    def _inject_partition_node(self, inj: Injection, spec: FaultSpec) -> None:
+        """Cut the link of the network namespace the rank's node runs in; healed after ``duration_s``."""
+        t = inj.target = self._target(spec)
+        import ray
+
+        node = next((n for n in ray.nodes() if n["NodeID"] == t["node"]), None)
+        if node is None or not node["Alive"]:
+            raise RuntimeError(f"rank {t['rank']}'s node {t['node'][:8]} is not alive")
+        if is_head(t["node"]) or t["node"] == ray.get(self._controller().node_id.remote(), timeout=30):
+            raise RuntimeError(f"rank {t['rank']} runs on the node of the head or the run's controller; cutting it "
+                               "off ends the run, not a member (choose another rank)")
+        t["netns"], t["link"] = netns.node_link(t["pid"], node["NodeManagerAddress"])
+        t["node_ip"] = node["NodeManagerAddress"]
+        netns.set_link(t["link"], up=False)
+        self.open_windows.append((inj, spec))
 
     def _inject_storage(self, inj: Injection, spec: FaultSpec) -> None:
         import ray
@@ -547,6 +598,9 @@ def assess(injections: list[Injection], events: list[dict], history: list[list])
                     row.update(recovered=True, time_to_recover_s=rec["first_step_unix"] - inj.time,
                                steps_lost=rec.get("steps_lost"), restored_step=rec.get("restored_step"),
                                committed_steps_lost=max(0, (inj.committed or 0) - rec.get("restored_step", 0)))
+            if inj.kind == "partition_node":  # how long the link was cut; when Ray gave the node up
+                row.update(partition_s=None if inj.ended is None else round(inj.ended - inj.time, 2),
+                           node_dead_after_s=inj.target.get("node_dead_after_s"))
         elif inj.kind == "storage" and not inj.error:
             end = inj.ended or float("inf")
             failed = [e for e in ckpt_failed if inj.time <= e["time"] <= end + 60]
@@ -667,6 +721,26 @@ def verify_committed(ckpt_url: str, run_id: str) -> tuple[dict[int, list[str]], 
     return problems, cursor
 
 
+def stale_commits(ckpt_url: str, run_id: str, events: list[dict]) -> list[str]:
+    """Committed checkpoints whose commit came after a newer epoch formed: writers the fence should have
+    refused (a partitioned or hung rank that lived on). A manifest's time is taken after its writer read
+    the fence, and an epoch's ``formed`` event is written after the fence moved to it."""
+    from checkpointing.manager import CheckpointManager
+
+    formed = [(e["epoch"], e["time"]) for e in events if e.get("kind") == "formed" and "epoch" in e]
+    if not ckpt_url or not formed:
+        return []
+    mgr = CheckpointManager(ckpt_url, run_id)
+    out = []
+    for step in mgr.committed_steps():
+        m = mgr.read_manifest(step)
+        newer = min((t for epoch, t in formed if epoch > m.epoch), default=None)
+        if newer is not None and m.created_unix > newer:
+            out.append(f"checkpoint step {step} was committed by epoch {m.epoch} {m.created_unix - newer:.2f} s after "
+                       "a newer epoch formed: a stale writer got past the fence")
+    return out
+
+
 def format_report(r: dict) -> str:
     def s(v, unit="s"):
         return "-" if v is None else f"{v:.2f} {unit}".rstrip()
@@ -686,9 +760,22 @@ def format_report(r: dict) -> str:
         lines.append(f"  - fault {f['fault']} {f['kind']} at step {f['step']}: "
                      + (f"not injected ({f['error']})" if f["error"] else
                         f"detected {s(f['time_to_detect_s'])}, recovered {s(f['time_to_recover_s'])}, "
-                        f"steps lost {f['steps_lost']}"))
+                        f"steps lost {f['steps_lost']}" + _partition_note(f)))
     lines.append("  PASS" if r["passed"] else "  FAIL: " + "; ".join(r["reasons"]))
     return "\n".join(lines)
+
+
+def _partition_note(f: dict) -> str:
+    if f["kind"] != "partition_node" or f["error"]:
+        return ""
+    dead = f.get("node_dead_after_s")
+    ray_view = "the node still alive for Ray when healed" if dead is None else f"node declared dead after {dead:.2f} s"
+    t = f["target"]
+    return f"; link {t.get('link')} ({t.get('netns')}) cut for {_secs(f.get('partition_s'))}, {ray_view}"
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
 
 
 def plot(path: str, history: list[list], rows: list[dict], ref_history: list[list] | None = None,
@@ -770,6 +857,7 @@ def judge(run_id: str, store: RunStore, plan: ChaosPlan, chaos: Chaos | None, fi
     reasons = oracle({"status": final, "history": history}, ref, total_steps=cfg.train.steps,
                      global_batch=cfg.train.global_batch, rtol=plan.loss_rtol, atol=plan.loss_atol,
                      verify_problems=problems, final_cursor=cursor, restored_up_to=restored)
+    reasons += stale_commits(cfg.checkpoint.url, run_id, events)
     rows = assess(chaos.injections if chaos else [], events, history)
     diff = loss_rel_diff(history, ref["history"]) if ref else None
     out = report(run_id, plan, rows, final, reasons, ref_id, diff)

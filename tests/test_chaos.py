@@ -133,9 +133,15 @@ def test_worker_killed_during_an_async_upload_never_commits_that_checkpoint(clus
     """Slow storage keeps the step-8 upload in flight; a worker dies during it. Step 8 never appears
     committed (its manifest was never written); a later checkpoint does."""
     root = f"file://{tmp_path}/runs"
-    plan = ('[[fault]]\nkind = "storage"\nat_step = 1\nduration_s = 60\ndelay_s = 0.5\n'
+    # 1 s per storage request keeps the step-8 save in flight for a few seconds: the kill (fired once the
+    # driver sees step 9 in the status, written every second) lands before it could commit, even when a
+    # loaded machine makes the driver late by a few steps.
+    plan = ('[[fault]]\nkind = "storage"\nat_step = 1\nduration_s = 60\ndelay_s = 1.0\n'
             '[[fault]]\nkind = "kill_worker"\nat_step = 9\nrank = 1\n')
-    r = chaos_run(root, plan, reference, "checkpoint.async_save=true", tmp_path=tmp_path)
+    # Saves that slow make training wait for the one in flight now and then: not a hang (this test is not
+    # about hangs), so a deadline above the slowest save.
+    r = chaos_run(root, plan, reference, "checkpoint.async_save=true", "elastic.hang_timeout_s=30",
+                  tmp_path=tmp_path)
     mgr = CheckpointManager(root, r["run_id"])
     committed = mgr.committed_steps()
     assert 8 not in committed and committed and committed[-1] == STEPS, committed
@@ -165,7 +171,7 @@ def test_corrupt_newest_checkpoint_before_resume_falls_back_and_passes_the_oracl
     run.join()
     mgr = CheckpointManager(root, run_id)
     newest = mgr.committed_steps()[-1]
-    shard = next(f.path for f in mgr.read_manifest(newest).files if f.path != ".metadata")
+    shard = next(f.path for f in mgr.read_manifest(newest).files if f.path.endswith(".distcp"))
     path = os.path.join(tmp_path, "runs", run_id, "checkpoints", f"step_{newest:09d}", shard)
     with open(path, "r+b") as f:
         f.seek(100)
