@@ -49,7 +49,7 @@ def main() -> None:
     root = f"file://{tempfile.mkdtemp(prefix='etrain-goodput-')}/runs"
     base = ['model.preset="tiny"', "data.max_bytes=2000000", "train.global_batch=12", "train.micro_batch=1",
             f"train.steps={steps}", "train.log_every=100000", "checkpoint.interval_steps=20",
-            'metrics.file_sd_dir="-"', "elastic.standby=1"]
+            'metrics.file_sd_dir="-"', "elastic.standby=1", f'checkpoint.url="{root}"']
     connect(None, num_cpus=3)
 
     def run(run_id: str, plan=None) -> tuple[dict, Chaos | None]:
