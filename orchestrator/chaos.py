@@ -741,10 +741,12 @@ def stale_commits(ckpt_url: str, run_id: str, events: list[dict]) -> list[str]:
     return out
 
 
-def format_report(r: dict) -> str:
-    def s(v, unit="s"):
-        return "-" if v is None else f"{v:.2f} {unit}".rstrip()
+def _fmt(v: float | None, unit: str = "s") -> str:
+    return "-" if v is None else f"{v:.2f} {unit}".rstrip()
 
+
+def format_report(r: dict) -> str:
+    s = _fmt
     lines = [f"chaos report for run {r['run_id']}" + (f" (reference {r['reference']})" if r["reference"] else ""),
              f"  faults: {r['faults_injected']} injected, {r['faults_detected']} detected, "
              f"{r['faults_recovered']} recovered",
@@ -771,11 +773,7 @@ def _partition_note(f: dict) -> str:
     dead = f.get("node_dead_after_s")
     ray_view = "the node still alive for Ray when healed" if dead is None else f"node declared dead after {dead:.2f} s"
     t = f["target"]
-    return f"; link {t.get('link')} ({t.get('netns')}) cut for {_secs(f.get('partition_s'))}, {ray_view}"
-
-
-def _secs(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f} s"
+    return f"; link {t.get('link')} ({t.get('netns')}) cut for {_fmt(f.get('partition_s'))}, {ray_view}"
 
 
 def plot(path: str, history: list[list], rows: list[dict], ref_history: list[list] | None = None,
