@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from orchestrator import netns
+from tests.harness import free_port
 
 HEAD_IP = "10.213.0.1"
 # A node that misses 3 health checks 1 s apart is dead (Ray's defaults: 5 checks 3 s apart, 10 s each).
@@ -43,12 +44,6 @@ def node_ns(n: int) -> str:
 
 def node_ip(n: int) -> str:
     return f"10.213.0.{10 + n}"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class NetnsCluster:
@@ -73,14 +68,14 @@ class NetnsCluster:
             raise
 
     def _start_head(self) -> str:
-        port = _free_port(HEAD_IP)
+        port = free_port(HEAD_IP)
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
         cmd = [ray, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-cpus=0",
-               "--include-dashboard=false", f"--ray-client-server-port={_free_port(HEAD_IP)}",
+               "--include-dashboard=false", f"--ray-client-server-port={free_port(HEAD_IP)}",
                f"--object-store-memory={OBJECT_STORE}",
                # Ports of their own (the defaults may be taken by another Ray on this machine), given rather
                # than left to the agents: the raylet then does not wait for their port files (see netns.AGENT_PORTS).
-               *(f"--{flag}={_free_port(HEAD_IP)}" for flag in (
+               *(f"--{flag}={free_port(HEAD_IP)}" for flag in (
                    "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                    "runtime-env-agent-port", "metrics-export-port")),
                f"--temp-dir={self.temp_dir}", "--disable-usage-stats", "--block",
