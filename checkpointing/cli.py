@@ -48,8 +48,10 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
     for step in mgr.steps():
         try:
             m = mgr.read_manifest(step)
-        except EtrainError:
-            rows.append({"step": step, "committed": False})
+        except EtrainError as e:
+            # No manifest: an uncommitted save. A manifest that fails validation: corrupt.
+            corrupt = mgr.is_committed(step)
+            rows.append({"step": step, "committed": False, **({"corrupt": str(e)} if corrupt else {})})
             continue
         rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
                      "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
@@ -63,7 +65,7 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
     print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  created")
     for r in rows:
         if not r["committed"]:
-            print(f"{r['step']:>10}  {'uncommitted':<11}")
+            print(f"{r['step']:>10}  {'corrupt' if r.get('corrupt') else 'uncommitted':<11}")
             continue
         lay = r["layout"]
         desc = f"pp{lay.get('pp')} dp{lay.get('dp_replicate')}x{lay.get('dp_shard')} tp{lay.get('tp')} z{lay.get('zero_stage')}"

@@ -11,25 +11,42 @@ several in flight, each checksummed as it is written. Tensors are stored as
 raw bytes (no pickling), so a reader can slice any sub-block of a saved shard,
 which is what resharding needs.
 
+Every file of a save attempt is named by that attempt (:func:`file_name`:
+the epoch, the rank, the file's number and a random token per rank and
+attempt) and created exclusively, so no save ever writes into a file of
+another save, committed or not. The DCP metadata is written by the manager at
+commit (``.metadata``, the name stock DCP readers look for).
+
 The reader fetches whole files, checks each against the manifest's size and
 crc32c before any byte is used, and copies the requested sub-blocks into the
 destination tensors (DTensor shards included). A mismatch raises
 :class:`CorruptCheckpointError` naming the file; DCP turns an error on any
 rank into an error on every rank, so all ranks fall back together.
+
+Stored bytes are data, never code: the DCP metadata (a pickle, as stock DCP
+writes it) is read with a restricted unpickler that knows only DCP's metadata
+classes (:func:`load_metadata`), every item location in it is checked against
+the manifest, and non-tensor items are loaded with ``torch.load(...,
+weights_only=True)``. Anything else makes the checkpoint corrupt.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
+import re
 import time
+import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -43,7 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future as TorchFuture
 
 from .errors import CheckpointError
-from .manifest import FILE_SIZE, METADATA_NAME, FileEntry, checksum
+from .manifest import FILE_SIZE, METADATA_RE, FileEntry, checksum
 from .storage import MiB, Storage
 
 _ALIGN = 64
@@ -173,13 +190,45 @@ def _lookup(state_dict, path):
 def file_prefix(epoch: int) -> str:
     """What every file name of a save by ``epoch`` starts with ("" at epoch 0, "e<epoch>" after).
 
-    A writer of an old epoch may live on after a newer one formed (cut off
-    from the network, paused) and save the same step again. The fence refuses
-    its commit, but its uploads land anyway: under the names the newer
-    epoch's committed files have, they would overwrite them. Names of their
-    own per epoch leave a committed checkpoint untouched by any stale writer.
+    The epoch says which group wrote a file (a writer of an old epoch may live
+    on, cut off or paused, and save the same step again; the fence refuses its
+    commit). What keeps its uploads off every other save's files is the token
+    of :func:`file_name`, unique to each rank's attempt.
     """
     return f"e{epoch}" if epoch else ""
+
+
+_NAME_RE = re.compile(r"^(?P<head>.*__\d+_\d+)\.(?P<token>[0-9a-f]{8})\.distcp$")
+
+
+def file_name(prefix: str, k: int, token: str) -> str:
+    """The name of file ``k`` of a rank whose plan prefix is ``prefix`` (``e<epoch>__<rank>_``), in the
+    save attempt whose token (random, per rank and attempt) is ``token``."""
+    return f"{prefix}{k}.{token}.distcp"
+
+
+def _retoken(path: str, tokens: dict[str, str]) -> str:
+    m = _NAME_RE.match(path)
+    if m is None or m["token"] not in tokens:
+        raise CheckpointError(f"cannot rename {path!r} for a new save attempt")
+    return f"{m['head']}.{tokens[m['token']]}.distcp"
+
+
+def same_results(a: list[WriteResult], b: list[WriteResult]) -> bool:
+    """Whether two saves laid their items out the same way, whatever their file tokens."""
+    def key(r: WriteResult):
+        loc = r.storage_data
+        head = _NAME_RE.match(loc.path)
+        return r.index, r.size_in_bytes, head["head"] if head else loc.path, loc.offset, loc.length, loc.dtype, \
+            loc.shape
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
+
+
+def retoken_metadata(metadata: Metadata, tokens: dict[str, str]) -> Metadata:
+    """``metadata`` with every item's file renamed from an old attempt's token to the new one's."""
+    storage = {idx: dataclasses.replace(loc, path=_retoken(loc.path, tokens))
+               for idx, loc in metadata.storage_data.items()}
+    return dataclasses.replace(metadata, storage_data=storage)
 
 
 class EtrainWriter(StorageWriter):
@@ -196,24 +245,25 @@ class EtrainWriter(StorageWriter):
     while DCP finishes its collectives; otherwise :meth:`upload` starts them.
     Upload threads never run collectives.
 
-    Every file name carries the save's ``epoch`` (see :func:`file_prefix`).
+    Every file name carries the save's ``epoch`` and this attempt's ``token``
+    (see :func:`file_name`); every file is created exclusively.
     """
 
     def __init__(self, storage: Storage, step_rel: str, *, file_size: int = FILE_SIZE,
                  pool: StagingPool | None = None, overlap: bool = False, executor: ThreadPoolExecutor | None = None,
-                 epoch: int = 0):
+                 epoch: int = 0, token: str = ""):
         super().__init__()
         self.storage = storage
         self.step_rel = step_rel
         self.epoch = epoch
-        self.metadata_name = file_prefix(epoch) + METADATA_NAME
+        self.token = token or uuid.uuid4().hex[:8]
         self.file_size = file_size
         self.pool = pool
         self.overlap = overlap
         self.is_coordinator = False
         self.staged: list[_StagedFile] = []
-        self.metadata: Metadata | None = None
-        self.metadata_blob: bytes | None = None  # the pickled metadata, when the caller has it already
+        self.metadata: Metadata | None = None  # the coordinator's, once dcp.save finished
+        self.written: list[str] = []  # names of every file this writer started to write
         self.plan: SavePlan | None = None  # the final local plan write_data was given
         self.results: list[WriteResult] = []  # and what it answered
         self.staged_bytes = 0  # host memory this save copied into (device or non-contiguous tensors)
@@ -260,7 +310,7 @@ class EtrainWriter(StorageWriter):
         for k, group in enumerate(files):
             if not group:
                 continue
-            name = f"{prefix}{k}.distcp"
+            name = file_name(prefix, k, self.token)
             staged = self._lay_out(name, group)
             off = 0
             for item, data, n in group:
@@ -324,8 +374,19 @@ class EtrainWriter(StorageWriter):
         return fut
 
     def _upload_file(self, f: _StagedFile) -> FileEntry:
-        crc = self.storage.put_parts(f"{self.step_rel}/{f.path}", f.parts)
+        self.written.append(f.path)
+        crc = self.storage.put_parts(f"{self.step_rel}/{f.path}", f.parts, exclusive=True)
         return FileEntry(f.path, f.size, crc)
+
+    def remove_files(self) -> None:
+        """Delete the files this writer wrote (after :meth:`abort`): a failed save leaves nothing.
+        Their names are this attempt's own, so nothing of another save is touched."""
+        for name in self.written:
+            try:
+                self.storage.delete_tree(f"{self.step_rel}/{name}")
+            except Exception:  # retention removes what is left of an uncommitted step
+                pass
+        self.written = []
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Runs on the coordinator while every rank waits for the result: only
@@ -339,22 +400,12 @@ class EtrainWriter(StorageWriter):
         self.metadata = dataclasses.replace(metadata, storage_data=storage_md)
 
     def upload(self) -> list[FileEntry]:
-        """Wait for this rank's file uploads; the coordinator adds the metadata. Raises the first failure."""
+        """Wait for this rank's file uploads; raises the first failure. (The coordinator's DCP
+        metadata is written by the manager at commit.)"""
         try:
             if not self.overlap:
                 self._uploads = [self._submit(self._upload_file, f) for f in self.staged]
-            meta = None
-            if self.is_coordinator:
-                if self.metadata_blob is None:
-                    if self.metadata is None:
-                        raise CheckpointError("the DCP metadata was never produced; dcp.save did not finish")
-                    self.metadata_blob = pickle.dumps(self.metadata)
-                blob = self.metadata_blob
-                meta = self._submit(self.storage.put, f"{self.step_rel}/{self.metadata_name}", blob)
             entries = [f.result() for f in self._uploads]
-            if meta is not None:
-                meta.result()
-                entries.append(FileEntry(self.metadata_name, len(blob), checksum(blob)))
         finally:
             self.abort()
         return entries
@@ -409,6 +460,62 @@ def upload_threads(storage: Storage) -> int:
     return storage.concurrency if not storage.is_local else max(1, storage.concurrency // 2)
 
 
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "checkpointing.dcp_io": {"ItemLocation"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any global outside DCP's metadata classes, torch's
+    dtypes and a few plain containers is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def load_metadata(blob: bytes, where: str) -> Metadata:
+    """DCP metadata from ``blob`` through the restricted unpickler; CorruptCheckpointError otherwise."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(blob)).load()
+    except Exception as e:  # UnpicklingError, EOFError, a refused global, a constructor's TypeError, ...
+        raise CorruptCheckpointError(f"{where} is not valid DCP metadata ({str(e)[:120]})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or not isinstance(
+            md.storage_data, dict):
+        raise CorruptCheckpointError(f"{where} is not valid DCP metadata (a {type(md).__name__})")
+    return md
+
+
+def _check_location(loc, files: dict[str, FileEntry], where: str) -> None:
+    """An item's location is a byte range of a listed file, with a real dtype and a matching shape."""
+    if not isinstance(loc, ItemLocation):
+        raise CorruptCheckpointError(f"{where}: an item location is a {type(loc).__name__}, not an etrain one")
+    entry = files.get(loc.path) if isinstance(loc.path, str) else None
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (loc.offset, loc.length))
+    if entry is None or not ints or loc.offset + loc.length > entry.size:
+        raise CorruptCheckpointError(f"{where}: an item lies outside the files the manifest lists "
+                                     f"({str(loc.path)[:60]!r} at {loc.offset!r:.20}+{loc.length!r:.20})")
+    if loc.dtype is None:
+        return
+    dtype = getattr(torch, loc.dtype, None) if isinstance(loc.dtype, str) else None
+    shape_ok = isinstance(loc.shape, tuple) and all(isinstance(d, int) and d >= 0 for d in loc.shape)
+    if not isinstance(dtype, torch.dtype) or not shape_ok or \
+            math.prod(loc.shape) * dtype.itemsize != loc.length:
+        raise CorruptCheckpointError(f"{where}: an item has an invalid dtype or shape "
+                                     f"({str(loc.dtype)[:20]!r}, {str(loc.shape)[:40]})")
+
+
 class EtrainReader(StorageReader):
     """Reads a committed checkpoint, verifying each file before use."""
 
@@ -420,6 +527,7 @@ class EtrainReader(StorageReader):
         self.files = files
         self.max_batch_bytes = max_batch_bytes
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self._metadata: Metadata | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}
@@ -446,12 +554,21 @@ class EtrainReader(StorageReader):
         return out
 
     def read_metadata(self) -> Metadata:
-        names = [p for p in self.files if p.endswith(METADATA_NAME)]
+        """The checked DCP metadata (read once; DCP asks again for what a caller checked first)."""
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _read_metadata(self) -> Metadata:
+        names = [p for p in self.files if METADATA_RE.match(p)]
         if len(names) != 1:
             raise CorruptCheckpointError(f"{self.step_rel}: the manifest lists {len(names)} DCP metadata files, "
                                          "not one")
-        blob = self._fetch(names)[names[0]]
-        return pickle.loads(blob)
+        where = f"{self.step_rel}/{names[0]}"
+        md = load_metadata(self._fetch(names)[names[0]], where)
+        for loc in md.storage_data.values():
+            _check_location(loc, self.files, where)
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.storage_data = metadata.storage_data
@@ -489,7 +606,13 @@ class EtrainReader(StorageReader):
                 loc = self.storage_data[req.storage_index]
                 raw = whole[loc.offset : loc.offset + loc.length]
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
+                    blob = raw.numpy().tobytes()
+                    try:  # data, never code: only what the weights-only unpickler accepts
+                        torch.load(io.BytesIO(blob), weights_only=True)
+                    except Exception as e:
+                        raise CorruptCheckpointError(f"{self.step_rel}/{path}: {req.storage_index.fqn} is not "
+                                                     f"plain data ({str(e)[:120]})") from None
+                    planner.load_bytes(req, io.BytesIO(blob))
                     continue
                 dtype = getattr(torch, loc.dtype)
                 src = raw.view(dtype).view(loc.shape) if loc.length else torch.empty(loc.shape, dtype=dtype)
@@ -506,3 +629,14 @@ class EtrainReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor items are loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

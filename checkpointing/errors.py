@@ -33,3 +33,7 @@ class StorageError(CheckpointError):
 
 class FencedError(EtrainError):
     """A writer from an older epoch tried to commit; it was refused."""
+
+
+class UnsafePathError(CheckpointError):
+    """A storage key would leave the storage root (``..``, an absolute path, a control character)."""

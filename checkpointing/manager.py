@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import pickle
 import posixpath
 import threading
 import time
@@ -47,8 +46,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointError, FencedError, StorageError
-from .manifest import FILE_SIZE, MANIFEST_NAME, FileEntry, Manifest, checksum, parse_step_dir, step_dir
+from .errors import CheckpointError, ConfigError, FencedError, StorageError, UnsafePathError
+from .lock import WriterLock
+from .manifest import (
+    FILE_SIZE,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    FileEntry,
+    Manifest,
+    checksum,
+    is_listable_name,
+    parse_step_dir,
+    step_dir,
+)
+from .names import validate_run_id
 from .retry import describe
 from .storage import Storage
 
@@ -71,7 +82,33 @@ class _PlannedLayout:
     paths: dict  # where each of its items is in the state dict (dcp_io.PlannedItems)
     results: list  # this rank's WriteResults: where each item went
     is_coordinator: bool
-    metadata_blob: bytes | None  # the pickled DCP metadata (coordinator only)
+    metadata: Any  # the DCP Metadata (coordinator only)
+    tokens: tuple  # each rank's file token in that save
+
+    def metadata_for(self, tokens: list[str]):
+        """The planned save's metadata with every rank's file names of a new attempt."""
+        from .dcp_io import retoken_metadata
+
+        return retoken_metadata(self.metadata, dict(zip(self.tokens, tokens)))
+
+
+def _parse_marker(blob: bytes) -> dict | None:
+    """A rank's marker, checked; None while it does not parse (a local write still landing)."""
+    try:
+        b = json.loads(blob)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(b, dict) or not isinstance(b.get("rank"), int) or not isinstance(b.get("ok"), bool):
+        return None
+    if b["ok"]:
+        files = b.get("files")
+        if not isinstance(files, list) or not all(
+                isinstance(f, dict) and is_listable_name(f.get("path")) and isinstance(f.get("size"), int)
+                and isinstance(f.get("crc32c"), str) and set(f) == {"path", "size", "crc32c"} for f in files):
+            return None
+    else:
+        b["error"] = str(b.get("error", "failed"))[:500]
+    return b
 
 
 @dataclass
@@ -79,7 +116,7 @@ class SaveResult:
     """What became of one save request."""
 
     step: int
-    status: str  # "committed", "failed", "skipped"
+    status: str  # "committed", "failed", "skipped", or "exists" (the step was committed already)
     error: str = ""
     bytes: int = 0  # this rank's bytes (all ranks' on the coordinator once committed)
     blocking_s: float = 0.0  # training was blocked this long
@@ -117,8 +154,8 @@ class CheckpointManager:
                  when_busy: str = "wait", keep_last: int = 3, keep_every: int = 0, epoch: int = 0,
                  fence: Callable[[], int] | None = None, storage: Storage | None = None,
                  commit_timeout_s: float = 600.0, file_size: int = FILE_SIZE, process_group=None):
+        self.run_id = validate_run_id(run_id)
         self.storage = storage or Storage(url)
-        self.run_id = run_id
         self.prefix = f"{run_id}/checkpoints"
         self.rank = rank
         self.world_size = world_size
@@ -131,6 +168,9 @@ class CheckpointManager:
         self.commit_timeout_s = commit_timeout_s
         self.file_size = file_size
         self.process_group = process_group
+        self.lock: WriterLock | None = None  # the run's writer lock, on the coordinator (take_writer_lock)
+        self.failed_in_a_row = 0  # saves that failed since the last commit (the coordinator's count)
+        self.last_error = ""
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
         self._writer = None  # the EtrainWriter of the save in flight
@@ -138,6 +178,7 @@ class CheckpointManager:
         self._gc_thread: threading.Thread | None = None
         self._stale_checked = -float("inf")  # when retention last looked for stale multipart uploads
         self._group = None  # process group of the background saves
+        self._control = None  # process group of the busy vote (the main thread's, never the saves')
         self._snap_cache: dict = {}  # path -> host buffer of the async snapshot
         self._snap_views: dict = {}  # path -> the DTensor over that buffer, made once (from_local costs)
         self._planned: _PlannedLayout | None = None  # the last save DCP planned, while its layout holds
@@ -149,6 +190,10 @@ class CheckpointManager:
 
     def step_rel(self, step: int) -> str:
         return f"{self.prefix}/{step_dir(step)}"
+
+    def url_of(self, step: int) -> str:
+        """The full URL of one step's checkpoint directory."""
+        return self.storage.join(self.step_rel(step))
 
     def steps(self) -> list[int]:
         """Every step directory present, committed or not, ascending."""
@@ -177,20 +222,76 @@ class CheckpointManager:
         return None
 
     def read_manifest(self, step: int) -> Manifest:
+        """Step ``step``'s manifest, strictly validated (its step and run id included)."""
         rel = f"{self.step_rel(step)}/{MANIFEST_NAME}"
         try:
-            return Manifest.from_json(self.storage.get(rel), where=rel)
+            blob = self.storage.get(rel)
         except FileNotFoundError:
             raise CheckpointError(f"{self.step_rel(step)} has no {MANIFEST_NAME}: it was never committed") from None
+        return Manifest.from_json(blob, where=rel, step=step, run_id=self.run_id)
+
+    # --- before training -------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Write, read back and remove a small object under the run: a URL that cannot be written
+        (missing, read-only, a file, no credentials, unreachable) fails here, before training."""
+        rel = f"{self.run_id}/_probe/{uuid.uuid4().hex}"
+        payload = f"etrain write probe {time.time()}".encode()
+        where = self.storage.join(self.run_id)
+        try:
+            self.storage.put(rel, payload, exclusive=True)
+            back = self.storage.get(rel)
+            self.storage.delete_tree(rel)
+        except UnsafePathError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"checkpoint.url: cannot write checkpoints to {where}: {describe(e)}") from None
+        if back != payload:
+            raise CheckpointError(f"checkpoint.url: {where} did not return what was written to it")
+
+    def check_fresh_start(self, fix: str = "pass --resume to continue it") -> None:
+        """ConfigError if the run already has committed checkpoints: a run that does not resume
+        must not write over (or beside) another run's history."""
+        newest = self.latest_committed()
+        if newest is not None:
+            raise ConfigError(
+                f"run {self.run_id!r} already has committed checkpoints at {self.storage.join(self.prefix)} "
+                f"(newest step {newest}); {fix}, or choose another run_id")
+
+    def take_writer_lock(self, *, owner: str = "", epoch: int | None = None, ttl_s: float = 30.0) -> WriterLock:
+        """Hold the run's writer lock (WriterLockHeld names the holder if another live writer has it).
+        The coordinator takes it; commits then check it. ``owner`` and ``epoch`` (default: the
+        manager's): a holder of the same owner and an older epoch is taken over. See
+        :mod:`checkpointing.lock`."""
+        lock = WriterLock(self.storage, self.run_id, epoch=self.epoch if epoch is None else epoch, owner=owner,
+                          ttl_s=ttl_s)
+        lock.acquire()
+        self.lock = lock
+        return lock
+
+    def close(self) -> None:
+        """Release the writer lock (if held). Saves in flight are not waited for: call wait() first."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # --- fencing -----------------------------------------------------------------
 
     def read_fence(self) -> int:
         """The newest epoch recorded in the run's FENCE object (0 if none)."""
+        rel = f"{self.run_id}/FENCE"
         try:
-            return int(json.loads(self.storage.get(f"{self.run_id}/FENCE"))["epoch"])
+            blob = self.storage.get(rel)
         except FileNotFoundError:
             return 0
+        try:
+            epoch = json.loads(blob)["epoch"]
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise TypeError(f"epoch {epoch!r:.20} is not an integer >= 0")
+            return epoch
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"the fence {self.storage.join(rel)} is unreadable ({str(e)[:80]}); "
+                                  "it should hold {\"epoch\": N}") from None
 
     def write_fence(self, epoch: int) -> None:
         self.storage.put(f"{self.run_id}/FENCE", json.dumps({"epoch": epoch}).encode())
@@ -225,15 +326,16 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         busy = self.in_flight
+        if self.when_busy == "skip" and self._any_rank_busy(busy is not None):
+            # One vote decides for every rank: a rank whose upload just ended must
+            # not start a save whose collectives the skipping ranks never join.
+            msg = f"checkpoint at step {step} skipped: the previous save is still uploading"
+            if self.rank == 0:
+                log.warning(msg)
+            res = SaveResult(step, "skipped", msg)
+            self._finish(res)
+            return res
         if busy is not None:
-            # Every rank takes the same branch: all of them saw the same requests.
-            if self.when_busy == "skip":
-                msg = f"checkpoint at step {step} skipped: the save of step {busy} is still uploading"
-                if self.rank == 0:
-                    log.warning(msg)
-                res = SaveResult(step, "skipped", msg)
-                self._finish(res)
-                return res
             self.wait()
         job = dict(step=step, layout=layout, config_hash=config_hash, trainer_state=trainer_state,
                    extra=extra or {}, t0=t0)
@@ -253,6 +355,19 @@ class CheckpointManager:
                                         name=f"etrain-ckpt-{step}", daemon=True)
         self._thread.start()
         return None
+
+    def _any_rank_busy(self, mine: bool) -> bool:
+        """Whether any rank still uploads a save: one small collective on a group of its own."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return mine
+        if self._control is None:
+            self._control = dist.new_group(backend="gloo")
+        vote = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(vote.item())
 
     def _checkpoint_group(self):
         """A gloo group of every rank, for the background saves' DCP collectives (made once)."""
@@ -297,16 +412,23 @@ class CheckpointManager:
             self._snap_views[path] = view
         return view
 
-    def _agree(self, plan_id: str | None, group) -> tuple[str, bool]:
-        """One collective before each save: rank 0's nonce, and whether every rank can reuse ``plan_id``.
+    def _agree(self, plan_id: str | None, token: str, refusal: tuple[str, str],
+               group) -> tuple[str, bool, list[str], tuple[str, str]]:
+        """One collective before each save's commit: rank 0's nonce (where this attempt's markers
+        go), whether every rank can reuse ``plan_id``, every rank's file token, and whether some rank
+        refused the save (``_refusal``; ("", "") when none did).
 
         ``plan_id`` is the plan this rank has laid its files out by (None: it
         needs a planned save). The plan is reused only when every rank names
         the same one.
         """
-        mine = (plan_id, f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None)
-        everyone = self._all_gather(mine, group)
-        return everyone[0][1], plan_id is not None and all(p == plan_id for p, _ in everyone)
+        nonce = f"e{self.epoch}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None
+        everyone = self._all_gather((plan_id, nonce, token, refusal), group)
+        reuse = plan_id is not None and all(p == plan_id for p, *_ in everyone)
+        refused = [r for *_, r in everyone if r[0]]
+        status = "failed" if any(k == "failed" for k, _ in refused) else ("exists" if refused else "")
+        why = "; ".join(sorted({m for _, m in refused}))
+        return everyone[0][1], reuse, [t for _, _, t, _ in everyone], (status, why)
 
     def _all_gather(self, value, group) -> list:
         import torch.distributed as dist
@@ -317,7 +439,7 @@ class CheckpointManager:
         dist.all_gather_object(out, value, group=group or self.process_group)
         return out
 
-    def _new_writer(self, step: int):
+    def _new_writer(self, step: int, token: str):
         from .dcp_io import EtrainWriter, StagingPool, upload_threads
 
         if self._pool is None:
@@ -326,33 +448,34 @@ class CheckpointManager:
             self._io = ThreadPoolExecutor(upload_threads(self.storage), thread_name_prefix="etrain-up")
             weakref.finalize(self, self._io.shutdown, wait=False)
         writer = EtrainWriter(self.storage, self.step_rel(step), file_size=self.file_size, pool=self._pool,
-                              overlap=True, executor=self._io, epoch=self.epoch)
+                              overlap=True, executor=self._io, epoch=self.epoch, token=token)
         self._writer = writer
         return writer
 
     def _drop_writer(self, writer) -> None:
-        """No upload thread may outlive a failed save (they read the state)."""
+        """No upload thread may outlive a failed save (they read the state); the files this
+        attempt wrote go with it (their names are this attempt's own, see dcp_io.file_name)."""
         writer.abort()
+        writer.remove_files()
         writer.release()
         if self._writer is writer:
             self._writer = None
 
-    def _lay_out_as_planned(self, step: int, state_dict: dict, layout: str):
+    def _lay_out_as_planned(self, step: int, state_dict: dict, layout: str, token: str):
         """Lay this rank's files out by the last planned save and start writing them, if its layout
         still holds. Returns the writer and the plan id, or (None, None). Never raises: every rank
         must go on to ``_agree``."""
-        from .dcp_io import PlannedItems
+        from .dcp_io import PlannedItems, same_results
 
         planned = self._planned
         if planned is None or planned.layout != layout:
             return None, None
         writer = None
         try:
-            writer = self._new_writer(step)
+            writer = self._new_writer(step, token)
             writer.is_coordinator = planned.is_coordinator
-            writer.metadata_blob = planned.metadata_blob
             writer.write_data(planned.plan, PlannedItems(planned.paths, state_dict))
-            if writer.results == planned.results:
+            if same_results(writer.results, planned.results):
                 return writer, planned.plan_id
             log.debug("checkpoint at step %d: items moved (sizes changed); planning again", step)
         except Exception as e:
@@ -360,6 +483,19 @@ class CheckpointManager:
         if writer is not None:
             self._drop_writer(writer)
         return None, None
+
+    def _refusal(self, step: int) -> tuple[str, str]:
+        """Whether this rank must not write step ``step`` at all, as (status, why), ("", "") if it may:
+        "exists" when the step is committed already, "failed" when it cannot tell or (the
+        coordinator) the run's writer lock is lost. Looked at before any byte is written."""
+        try:
+            if self.is_committed(step):
+                return "exists", f"step {step} is already committed at {self.url_of(step)}; not written again"
+            if self.lock is not None:
+                self.lock.check()
+        except (CheckpointError, FencedError) as e:
+            return "failed", str(e)
+        return "", ""
 
     def _save_now(self, job: dict, state_dict: dict, group) -> SaveResult:
         """Plan (or reuse the last plan) + lay out + upload + commit, in the calling thread."""
@@ -373,31 +509,42 @@ class CheckpointManager:
         step = job["step"]
         t0 = time.monotonic()
         writer = None
+        # Every file of this attempt carries this rank's token: no other save, of
+        # this step or any other, writes a file of the same name.
+        token = uuid.uuid4().hex[:8]
         try:
+            refusal = self._refusal(step)
             layout = _layout_fingerprint(state_dict)
-            writer, plan_id = self._lay_out_as_planned(step, state_dict, layout)
+            writer, plan_id = (None, None) if refusal[0] else self._lay_out_as_planned(step, state_dict, layout,
+                                                                                        token)
             t1 = time.monotonic()
-            # Markers of this attempt live under a name all ranks share and no
-            # earlier attempt at the same step used.
-            job["nonce"], reuse = self._agree(plan_id, group)
+            job["nonce"], reuse, tokens, refusal = self._agree(plan_id, token, refusal, group)
             t2 = time.monotonic()
+            if refusal[0]:
+                if writer is not None:
+                    self._drop_writer(writer)
+                res = SaveResult(step, refusal[0], refusal[1], blocking_s=self._blocking(job))
+                if self.rank == 0:
+                    log.warning("checkpoint at step %d not written: %s", step, refusal[1])
+                self._finish(res)
+                return res
             if reuse:
                 w0 = writer.timings["write_data"]
+                job["metadata"] = self._planned.metadata_for(tokens) if writer.is_coordinator else None
                 job["dcp_phases"] = {"plan": w0 - t0, "lay_out": t1 - w0, "agree": t2 - t1}
             else:
                 if writer is not None:  # another rank cannot reuse the plan
                     self._drop_writer(writer)
                 self._planned = None
-                writer = self._new_writer(step)
+                writer = self._new_writer(step, token)
                 planner = DefaultSavePlanner()
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
                          no_dist=self.world_size == 1 and not dist.is_initialized())
-                blob = pickle.dumps(writer.metadata) if writer.is_coordinator else None
-                writer.metadata_blob = blob
+                job["metadata"] = writer.metadata if writer.is_coordinator else None
                 paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
                 if paths is not None:
                     self._planned = _PlannedLayout(job["nonce"], layout, writer.plan, paths, writer.results,
-                                                   writer.is_coordinator, blob)
+                                                   writer.is_coordinator, writer.metadata, tuple(tokens))
                 t3 = time.monotonic()
                 w0, w1 = writer.timings.get("write_data", t3), writer.timings.get("write_data_end", t3)
                 job["dcp_phases"] = {"plan": w0 - t0, "lay_out": w1 - w0, "dcp_finish": t3 - w1}
@@ -424,7 +571,7 @@ class CheckpointManager:
             entries = writer.upload()
             phases["upload"] = time.monotonic() - t0
             body = {"rank": self.rank, "epoch": self.epoch, "ok": True, "files": [e.__dict__ for e in entries]}
-            self.storage.put(marker, json.dumps(body).encode())
+            self.storage.put(marker, json.dumps(body).encode(), exclusive=True)
             phases["marker"] = time.monotonic() - t0 - phases["upload"]
             mine = sum(e.size for e in entries)
             if self.rank == 0:
@@ -437,6 +584,12 @@ class CheckpointManager:
                 self.storage.put(marker, json.dumps({"rank": self.rank, "ok": False, "error": reason}).encode())
             except Exception as e2:  # the coordinator's timeout covers this rank then
                 log.debug("could not write the failure marker of step %d: %s", step, describe(e2))
+            if not job.get("manifest_attempted"):
+                # A failed save removes what it wrote. Never once the manifest was tried:
+                # a write that failed to answer may still have committed.
+                writer.remove_files()
+                for f in job.get("others_files", ()):
+                    self._remove(f"{rel}/{f}")
             res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0)
             if self.rank == 0 or not isinstance(e, CheckpointError):
                 log.warning("checkpoint at step %d failed (the previous checkpoint is untouched): %s", step, reason)
@@ -446,6 +599,12 @@ class CheckpointManager:
                 self._writer = None
         self._finish(res)
         return res
+
+    def _remove(self, rel: str) -> None:
+        try:
+            self.storage.delete_tree(rel)
+        except Exception as e:  # retention removes what is left of an uncommitted step
+            log.debug("could not remove %s of a failed save: %s", rel, describe(e))
 
     def _blocking(self, job: dict) -> float:
         """How long training waited: the snapshot (async), or the whole save (sync)."""
@@ -465,11 +624,9 @@ class CheckpointManager:
             markers = {}
             if names:
                 for blob in self.storage.get_many([f"{where}/{n}" for n in names]).values():
-                    try:
-                        b = json.loads(blob)
-                    except ValueError:
-                        continue
-                    markers[int(b["rank"])] = b
+                    b = _parse_marker(blob)
+                    if b is not None:
+                        markers[b["rank"]] = b
             if len(markers) >= self.world_size:
                 return markers
             failed = {r: b["error"] for r, b in markers.items() if not b["ok"]}  # a failed rank reports early
@@ -485,33 +642,50 @@ class CheckpointManager:
             time.sleep(min(0.5, max(floor, 0.05 * (time.monotonic() - start))))
 
     def _commit(self, job: dict, own_entries) -> int:
+        import pickle
+
         step = job["step"]
         rel = self.step_rel(step)
         t0 = time.monotonic()
         markers = self._wait_for_ranks(rel, job["nonce"])
         job["phases"]["wait_for_ranks"] = time.monotonic() - t0
         t0 = time.monotonic()
+        files = {}
+        for b in markers.values():
+            for f in b.get("files", ()):
+                files[f["path"]] = f
+        job["others_files"] = [p for p in files if p not in {e.path for e in own_entries}]
         failed = {r: b["error"] for r, b in markers.items() if not b["ok"]}
         if failed:
             raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
-        files = {}
-        for b in markers.values():
-            for f in b["files"]:
-                files[f["path"]] = f
         self._check_sizes(rel, files.values())
         fence = self.fence()
         if fence > self.epoch:
             raise FencedError(f"not committed: epoch {self.epoch} is fenced off by epoch {fence}")
+        if self.lock is not None:
+            self.lock.check()
         newest = self._latest_committed_after(step)
         if newest is not None:
             theirs = self.read_manifest(newest)
             if theirs.epoch > self.epoch:
                 raise FencedError(f"not committed: epoch {theirs.epoch} already committed step {newest}")
+        present = self.storage.list_dir(rel)
+        if MANIFEST_NAME in present:
+            raise CheckpointError(f"not committed: {rel} was committed by another save meanwhile")
+        # The DCP metadata goes last but one: every attempt at a step names it the same (stock DCP
+        # readers look for it there), so a leftover of an attempt that died uncommitted goes first.
+        if METADATA_NAME in present:
+            self.storage.delete_tree(f"{rel}/{METADATA_NAME}")
+        blob = pickle.dumps(job["metadata"])
+        self.storage.put(f"{rel}/{METADATA_NAME}", blob, exclusive=True)
+        job["others_files"].append(METADATA_NAME)
+        files[METADATA_NAME] = {"path": METADATA_NAME, "size": len(blob), "crc32c": checksum(blob)}
         manifest = Manifest(run_id=self.run_id, step=step, epoch=self.epoch, world_size=self.world_size,
                             layout=job["layout"], config_hash=job["config_hash"],
                             trainer_state=job["trainer_state"],
                             files=[FileEntry(**files[k]) for k in sorted(files)], created_unix=time.time(),
                             extra=job["extra"])
+        job["manifest_attempted"] = True
         try:
             self.storage.put(f"{rel}/{MANIFEST_NAME}", manifest.to_json(), exclusive=True)
         except FileExistsError:
@@ -552,6 +726,11 @@ class CheckpointManager:
     def _finish(self, res: SaveResult) -> None:
         with self._lock:
             self._done.append(res)
+            if res.status == "committed":
+                self.failed_in_a_row, self.last_error = 0, ""
+            elif res.status == "failed":
+                self.failed_in_a_row += 1
+                self.last_error = res.error
 
     def poll(self) -> list[SaveResult]:
         """Saves that finished (committed, failed or skipped) since the last poll."""
@@ -561,9 +740,11 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight (if any) has committed or failed, and retention ran."""
-        for t in (self._thread, self._gc_thread):
-            if t is not None:
-                t.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        # Read only now: the save that just ended may have started retention.
+        if self._gc_thread is not None:
+            self._gc_thread.join(timeout)
 
     # --- retention ---------------------------------------------------------------
 
@@ -604,32 +785,41 @@ class CheckpointManager:
         Resharding is implicit: every tensor is read by global offsets, so
         the current layout may differ from the one that saved. A corrupt or
         partial checkpoint is skipped with a warning naming the file and the
-        one before is tried. Returns its manifest, or None if there is none.
+        field, and the one before is tried. Returns its manifest, or None when
+        the run has no committed checkpoint; when it has some but none loads,
+        CheckpointError lists each and why it was refused.
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_io import EtrainReader
+        from .dcp_io import EtrainReader, SafeLoadPlanner
 
         candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
         if isinstance(candidates, Exception):
             raise candidates
+        refused: list[str] = []
         for s in candidates:
             blob = None
+            reader = None
             if self.rank == 0:
+                # The manifest and the DCP metadata are checked here, before DCP sees them: DCP
+                # reports a metadata file it cannot read as an AssertionError of its own.
                 try:
-                    blob = self.read_manifest(s).to_json()
+                    manifest = self.read_manifest(s)
+                    reader = EtrainReader(self.storage, self.step_rel(s), manifest.file_table())
+                    reader.read_metadata()
+                    blob = manifest.to_json()
                 except CheckpointError as e:
                     blob = e
             blob = self._broadcast(blob)
             try:
                 if isinstance(blob, Exception):
                     raise blob
-                manifest = Manifest.from_json(blob)
-                reader = EtrainReader(self.storage, self.step_rel(s), manifest.file_table())
-                dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner(),
+                manifest = Manifest.from_json(blob, where=f"{self.step_rel(s)}/{MANIFEST_NAME}", step=s,
+                                              run_id=self.run_id)
+                reader = reader or EtrainReader(self.storage, self.step_rel(s), manifest.file_table())
+                dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(),
                          process_group=self.process_group,
                          no_dist=self.world_size == 1 and not dist.is_initialized())
                 return manifest
@@ -640,8 +830,14 @@ class CheckpointManager:
                     # Only a bad checkpoint is skipped; an outage or a bug must not
                     # silently send the run back to an older step.
                     raise CheckpointError(f"cannot load {self.step_rel(s)}: {reason}") from e
+                refused.append(f"step {s}: {reason}")
                 if self.rank == 0:
                     log.warning("checkpoint %s is unusable (%s); trying the one before", self.step_rel(s), reason)
+        if refused:
+            raise CheckpointError(
+                f"run {self.run_id!r} has {len(refused)} committed checkpoint(s) at "
+                f"{self.storage.join(self.prefix)} and none of them loads:\n  " + "\n  ".join(refused)
+                + "\nrepair or remove them (`etrain ckpt verify` names each bad file), or start another run_id")
         return None
 
     def _candidates(self, step: int | None):

@@ -12,6 +12,7 @@ storage listing.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,10 +22,16 @@ import crc32c as _crc32c
 from .errors import CheckpointError
 
 FORMAT = "etrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "MANIFEST.json"
 METADATA_NAME = ".metadata"
 STEP_RE = re.compile(r"^step_(\d{9})$")
+# The only names a manifest may list: shard files and one DCP metadata file, bare
+# names in the step directory (format 1 named the metadata "e<epoch>.metadata").
+SHARD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\.distcp$")
+METADATA_RE = re.compile(r"^(?:e\d{1,12})?\.metadata$")
+CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+READABLE_VERSIONS = (1, 2)
 # Shard files are cut at this size: each goes up as one request, many in flight,
 # which on local disks and object stores alike beats one big file per rank.
 FILE_SIZE = 32 << 20
@@ -57,11 +64,62 @@ class Checksum:
         return f"{self.value:08x}"
 
 
+def is_listable_name(name: str) -> bool:
+    """Whether ``name`` may appear in a manifest: a shard file or the DCP metadata, never a path."""
+    return isinstance(name, str) and bool(SHARD_RE.match(name) or METADATA_RE.match(name))
+
+
 @dataclass(frozen=True)
 class FileEntry:
-    path: str  # relative to the step directory
+    path: str  # a bare file name in the step directory (``is_listable_name``)
     size: int
     crc32c: str
+
+
+class _Bad(Exception):
+    """One field of a manifest is wrong; the message names it."""
+
+
+def _int(d: dict, key: str, lo: int = 0) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _Bad(f"{key} must be an integer >= {lo}, got {v!r:.60}")
+    return v
+
+
+def _of(d: dict, key: str, tp: type, what: str):
+    v = d.get(key)
+    if not isinstance(v, tp):
+        raise _Bad(f"{key} must be {what}, got {type(v).__name__}")
+    return v
+
+
+def _files(raw) -> list[FileEntry]:
+    if not isinstance(raw, list) or not raw:
+        raise _Bad("files must be a non-empty list")
+    out, seen = [], set()
+    for i, f in enumerate(raw):
+        if not isinstance(f, dict) or set(f) != {"path", "size", "crc32c"}:
+            raise _Bad(f"files[{i}] must have exactly path, size and crc32c")
+        if not is_listable_name(f["path"]):
+            raise _Bad(f"files[{i}].path {str(f['path'])[:80]!r} is not a file name of this format "
+                       "(a bare *.distcp or .metadata name)")
+        if f["path"] in seen:
+            raise _Bad(f"files[{i}].path {f['path']!r} is listed twice")
+        size = f["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise _Bad(f"files[{i}].size must be an integer >= 0, got {size!r:.40}")
+        if not isinstance(f["crc32c"], str) or not CRC_RE.match(f["crc32c"]):
+            raise _Bad(f"files[{i}].crc32c must be 8 lowercase hex digits, got {f['crc32c']!r:.40}")
+        seen.add(f["path"])
+        out.append(FileEntry(f["path"], size, f["crc32c"]))
+    if sum(1 for f in out if METADATA_RE.match(f.path)) != 1:
+        raise _Bad("files must list exactly one DCP metadata file")
+    return out
+
+
+_FIELDS = {"run_id", "step", "epoch", "world_size", "layout", "config_hash", "trainer_state", "files",
+           "created_unix", "format", "format_version", "extra", "total_bytes"}
 
 
 @dataclass
@@ -83,33 +141,64 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def metadata_file(self) -> str:
+        return next(f.path for f in self.files if METADATA_RE.match(f.path))
+
     def to_json(self) -> bytes:
         d = asdict(self)
         d["total_bytes"] = self.total_bytes
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, where: str = "MANIFEST.json") -> Manifest:
-        """Parse and validate; any problem is a CheckpointError naming ``where``."""
+    def from_json(cls, data: bytes, where: str = "MANIFEST.json", *, step: int | None = None,
+                  run_id: str | None = None) -> Manifest:
+        """Parse and validate; any problem is a CheckpointError naming ``where`` and the field.
+
+        ``step`` and ``run_id``: what the manifest must say (its directory's step, the run's id).
+        """
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is corrupt") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{where} is not valid JSON ({str(e)[:80]}); the checkpoint is corrupt") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise CheckpointError(f"{where} is not an etrain manifest")
-        if d.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{where} has format version {d.get('format_version')}; this etrain reads version {FORMAT_VERSION}"
-            )
+            raise CheckpointError(f"{where} is not an etrain manifest; the checkpoint is corrupt")
+        version = d.get("format_version")
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise CheckpointError(f"{where} has format version {str(version)[:20]}; this etrain reads versions "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}")
         try:
-            files = [FileEntry(**f) for f in d.pop("files")]
-            d.pop("total_bytes", None)
-            m = cls(files=files, **d)
-        except (TypeError, KeyError) as e:
-            raise CheckpointError(f"{where} is missing or has unknown fields ({e}); the checkpoint is corrupt") from None
-        if not m.files or any(f.size < 0 for f in m.files):
-            raise CheckpointError(f"{where} lists no files; the checkpoint is corrupt")
+            unknown = set(d) - _FIELDS
+            if unknown:
+                raise _Bad(f"unknown fields {', '.join(sorted(map(str, unknown)))[:80]}")
+            m = cls(run_id=_of(d, "run_id", str, "a string"), step=_int(d, "step"), epoch=_int(d, "epoch"),
+                    world_size=_int(d, "world_size", 1), layout=_of(d, "layout", dict, "a table"),
+                    config_hash=_of(d, "config_hash", str, "a string"),
+                    trainer_state=_of(d, "trainer_state", dict, "a table"), files=_files(d.get("files")),
+                    created_unix=_finite(d.get("created_unix", 0.0), "created_unix"), format_version=version,
+                    extra=_of(d, "extra", dict, "a table") if "extra" in d else {})
+            ts = m.trainer_state
+            for key in ("step", "samples_consumed"):
+                v = ts.get(key, 0)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise _Bad(f"trainer_state.{key} must be an integer >= 0, got {v!r:.40}")
+            if "total_bytes" in d and d["total_bytes"] != m.total_bytes:
+                raise _Bad(f"total_bytes is {str(d['total_bytes'])[:20]}, its files add up to {m.total_bytes}")
+            if step is not None and m.step != step:
+                raise _Bad(f"step is {m.step} but the manifest is in the directory of step {step}")
+            if run_id is not None and m.run_id != run_id:
+                raise _Bad(f"run_id is {m.run_id[:80]!r} but this is run {run_id!r}")
+            if "step" in ts and ts["step"] != m.step:
+                raise _Bad(f"trainer_state.step is {ts['step']} but step is {m.step}")
+        except _Bad as e:
+            raise CheckpointError(f"{where}: {e}; the checkpoint is corrupt") from None
         return m
 
     def file_table(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
+
+
+def _finite(v, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _Bad(f"{key} must be a finite number, got {v!r:.40}")
+    return float(v)

@@ -7,9 +7,14 @@
     storage.list_dir("a")                           # {name: size or None for a directory}
 
 Paths are ``str`` relative to the root URL, never ``Path`` (which mangles
-``s3://``). Objects are written in place; there are no renames (object stores
+``s3://``), and confined to it: a key with a ``..`` or ``.`` segment, an
+absolute path, a backslash or a control character is refused
+(:class:`UnsafePathError`) before any request. Objects are written in place; there are no renames (object stores
 copy and delete), so a reader must never trust an object that a manifest does
-not list. On S3 big objects go up as multipart uploads with several parts in
+not list. ``exclusive`` writes never replace an object: ``O_EXCL`` on local
+disks, a conditional put (``If-None-Match: *``, on single and multipart
+uploads) on S3, and a check before the write on other fsspec backends (not
+atomic there). On S3 big objects go up as multipart uploads with several parts in
 flight, each part retried on its own; a failed upload is aborted so no
 orphaned parts are billed. Credentials come only from the standard chains
 (environment, config files, instance metadata) through fsspec and botocore;
@@ -34,7 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
 
-from .errors import StorageError
+from .errors import StorageError, UnsafePathError
 from .faults import NO_FAULT, StorageFaults
 from .manifest import Checksum
 from .retry import RetryPolicy, describe
@@ -87,6 +92,17 @@ def _is_not_found(exc: BaseException) -> bool:
         code = str(response.get("Error", {}).get("Code", ""))
         return code in ("NoSuchKey", "404", "NotFound")
     return isinstance(exc, FileNotFoundError)
+
+
+def confine(rel: str) -> str:
+    """``rel`` if it is a key inside the root; UnsafePathError otherwise (never touches storage)."""
+    if not isinstance(rel, str):
+        raise UnsafePathError(f"storage key {rel!r} is not a string")
+    bad = (rel.startswith("/") or "\\" in rel or any(ord(c) < 32 or ord(c) == 127 for c in rel)
+           or any(seg in ("", ".", "..") for seg in rel.rstrip("/").split("/")))
+    if bad:
+        raise UnsafePathError(f"storage key {rel[:120]!r} would leave the storage root; refused")
+    return rel
 
 
 class Storage:
@@ -145,7 +161,7 @@ class Storage:
         return "/".join([self.url, *[p.strip("/") for p in parts if p]])
 
     def _path(self, rel: str) -> str:
-        return posixpath.join(self.root, rel) if rel else self.root
+        return posixpath.join(self.root, confine(rel)) if rel else self.root
 
     def _threads(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -178,7 +194,7 @@ class Storage:
         """Write one object. ``exclusive``: fail with FileExistsError if it exists."""
         self.put_many([(rel, data)], exclusive=exclusive)
 
-    def put_parts(self, rel: str, parts: list[Buffer]) -> str:
+    def put_parts(self, rel: str, parts: list[Buffer], *, exclusive: bool = False) -> str:
         """Write one object made of ``parts`` (buffers, in order) and return its crc32c.
 
         On a local disk the parts are written one after the other, never
@@ -190,9 +206,9 @@ class Storage:
         body = _Body(parts)
         if self.is_s3:
             crc = body.checksum()
-            fsspec_sync(self.fs.loop, self._s3_put_many, [(rel, body)], False)
+            fsspec_sync(self.fs.loop, self._s3_put_many, [(rel, body)], exclusive)
             return crc
-        return self._put_one_sync(rel, body, False, checksum=True)
+        return self._put_one_sync(rel, body, exclusive, checksum=True)
 
     def put_many(self, items: list[tuple[str, Buffer]], *, exclusive: bool = False) -> None:
         """Write several objects concurrently; raises StorageError naming the first that failed."""
@@ -226,17 +242,27 @@ class Storage:
                 return crc
             c = Checksum() if checksum else None
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "xb" if exclusive else "wb") as fh:
-                for piece in body.slices():
-                    if c is not None:
-                        c.update(piece)
-                    if keep > 0:
-                        fh.write(piece[:keep])
-                        keep -= min(keep, len(piece))
-                # On a local disk "written" must mean durable before a
-                # manifest can claim it (a PUT that returned already is).
-                fh.flush()
-                os.fsync(fh.fileno())
+            fh = open(path, "xb" if exclusive else "wb")
+            try:
+                with fh:
+                    for piece in body.slices():
+                        if c is not None:
+                            c.update(piece)
+                        if keep > 0:
+                            fh.write(piece[:keep])
+                            keep -= min(keep, len(piece))
+                    # On a local disk "written" must mean durable before a
+                    # manifest can claim it (a PUT that returned already is).
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException:
+                # This attempt created the file: a partial one (ENOSPC, an I/O error) goes,
+                # so it neither fills the disk nor blocks the exclusive create of a retry.
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+                raise
             return c.hexdigest() if c is not None else None
 
         return self.retry.call(attempt, what=f"writing {rel}")
@@ -273,8 +299,6 @@ class Storage:
             async with sem:
                 await self.retry.acall(put, what=f"writing {rel}")
             return
-        if exclusive:
-            raise StorageError(f"exclusive write of a multipart object ({rel}) is not supported")
         async with sem:
             mpu = await self.retry.acall(lambda: s3.create_multipart_upload(Bucket=bucket, Key=key),
                                          what=f"starting upload of {rel}")
@@ -295,9 +319,19 @@ class Storage:
 
         try:
             parts = await asyncio.gather(*[part(i, s) for i, s in enumerate(starts)])
-            await self.retry.acall(lambda: s3.complete_multipart_upload(
-                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}),
-                what=f"completing upload of {rel}")
+            extra = {"IfNoneMatch": "*"} if exclusive else {}
+
+            async def complete():
+                try:
+                    return await s3.complete_multipart_upload(
+                        Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}, **extra)
+                except Exception as e:
+                    if str(getattr(e, "response", {}).get("Error", {}).get("Code", "")) in ("PreconditionFailed",
+                                                                                            "412"):
+                        raise FileExistsError(rel) from None
+                    raise
+
+            await self.retry.acall(complete, what=f"completing upload of {rel}")
         except BaseException:
             try:
                 await asyncio.wait_for(s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id), 30)

@@ -79,6 +79,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import redact
 
 from . import netns
 from .store import RunStore, StoreUnavailable
@@ -310,7 +311,7 @@ class EtcdControl:
     def __init__(self, store_url: str):
         if not store_url.startswith("etcd://"):
             raise ConfigError(f"etcd_outage needs an etcd run store (--store etcd://host:port); this run's is "
-                              f"{store_url}")
+                              f"{redact(store_url)}")
         hostport = store_url[len("etcd://"):].split("/", 1)[0]
         self.port = int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 2379
         self.pid: int | None = None

@@ -29,9 +29,24 @@ import json
 import sys
 import time
 
-from checkpointing.errors import EtrainError
+from checkpointing.errors import ConfigError, EtrainError
+from checkpointing.names import redact, validate_run_id
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def _run_id(field: str):
+    """An argparse ``type`` that refuses an unsafe run id (exit 2, naming ``field`` and the rule)."""
+    def check(value: str) -> str:
+        try:
+            return validate_run_id(value, field)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return check
+
+
+def _add_run(p: argparse.ArgumentParser, **kw) -> None:
+    p.add_argument("run", type=_run_id("RUN"), **kw)
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -53,32 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="group size to run at (default [elastic].workers, 2)")
     p.add_argument("--min-workers", type=int, help="smallest size to keep training at after failures")
     p.add_argument("--max-workers", type=int, help="largest size to grow to")
-    p.add_argument("--run-id", help="name of the run (default: run_id in the config)")
+    p.add_argument("--run-id", type=_run_id("--run-id"), help="name of the run (default: run_id in the config)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
     p.add_argument("--address", help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
     _add_store(p)
 
     p = sub.add_parser("status", help="a run's status, or every run in the store")
-    p.add_argument("run", nargs="?")
+    _add_run(p, nargs="?")
     p.add_argument("--json", action="store_true")
     _add_store(p)
 
     p = sub.add_parser("events", help="a run's failures, recoveries and resizes, with their timings")
-    p.add_argument("run")
+    _add_run(p)
     p.add_argument("--json", action="store_true")
     _add_store(p)
 
     for name, what in (("suspend", "stop at the next step boundary, commit a checkpoint, release every worker"),
                        ("stop", "end the run at the next step boundary after a final checkpoint")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("run")
+        _add_run(p)
         p.add_argument("--no-wait", action="store_true", help="return once the request is recorded")
         p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to get there")
         _add_store(p)
 
     p = sub.add_parser("resume", help="continue a suspended or interrupted run, on any valid size")
-    p.add_argument("run")
+    _add_run(p)
     p.add_argument("--workers", type=int)
     p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
     p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
@@ -87,18 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("top", help="a live view of a run's metrics: loss, throughput, communication, memory, "
                                    "checkpoints, recoveries")
-    p.add_argument("run", nargs="?", help="run id (its endpoint is read from the run store)")
+    _add_run(p, nargs="?", help="run id (its endpoint is read from the run store)")
     p.add_argument("--url", help="the metrics endpoint itself, e.g. a torchrun job's http://HOST:PORT/metrics")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     _add_store(p)
 
     p = sub.add_parser("chaos", help="inject faults into a live run, then judge it against a failure-free reference")
-    p.add_argument("run")
+    _add_run(p)
     p.add_argument("--plan", help="chaos plan (TOML: [chaos] and [[fault]] tables; see docs/chaos.md)")
     p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE,...",
                    help="a fault, e.g. kind=kill_worker,at_step=10 (repeatable; adds to --plan)")
-    p.add_argument("--reference", nargs="?", const="", default=None, metavar="REF_RUN",
+    p.add_argument("--reference", nargs="?", const="", default=None, metavar="REF_RUN", type=_run_id("--reference"),
                    help="compare with a failure-free run: REF_RUN if it finished, else run one (RUN-reference)")
     p.add_argument("--plot", metavar="FILE.png", help="draw loss and world size over time, faults marked")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line too")
@@ -107,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(p)
 
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
-    p.add_argument("run")
+    _add_run(p)
     p.add_argument("--workers", type=int, required=True)
     _add_store(p)
     return ap
@@ -156,7 +171,7 @@ def cmd_run(args) -> int:
     spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
                               max_workers=args.max_workers, run_id=args.run_id, store=args.store)
     print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
-          f" store {store.url}", flush=True)
+          f" store {redact(store.url)}", flush=True)
     final = launch(spec, store, address=args.address, progress=not args.no_progress)
     return _report(final)
 
@@ -184,10 +199,10 @@ def cmd_resume(args) -> int:
         if args.workers:
             entry += ["--workers", str(args.workers)]
         job = submit_job(args.submit, entry)
-        print(f"etrain: submitted Ray job {job} to {args.submit}; follow it with `etrain status {args.run}`")
+        print(f"etrain: submitted Ray job {job} to {redact(args.submit)}; follow it with `etrain status {args.run}`")
         return 0
     spec, store = prepare_resume(args.run, url, args.workers)
-    print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {store.url}", flush=True)
+    print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {redact(store.url)}", flush=True)
     return _report(launch(spec, store, address=args.address, progress=not args.no_progress))
 
 
@@ -206,7 +221,7 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
     elif not rows:
-        print(f"no runs in {store.url}")
+        print(f"no runs in {redact(store.url)}")
     else:
         console = Console()
         if not console.is_terminal:  # a pipe or a log: no terminal width to fit, keep every column whole

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
-from trainer.config import TrainConfig, build_section
+from trainer.config import TrainConfig, build_section, check_finite
 from trainer.parallel import valid_world_sizes
 
 
@@ -46,8 +46,12 @@ class ElasticConfig:
                               f"[{self.min_workers}, {self.max_workers}]; pick a size in that range or widen it")
         if self.standby < 0:
             raise ConfigError(f"elastic.standby={self.standby} must be >= 0 (warm spare workers)")
+        check_finite(self, "elastic")
         if self.cpus_per_worker < 0:
             raise ConfigError(f"elastic.cpus_per_worker={self.cpus_per_worker} must be >= 0")
+        if self.gpus_per_worker < 0 and self.gpus_per_worker != -1:
+            raise ConfigError(f"elastic.gpus_per_worker={self.gpus_per_worker} must be >= 0, or -1 for one GPU "
+                              "each when the cluster has GPUs")
         for name in ("hang_timeout_s", "replace_wait_s", "boot_timeout_s", "backoff_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"elastic.{name}={getattr(self, name)} must be >= 0")

@@ -33,6 +33,7 @@ from typing import Any
 
 from checkpointing.errors import EtrainError, FencedError
 from checkpointing.manager import group_rank_errors
+from checkpointing.names import redact
 from checkpointing.retry import describe
 from trainer.config import config_from_dict
 from trainer.parallel import valid_world_sizes
@@ -149,6 +150,9 @@ class Running(State):
         if isinstance(failure, State):
             return failure
         c.poll_progress()
+        undurable = c.check_durability()
+        if undurable is not None:
+            return undurable
         c.poll_telemetry()
         c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
         c.refresh_spec_throttled()
@@ -279,7 +283,14 @@ class Finishing(State):
         try:
             if self.stopping:
                 c.stop_at_boundary()
-            c.save_now()
+            if not c.save_now():
+                if c.cfg.checkpoint.url and c.members:
+                    # The storage refused the last checkpoint (not a member's death): the
+                    # run's final state is not durable, and it must say so.
+                    c.group.shutdown()
+                    c.members, c.spares, c.train_calls = [], [], {}
+                    return Failed(f"the final checkpoint (step {c.last_completed_step()}) failed: "
+                                  f"{c.last_save_error or 'see the checkpoint_failed events'}")
         except GroupFailure as e:
             # A member died during the final save: recover like any failure, so that the last steps are
             # trained again (if they must be) and the final checkpoint commits; never finish without it.
@@ -343,6 +354,8 @@ class Controller:
         self.progress_at = clock()
         self.step_times: deque[float] = deque(maxlen=50)
         self.committed_step: int | None = None
+        self.saves_failed_in_a_row = 0  # checkpoint.max_consecutive_failures fails the run
+        self.last_save_error = ""
         self.pending_recovery: dict | None = None
         self.pending_resize: dict | None = None
         self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
@@ -610,12 +623,30 @@ class Controller:
         for s in saves:
             if self.metrics is not None:
                 self.metrics.observe_save(s)
-            if s["status"] == "committed":
+            if s["status"] in ("committed", "exists"):  # exists: the step was committed already
                 self.committed_step = max(self.committed_step or 0, s["step"])
-            elif s["status"] == "skipped":  # when_busy="skip": the next interval saves
-                log.info("checkpoint of step %d skipped: a save was in flight", s["step"])
+                self.saves_failed_in_a_row, self.last_save_error = 0, ""
+            elif s["status"] == "skipped":  # when_busy="skip", or the step was committed already
+                log.info("checkpoint of step %d not written: %s", s["step"], s.get("error", ""))
             else:
+                self.saves_failed_in_a_row += 1
+                self.last_save_error = s["error"]
                 self.event("checkpoint_failed", step=s["step"], error=s["error"])
+
+    def check_durability(self) -> State | None:
+        """Failed once ``checkpoint.max_consecutive_failures`` saves failed in a row: the run's work
+        is no longer being made durable, and training on would only hide that."""
+        limit = self.cfg.checkpoint.max_consecutive_failures
+        if self.saves_failed_in_a_row < limit:
+            return None
+        try:
+            self.stop_at_boundary()
+        except GroupFailure as e:
+            log.warning("stopping after %d failed checkpoints: %s", self.saves_failed_in_a_row, e)
+        return Failed(f"{self.saves_failed_in_a_row} checkpoints in a row failed (last: {self.last_save_error}); "
+                      f"the run stops because its work is not being made durable: fix the storage at "
+                      f"{redact(self.cfg.checkpoint.url)} and `etrain resume {self.run_id}`, or raise "
+                      "checkpoint.max_consecutive_failures")
 
     def _finish_pending(self, p: dict) -> None:
         now = self.clock()
@@ -728,13 +759,16 @@ class Controller:
         if self.committed_step == self.last_completed_step():
             return True
         results = self._group_call(self.members, "save")
-        ok = all(r["status"] == "committed" for r in results.values())
+        ok = all(r["status"] in ("committed", "exists") for r in results.values())
         if self.metrics is not None:
             self.metrics.observe_save({**results[self.members[0]], "status": "committed" if ok else "failed"})
         if ok:
             self.committed_step = self.last_completed_step()
+            self.saves_failed_in_a_row, self.last_save_error = 0, ""
         else:
-            bad = next(r for r in results.values() if r["status"] != "committed")
+            bad = next(r for r in results.values() if r["status"] not in ("committed", "exists"))
+            self.saves_failed_in_a_row += 1
+            self.last_save_error = bad["error"]
             self.event("checkpoint_failed", step=self.last_completed_step(), error=bad["error"])
         return ok
 

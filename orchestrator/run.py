@@ -22,12 +22,13 @@ import os
 import threading
 import time
 
+from checkpointing.names import check_url, validate_run_id
 from trainer.config import config_from_dict, load_raw
 
 from .config import ElasticConfig, check_sizes, elastic_from_raw
 from .controller import Controller, ControllerOptions
 from .policies import FailurePolicy
-from .store import RunSpec, RunStore, open_store
+from .store import RunSpec, RunStore, UnknownRun, open_store
 
 log = logging.getLogger("etrain")
 
@@ -40,9 +41,13 @@ def default_root() -> str:
 
 
 def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, checkpoint_url: str = "") -> str:
-    """--store, then $ETRAIN_STORE, then [elastic].store, then the checkpoint root, then ./runs."""
-    return (explicit or os.environ.get("ETRAIN_STORE") or (ecfg.store if ecfg else "") or checkpoint_url
-            or default_root())
+    """--store, then $ETRAIN_STORE, then [elastic].store, then the checkpoint root, then ./runs.
+    ConfigError, naming where it came from, if that URL carries credentials."""
+    for url, source in ((explicit, "--store"), (os.environ.get("ETRAIN_STORE"), "$ETRAIN_STORE"),
+                        (ecfg.store if ecfg else "", "elastic.store"), (checkpoint_url, "checkpoint.url")):
+        if url:
+            return check_url(url, source)
+    return default_root()
 
 
 def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
@@ -50,8 +55,8 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
                 store: str | None = None) -> tuple[RunSpec, RunStore]:
     """Validate everything a run needs (ConfigError on any mistake) and record it in the store."""
     raw = load_raw(config_path, overrides)
-    if run_id:
-        raw["run_id"] = run_id
+    if run_id is not None:
+        raw["run_id"] = validate_run_id(run_id, "--run-id")
     ckpt = raw.setdefault("checkpoint", {})
     if not ckpt.get("url"):
         ckpt["url"] = default_root()  # recovery needs a durable tier
@@ -64,13 +69,20 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
     st = open_store(url)
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,
                    max_workers=ecfg.max_workers)
+    try:
+        st.get_spec(cfg.run_id)  # a run the store knows: create_run says how to continue it
+    except UnknownRun:
+        from trainer.loop import checkpoint_preflight  # torch: only when a run really starts
+
+        checkpoint_preflight(cfg, resume=False, fix="they were written by another run of that id")
     st.create_run(spec)
     return spec, st
 
 
 def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[RunSpec, RunStore]:
     """Mark a suspended (or interrupted) run to continue, optionally on another size."""
-    st = open_store(store_url)
+    validate_run_id(run_id, "run_id")
+    st = open_store(check_url(store_url, "--store"))
     spec = st.get_spec(run_id)
     st.check_resumable(run_id)
     changes: dict = {"suspended": False, "stop": False}

@@ -22,6 +22,10 @@ leadership lease. Two backends:
 
 An unreachable store raises :class:`StoreUnavailable`, a clear error for the
 CLI; the controller keeps training and writes again when the store is back.
+Every run id is checked (:func:`checkpointing.names.validate_run_id`) before it
+becomes part of a key or a path, and every document read back is checked
+against the shape etrain writes: a document that is not valid JSON or has the
+wrong shape raises :class:`CorruptRunStore`, naming its key or URL.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from checkpointing.errors import EtrainError, FencedError
+from checkpointing.errors import ConfigError, EtrainError, FencedError
+from checkpointing.names import redact, validate_run_id
 from checkpointing.retry import RetryPolicy
 from checkpointing.storage import Storage
 
@@ -51,6 +57,94 @@ class RunConflict(EtrainError):
 
 class StoreUnavailable(EtrainError):
     """The run store cannot be reached right now."""
+
+
+class CorruptRunStore(EtrainError):
+    """A run-store document is not valid JSON or not the shape etrain writes; the message names it."""
+
+
+# --- document shapes ---------------------------------------------------------------
+
+_NUMBER = (int, float)
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a JSON object",
+               list: "a JSON list"}
+
+
+def _is(value: Any, types: tuple) -> bool:
+    """isinstance, except that a bool is not an int or a float (JSON tells them apart)."""
+    return isinstance(value, bool) == (bool in types) and isinstance(value, types)
+
+
+def _object_problem(doc: Any, types: dict[str, tuple], required: tuple[str, ...] = (),
+                    none_ok: bool = False) -> str | None:
+    """What is wrong with ``doc`` as a JSON object whose fields have ``types``, or None."""
+    if not isinstance(doc, dict):
+        return f"is not a JSON object (it holds {json.dumps(doc)[:40]})"
+    for key in required:
+        if key not in doc:
+            return f"lacks the field {key!r}"
+    for key, tps in types.items():
+        if key in doc and not (_is(doc[key], tps) or (none_ok and doc[key] is None)):
+            expected = "a number" if tps == _NUMBER else " or ".join(_TYPE_NAMES[t] for t in tps)
+            return f"has {key}={json.dumps(doc[key])[:40]}, not {expected}"
+    return None
+
+
+# RunSpec's fields, as JSON types.
+SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": (int,), "min_workers": (int,),
+                                "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
+                                "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,)}
+
+
+def _spec_problem(doc: Any) -> str | None:
+    problem = _object_problem(doc, SPEC_TYPES, required=("run_id", "config", "workers", "min_workers",
+                                                         "max_workers"))
+    if problem is None:
+        try:
+            validate_run_id(doc["run_id"])
+        except ConfigError:
+            return f"has run_id={json.dumps(doc['run_id'])[:40]}, which is not a valid run id"
+    return problem
+
+
+def _status_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"run_id": (str,), "phase": (str,), "reason": (str,), "step": (int,),
+                                 "total_steps": (int,), "world_size": (int,), "epoch": (int,),
+                                 "loss": _NUMBER, "updated_unix": _NUMBER, "metrics_url": (str,)}, none_ok=True)
+
+
+def _event_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"kind": (str,), "time": _NUMBER})
+
+
+def _history_problem(doc: Any) -> str | None:
+    if not isinstance(doc, list) or not all(isinstance(row, list) for row in doc):
+        return "is not a JSON list of rows ([step, loss, world size, samples, unix time, step seconds])"
+    return None
+
+
+def _leader_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"id": (str,), "expires_unix": _NUMBER}, required=("id", "expires_unix"))
+
+
+def _fence_problem(doc: Any) -> str | None:
+    problem = _object_problem(doc, {"epoch": (int,)}, required=("epoch",))
+    if problem is None and doc["epoch"] < 0:
+        return f"has epoch={doc['epoch']}, not an epoch (>= 0)"
+    return problem
+
+
+def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None]) -> Any:
+    """The JSON document ``raw`` read from ``where``; CorruptRunStore naming ``where`` if it is not
+    valid JSON or ``problem(doc)`` finds something wrong with its shape."""
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptRunStore(f"{where} is not valid JSON: {e}; repair or delete it") from None
+    found = problem(doc)
+    if found:
+        raise CorruptRunStore(f"{where} {found}; repair or delete it")
+    return doc
 
 
 @dataclass
@@ -73,8 +167,9 @@ class RunSpec:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> RunSpec:
-        d = json.loads(text)
+    def from_json(cls, text: str | bytes, where: str = "spec.json") -> RunSpec:
+        """The spec stored at ``where``; CorruptRunStore if it is not one."""
+        d = load_doc(text, where, _spec_problem)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -128,8 +223,8 @@ class RunStore(ABC):
     def get_spec(self, run_id: str) -> RunSpec:
         raw = self._read(run_id, "spec")
         if raw is None:
-            raise UnknownRun(f"no run {run_id!r} in the store {self.url}; `etrain status` lists the runs")
-        return RunSpec.from_json(raw)
+            raise UnknownRun(f"no run {run_id!r} in the store {redact(self.url)}; `etrain status` lists the runs")
+        return RunSpec.from_json(raw, self._where(run_id, "spec"))
 
     def update_spec(self, run_id: str, **changes) -> RunSpec:
         spec = self.get_spec(run_id)
@@ -149,7 +244,7 @@ class RunStore(ABC):
 
     def get_status(self, run_id: str) -> dict | None:
         raw = self._read(run_id, "status")
-        return json.loads(raw) if raw else None
+        return load_doc(raw, self._where(run_id, "status"), _status_problem) if raw else None
 
     def put_history(self, run_id: str, rows: list[list]) -> None:
         """Every step the run trained: [step, loss, world size, samples consumed, unix time, step seconds] rows,
@@ -158,7 +253,7 @@ class RunStore(ABC):
 
     def get_history(self, run_id: str) -> list[list]:
         raw = self._read(run_id, "history")
-        return json.loads(raw) if raw else []
+        return load_doc(raw, self._where(run_id, "history"), _history_problem) if raw else []
 
     @abstractmethod
     def put_status(self, run_id: str, status: dict, lease: Lease) -> None:
@@ -206,6 +301,10 @@ class RunStore(ABC):
     # --- raw documents -------------------------------------------------------------
 
     @abstractmethod
+    def _where(self, run_id: str, name: str) -> str:
+        """The document's key or URL, for messages."""
+
+    @abstractmethod
     def _read(self, run_id: str, name: str) -> str | None:
         ...
 
@@ -224,7 +323,10 @@ class StorageRunStore(RunStore):
                                                       deadline_s=15))
 
     def _rel(self, run_id: str, name: str) -> str:
-        return f"{run_id}/control/{name}.json"
+        return f"{validate_run_id(run_id)}/control/{name}.json"
+
+    def _where(self, run_id, name):
+        return redact(self.storage.join(self._rel(run_id, name)))
 
     def _guard(self, fn):
         try:
@@ -232,14 +334,16 @@ class StorageRunStore(RunStore):
         except FileNotFoundError:
             return None
         except EtrainError as e:
-            raise StoreUnavailable(f"run store {self.url} is unreachable: {e}") from None
+            raise StoreUnavailable(f"run store {redact(self.url)} is unreachable: {e}") from None
 
     def _read(self, run_id, name):
-        data = self._guard(lambda: self.storage.get(self._rel(run_id, name)))
-        return data.decode() if data is not None else None
+        rel = self._rel(run_id, name)  # outside _guard: a bad run id is a ConfigError, not an outage
+        data = self._guard(lambda: self.storage.get(rel))
+        return data.decode(errors="replace") if data is not None else None
 
     def _write(self, run_id, name, value):
-        self._guard(lambda: self.storage.put(self._rel(run_id, name), value.encode()))
+        rel = self._rel(run_id, name)
+        self._guard(lambda: self.storage.put(rel, value.encode()))
 
     def put_status(self, run_id, status, lease):
         holder = self._leader(run_id)
@@ -249,19 +353,20 @@ class StorageRunStore(RunStore):
         self._write(run_id, "status", json.dumps({**status, "updated_unix": time.time()}, sort_keys=True))
 
     def events(self, run_id):
-        names = self._guard(lambda: self.storage.list_dir(f"{run_id}/control/events")) or {}
-        paths = [f"{run_id}/control/events/{n}" for n in sorted(names)]
+        events = f"{validate_run_id(run_id)}/control/events"
+        names = self._guard(lambda: self.storage.list_dir(events)) or {}
+        paths = [f"{events}/{n}" for n in sorted(names)]
         blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
-        return [json.loads(blobs[p]) for p in paths if p in blobs]
+        return [load_doc(blobs[p], redact(self.storage.join(p)), _event_problem) for p in paths if p in blobs]
 
     def list_runs(self):
         names = self._guard(lambda: self.storage.list_dir("")) or {}
         return sorted(n for n, size in names.items()
-                      if size is None and self._read(n, "spec") is not None)
+                      if size is None and _is_run_id(n) and self._read(n, "spec") is not None)
 
     def _leader(self, run_id) -> dict | None:
         raw = self._read(run_id, "leader")
-        return json.loads(raw) if raw else None
+        return load_doc(raw, self._where(run_id, "leader"), _leader_problem) if raw else None
 
     def acquire(self, run_id, controller_id, ttl_s=15.0):
         holder = self._leader(run_id)
@@ -290,16 +395,17 @@ class StorageRunStore(RunStore):
         return bool(holder) and holder["expires_unix"] > time.time()
 
     def current_epoch(self, run_id):
+        rel = f"{validate_run_id(run_id)}/FENCE"
         # A local file being rewritten reads empty or half written for a moment: read again.
         for attempt in range(20):
-            data = self._guard(lambda: self.storage.get(f"{run_id}/FENCE"))
+            data = self._guard(lambda: self.storage.get(rel))
             if data is None:
                 return 0
             try:
-                return int(json.loads(data)["epoch"])
-            except (ValueError, KeyError):
+                return load_doc(bytes(data), redact(self.storage.join(rel)), _fence_problem)["epoch"]
+            except CorruptRunStore:
                 if attempt == 19:
-                    raise StoreUnavailable(f"{run_id}/FENCE is unreadable: {bytes(data)[:40]!r}") from None
+                    raise
                 time.sleep(0.01)
 
     def bump_epoch(self, run_id, lease, expected):
@@ -324,7 +430,10 @@ class EtcdRunStore(RunStore):
         self.client = etcd3gw.client(host=host, port=port, timeout=timeout_s)
 
     def _key(self, run_id: str, name: str) -> str:
-        return f"/{self.prefix}/runs/{run_id}/{name}"
+        return f"/{self.prefix}/runs/{validate_run_id(run_id)}/{name}"
+
+    def _where(self, run_id, name):
+        return f"etcd key {self._key(run_id, name)} at {redact(self.url)}"
 
     def _call(self, fn):
         import requests
@@ -334,14 +443,14 @@ class EtcdRunStore(RunStore):
             return fn()
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
                 ex.ConnectionTimeoutError) as e:
-            raise StoreUnavailable(f"etcd at {self.url} is unreachable ({type(e).__name__}); "
+            raise StoreUnavailable(f"etcd at {redact(self.url)} is unreachable ({type(e).__name__}); "
                                    "is the server up and the address right?") from None
         except ex.Etcd3Exception as e:
-            raise StoreUnavailable(f"etcd at {self.url} refused the request: {e}") from None
+            raise StoreUnavailable(f"etcd at {redact(self.url)} refused the request: {e}") from None
 
     def _read(self, run_id, name):
         values = self._call(lambda: self.client.get(self._key(run_id, name)))
-        return values[0].decode() if values else None
+        return values[0].decode(errors="replace") if values else None
 
     def _write(self, run_id, name, value):
         self._call(lambda: self.client.put(self._key(run_id, name), value))
@@ -366,22 +475,21 @@ class EtcdRunStore(RunStore):
 
     def events(self, run_id):
         items = self._call(lambda: self.client.get_prefix(self._key(run_id, "events/")))
-        rows = sorted(((meta["key"], value) for value, meta in items), key=lambda kv: kv[0])
-        return [json.loads(value) for _, value in rows]
+        rows = sorted(((_text(meta["key"]), value) for value, meta in items), key=lambda kv: kv[0])
+        return [load_doc(value, f"etcd key {key} at {redact(self.url)}", _event_problem) for key, value in rows]
 
     def list_runs(self):
         items = self._call(lambda: self.client.get_prefix(f"/{self.prefix}/runs/"))
         runs = set()
         for _, meta in items:
-            key = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
-            parts = key.split("/")
-            if len(parts) >= 5 and parts[-1] == "spec":
+            parts = _text(meta["key"]).split("/")
+            if len(parts) >= 5 and parts[-1] == "spec" and _is_run_id(parts[-2]):
                 runs.add(parts[-2])
         return sorted(runs)
 
     def acquire(self, run_id, controller_id, ttl_s=15.0):
+        key = self._key(run_id, "leader")  # checks run_id before a lease is granted
         lease_handle = self._call(lambda: self.client.lease(int(max(2, ttl_s))))
-        key = self._key(run_id, "leader")
         if not self._call(lambda: self.client.create(key, controller_id, lease=lease_handle)):
             holder = self._read(run_id, "leader")
             self._call(lease_handle.revoke)
@@ -389,6 +497,7 @@ class EtcdRunStore(RunStore):
         return Lease(run_id, controller_id, ttl_s, lease_handle)
 
     def renew(self, lease):
+        validate_run_id(lease.run_id)
         try:
             ttl = self._call(lease.handle.refresh)
         except StoreUnavailable:
@@ -405,7 +514,12 @@ class EtcdRunStore(RunStore):
 
     def current_epoch(self, run_id):
         raw = self._read(run_id, "epoch")
-        return int(raw) if raw else 0
+        if not raw:
+            return 0
+        if not raw.isascii() or not raw.isdigit():
+            raise CorruptRunStore(f"{self._where(run_id, 'epoch')} holds {raw[:40]!r}, not an epoch (an integer "
+                                  ">= 0); repair or delete it")
+        return int(raw)
 
     def bump_epoch(self, run_id, lease, expected):
         from etcd3gw.utils import _encode
@@ -423,11 +537,24 @@ class EtcdRunStore(RunStore):
         return expected + 1
 
 
+def _text(key: str | bytes) -> str:
+    return key.decode(errors="replace") if isinstance(key, bytes) else key
+
+
+def _is_run_id(name: str) -> bool:
+    """Whether ``name`` (a directory or key found in the store) is a valid run id; others are not runs."""
+    try:
+        validate_run_id(name)
+        return True
+    except ConfigError:
+        return False
+
+
 def open_store(url: str) -> RunStore:
     """``etcd://host:port[/prefix]`` or any fsspec URL (the embedded storage backend)."""
     if url.startswith("etcd://"):
         parts = urlsplit(url)
         if not parts.hostname:
-            raise EtrainError(f"--store {url!r}: use etcd://host:port[/prefix]")
+            raise EtrainError(f"--store {redact(url)!r}: use etcd://host:port[/prefix]")
         return EtcdRunStore(parts.hostname, parts.port or 2379, parts.path.strip("/") or "etrain")
     return StorageRunStore(url)

@@ -21,6 +21,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from checkpointing.names import redact
+
 Samples = dict[tuple[str, tuple], float]
 
 
@@ -164,7 +166,7 @@ def main(args, store) -> int:
     try:
         prev, t_prev = scrape(url), time.monotonic()
     except OSError as e:
-        console.print(f"etrain: the endpoint {url} does not answer ({e}); a run that ended serves none: "
+        console.print(f"etrain: the endpoint {redact(url)} does not answer ({e}); a run that ended serves none: "
                       f"`etrain status {args.run or ''}` has its final figures")
         return 1
     if args.once:
@@ -178,7 +180,7 @@ def main(args, store) -> int:
             try:
                 cur, now = scrape(url), time.monotonic()
             except OSError:
-                console.print(f"the endpoint {url} stopped answering: the run ended or its controller moved")
+                console.print(f"the endpoint {redact(url)} stopped answering: the run ended or its controller moved")
                 return 0
             live.update(render(cur, prev, now - t_prev, status))
             prev, t_prev = cur, now

@@ -136,6 +136,10 @@ class TrainWorker:
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
         self.meter.name_axes(self.trainer.mesh)
         self.ckpt = checkpoint_manager(self.cfg, world, epoch=epoch, fence=self._fence())
+        if self.ckpt is not None and rank == 0:
+            # Each epoch's coordinator holds the run's writer lock; it takes it over from
+            # the last epoch's (the same run store, an older epoch) at once.
+            self.ckpt.take_writer_lock(owner=self.store_url or f"orchestrator:{self.cfg.run_id}")
         self._apply_storage_faults()
         self.epoch, self.rank = epoch, rank
         self._stop.clear()
@@ -167,6 +171,7 @@ class TrainWorker:
     def _teardown(self) -> None:
         if self.ckpt is not None:
             self.ckpt.wait(timeout=0)  # a save of the old epoch dies with its group; never wait on it
+            self.ckpt.close()
         self.trainer = None
         self.ckpt = None
         shutdown_distributed()

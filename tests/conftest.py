@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 
 import pytest
 
@@ -234,3 +235,14 @@ def prometheus(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["storage", "etcd"])
+def store(request, tmp_path):
+    """A run store of each backend: the embedded one on a local directory, and etcd."""
+    from orchestrator.store import open_store
+
+    if request.param == "storage":
+        return open_store(f"file://{tmp_path}/runs")
+    server = request.getfixturevalue("etcd_server")
+    return open_store(server.url + "-" + uuid.uuid4().hex[:6])

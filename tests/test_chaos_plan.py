@@ -111,7 +111,8 @@ def test_stale_commits_name_a_checkpoint_an_old_epoch_committed_after_a_newer_on
     storage = Storage(url)
     for step, epoch, created in [(4, 1, 100.0), (8, 1, 130.0), (12, 2, 140.0)]:
         m = Manifest(run_id="r", step=step, epoch=epoch, world_size=2, layout={}, config_hash="h", trainer_state={},
-                     files=[FileEntry("__0_0.distcp", 1, "0")], created_unix=created)
+                     files=[FileEntry("__0_0.distcp", 1, "00000000"), FileEntry(".metadata", 1, "00000000")],
+                     created_unix=created)
         storage.put(f"r/checkpoints/step_{step:09d}/MANIFEST.json", m.to_json())
     formed = [{"kind": "formed", "epoch": 1, "time": 50.0}, {"kind": "formed", "epoch": 2, "time": 120.0}]
     (reason,) = stale_commits(url, "r", formed)

@@ -36,7 +36,7 @@ def test_manifest_round_trip_and_rejections():
         Manifest.from_json(b'{"format": "etrain-che')
     with pytest.raises(CheckpointError, match="not an etrain manifest"):
         Manifest.from_json(b'{"hello": 1}')
-    bad_version = m.to_json().replace(b'"format_version": 1', b'"format_version": 99')
+    bad_version = m.to_json().replace(b'"format_version": 2', b'"format_version": 99')
     with pytest.raises(CheckpointError, match="format version 99"):
         Manifest.from_json(bad_version)
     assert step_dir(42) == "step_000000042" and parse_step_dir("step_000000042") == 42
@@ -175,8 +175,16 @@ def test_a_fenced_writer_never_touches_the_files_of_a_committed_checkpoint(tmp_p
     new, res = save(2, 1.0, 1000)
     new.write_fence(2)
     assert res.status == "committed"
-    _, stale = save(1, 7.0, 300)  # the old epoch's save of the same step, with another layout
-    assert stale.status == "failed" and "fenced off by epoch 2" in stale.error
+    stale_mgr, stale = save(1, 7.0, 300)  # the old epoch's save of the same step, with another layout
+    assert stale.status == "exists" and "already committed" in stale.error  # refused before any upload
+    assert sorted(os.listdir(f"{tmp_path}/ckpt/r/checkpoints/step_000000005")) == sorted(
+        [f.path for f in new.read_manifest(5).files] + ["MANIFEST.json", "_ranks"])
+    # A step the new epoch has not committed yet: the stale writer uploads, the fence refuses
+    # its commit, and it removes what it wrote.
+    late = stale_mgr.save(6, {"model": {"w": torch.full((300,), 7.0)}}, layout={"world_size": 1},
+                          config_hash="h", trainer_state={"step": 6, "samples_consumed": 12})
+    assert late.status == "failed" and "fenced off by epoch 2" in late.error
+    assert [n for n in os.listdir(f"{tmp_path}/ckpt/r/checkpoints/step_000000006") if n != "_ranks"] == []
     assert new.verify(5) == []
     into = {"model": {"w": torch.zeros(1000)}}
     assert new.load(into).epoch == 2 and torch.equal(into["model"]["w"], torch.full((1000,), 1.0))

@@ -25,6 +25,7 @@ def run_trainer(args, env=None, timeout=300):
     (["--set", "parallel.bogus=1"], {}, "unknown key parallel.bogus"),
     (["--config", "nope.toml"], {}, "config file 'nope.toml' does not exist"),
     (["--set", "data.source=/nonexistent/corpus"], {}, "data.source='/nonexistent/corpus' does not exist"),
+    (["--log-file", ROOT], {}, f"--log-file {ROOT!r} is a directory; give a file name"),
     # A layout the world cannot hold fails before any process group is formed:
     # no peer is listening on MASTER_PORT, so reaching init would hang, not exit 2.
     (["--set", "parallel.tp=2"], {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1",

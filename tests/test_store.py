@@ -8,14 +8,6 @@ from checkpointing.errors import FencedError
 from orchestrator.store import RunConflict, RunSpec, StoreUnavailable, UnknownRun, open_store
 
 
-@pytest.fixture(params=["storage", "etcd"])
-def store(request, tmp_path):
-    if request.param == "storage":
-        return open_store(f"file://{tmp_path}/runs")
-    server = request.getfixturevalue("etcd_server")
-    return open_store(server.url + "-" + uuid.uuid4().hex[:6])
-
-
 def spec(run_id="r1", **kw):
     return RunSpec(run_id=run_id, config={"run_id": run_id}, workers=2, min_workers=1, max_workers=4, **kw)
 

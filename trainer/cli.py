@@ -8,6 +8,15 @@ sets them; a lone process needs none), validates the config against the world
 size and loads the corpus before any process group starts, then trains,
 printing progress on rank 0 and writing one JSON line per step to
 ``--log-file``. Exit status: 0 done, 2 invalid config, 1 anything else.
+
+Checkpoints (``[checkpoint] url``): before any process group starts, rank 0
+probes the URL with a write, refuses a run that does not resume where its run
+id already has committed checkpoints, and takes the run's writer lock (a
+second live writer of the same run is refused, naming the holder). Saves go
+every ``interval_steps`` and at the last step (only the last without an
+interval). ``checkpoint.max_consecutive_failures`` failed saves in a row stop
+the run with exit 1, and so does a failed final save: a run whose work is not
+durable says so.
 """
 
 from __future__ import annotations
@@ -15,14 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
-from checkpointing.errors import ConfigError
+from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import load_config
 from .data import load_corpus
-from .loop import StepStats, Trainer, checkpoint_manager
+from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight
 from .parallel import ParallelDims, resolve_device
 from .telemetry import comm_meter
 from .world import World, init_distributed, shutdown_distributed
@@ -93,9 +103,41 @@ def setup_logging(world: World) -> None:
     root.propagate = False
 
 
+def _open_log(path: str | None, world: World):
+    """The step log (rank 0), appended to; ConfigError when ``path`` cannot be a log file."""
+    if not path or not world.is_main:
+        return None
+    if os.path.isdir(path):
+        raise ConfigError(f"--log-file {path!r} is a directory; give a file name such as {path.rstrip('/')}/steps.jsonl")
+    try:
+        return open(path, "a")
+    except OSError as e:
+        raise ConfigError(f"--log-file {path!r} cannot be written: {e.strerror}") from None
+
+
+def _writer_lock_owner(world: World) -> tuple[str, int]:
+    """Who may take the run's writer lock over by epoch: the same torchrun job after a restart."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return "", 0
+
+
+def _agree_on(verdict: str, world: World) -> str:
+    """Rank 0's verdict on the run's checkpoints, for every rank (only the coordinator knows it)."""
+    if world.size == 1:
+        return verdict
+    import torch.distributed as dist
+
+    box = [verdict]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = None
+    ckpt = None
+    log = None
     try:
         world = World.from_env()
         setup_logging(world)
@@ -103,21 +145,32 @@ def main(argv: list[str] | None = None) -> int:
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         corpus = load_corpus(cfg.data)
-    except ConfigError as e:
+        log = _open_log(args.log_file, world)
+        ckpt = checkpoint_manager(cfg, world)
+        if ckpt is not None and world.is_main:
+            checkpoint_preflight(cfg, resume=cfg.checkpoint.resume)
+            owner, generation = _writer_lock_owner(world)
+            ckpt.take_writer_lock(owner=owner, epoch=generation)
+            if not cfg.checkpoint.interval_steps and not args.quiet:
+                print("etrain: checkpoint.url is set without checkpoint.interval_steps: only the final step is "
+                      "saved", flush=True)
+    except (ConfigError, CheckpointError) as e:
         # One message, from rank 0 only: every rank sees the same config.
         if world is None or world.is_main:
-            print(f"etrain: invalid config: {e}", file=sys.stderr)
+            print(f"etrain: invalid config: {e}" if isinstance(e, ConfigError) else f"etrain: {e}", file=sys.stderr)
+        if log:
+            log.close()
+        if ckpt is not None:
+            ckpt.close()
         return 2
 
     meter = comm_meter(install=cfg.metrics.enabled and cfg.metrics.comm)
     meter.enabled = cfg.metrics.enabled and cfg.metrics.comm
     init_distributed(world, device)
     metrics = None
-    log = open(args.log_file, "a") if (args.log_file and world.is_main) else None
     try:
         trainer = Trainer(cfg, world, corpus=corpus, device=device)
         meter.name_axes(trainer.mesh)
-        ckpt = checkpoint_manager(cfg, world)
         metrics = start_metrics(cfg, world)
         if ckpt is not None and cfg.checkpoint.resume:
             manifest = trainer.load_checkpoint(ckpt)
@@ -130,10 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
                   f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}, {trainer.device.type}; "
                   f"corpus {corpus.describe()}", flush=True)
+        limit = cfg.checkpoint.max_consecutive_failures
+        undurable = (lambda: ckpt.failed_in_a_row >= limit) if ckpt is not None else False
         first = last = None
+        final_save = None
         t0 = time.monotonic()
         while trainer.step < total:
-            s = trainer.train_step()
+            s = trainer.train_step(stop=undurable)
             first = first or s
             last = s
             if log:
@@ -144,17 +200,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_step(s, total), flush=True)
             if first is s and world.is_main and not args.quiet:
                 print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
+            if s.stop:  # a rank saw max_consecutive_failures failed saves: stop at this boundary
+                break
             every = cfg.checkpoint.interval_steps
-            if ckpt is not None and every and (s.step % every == 0 or s.step == total):
+            if ckpt is not None and ((every and s.step % every == 0) or s.step == total):
                 trainer.save_checkpoint(ckpt)
+                if s.step == total:
+                    final_save = s.step
             saves = report_saves(ckpt, world)
             if metrics is not None:
                 metrics.after_step(s, trainer, ckpt, saves)
+        verdict = ""
         if ckpt is not None:
             ckpt.wait()
             saves = report_saves(ckpt, world)
             if metrics is not None:
                 metrics.record_saves(saves)
+            if ckpt.failed_in_a_row >= limit:
+                verdict = (f"{ckpt.failed_in_a_row} checkpoints in a row failed (last: {ckpt.last_error}); the run "
+                           f"stops at step {trainer.step} because its work is not being made durable: fix the "
+                           f"storage at {ckpt.storage.join(ckpt.prefix)} and run again with --resume, or raise "
+                           "checkpoint.max_consecutive_failures")
+            elif final_save is not None and ckpt.failed_in_a_row:
+                verdict = f"the final checkpoint (step {final_save}) failed: {ckpt.last_error}"
+            verdict = _agree_on(verdict if world.is_main else "", world)
+        if verdict:
+            if world.is_main:
+                print(f"etrain: error: {verdict}", file=sys.stderr, flush=True)
+            return 1
         if world.is_main and last is not None:
             print(f"etrain: trained {total} steps in {time.monotonic() - t0:.1f} s; "
                   f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)
@@ -163,9 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_main:
             print(f"etrain: invalid config: {e}", file=sys.stderr)
         return 2
+    except EtrainError as e:
+        if world.is_main:
+            print(f"etrain: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if metrics is not None:
             metrics.close()
         if log:
             log.close()
+        if ckpt is not None:
+            ckpt.close()
         shutdown_distributed()

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import check_url, redact, validate_run_id
 
 # Model sizes by name. A preset fills every model field that the [model]
 # section does not set itself.
@@ -52,6 +54,34 @@ def _or_join(values: list[int]) -> str:
     if len(values) == 1:
         return str(values[0])
     return ", ".join(str(v) for v in values[:-1]) + f" or {values[-1]}"
+
+
+def check_finite(obj: Any, section: str) -> None:
+    """ConfigError unless every float field of the dataclass ``obj`` is finite (no nan, inf or -inf).
+
+    Range checks (``lr > 0``) cannot catch nan: every comparison with it is false."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type in ("float", float) and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name}={value} is not a finite number; give a number (not nan or inf)")
+
+
+# The fsspec schemes named in messages; any scheme fsspec knows is accepted.
+COMMON_SCHEMES = ("file", "s3", "gs", "memory")
+
+
+def check_storage_url(url: str, field: str) -> str:
+    """``url`` unless it carries credentials or has a scheme fsspec does not know (ConfigError naming ``field``)."""
+    check_url(url, field)
+    import fsspec
+
+    known = set(fsspec.available_protocols())
+    for part in url.split("::"):  # fsspec chains such as simplecache::s3://bucket/x
+        scheme = part.split("://", 1)[0] if "://" in part else "file"
+        if scheme not in known:
+            raise ConfigError(f"{field}={redact(url)!r} has an unknown URL scheme {scheme!r}; use one of "
+                              f"{', '.join(s + '://' for s in COMMON_SCHEMES)} (or another fsspec protocol)")
+    return url
 
 
 @dataclass(kw_only=True)
@@ -92,8 +122,12 @@ class ModelConfig:
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}; "
                 f"use one of {_fmt_list(_divisors(self.n_heads))}"
             )
+        check_finite(self, "model")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -153,6 +187,7 @@ class OptimConfig:
                 f"train.micro_batch={self.micro_batch} is larger than train.global_batch={self.global_batch}; "
                 f"use micro_batch <= {self.global_batch}"
             )
+        check_finite(self, "train")
         if self.lr <= 0:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -164,6 +199,10 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay={self.weight_decay} must be >= 0 (0 disables it)")
+        if self.eps <= 0:
+            raise ConfigError(f"train.eps={self.eps} must be > 0 (AdamW's denominator term, e.g. 1e-8)")
 
 
 @dataclass(kw_only=True)
@@ -243,8 +282,13 @@ class CheckpointConfig:
     concurrency: int = 8
     # Storage fault injection for chaos testing (see checkpointing.faults.StorageFaults).
     faults: dict = field(default_factory=dict)
+    # This many saves failing in a row fail the run: its work is no longer being made durable.
+    max_consecutive_failures: int = 3
 
     def __post_init__(self) -> None:
+        check_finite(self, "checkpoint")
+        if self.url:
+            check_storage_url(self.url, "checkpoint.url")
         if self.interval_steps < 0:
             raise ConfigError(f"checkpoint.interval_steps={self.interval_steps} must be >= 0 (0 disables)")
         if self.interval_steps > 0 and not self.url:
@@ -260,6 +304,9 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.timeout_s={self.timeout_s} must be > 0")
         if self.concurrency < 1:
             raise ConfigError(f"checkpoint.concurrency={self.concurrency} must be >= 1")
+        if self.max_consecutive_failures < 1:
+            raise ConfigError(f"checkpoint.max_consecutive_failures={self.max_consecutive_failures} must be >= 1 "
+                              "(saves that may fail in a row before the run fails)")
         if self.faults:
             from checkpointing.faults import StorageFaults
 
@@ -289,6 +336,7 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"metrics.port={self.port} must be 0 (a free port) or a port number up to 65535")
+        check_finite(self, "metrics")
         if self.every_s <= 0:
             raise ConfigError(f"metrics.every_s={self.every_s} must be > 0 (seconds between rank reports)")
         if not self.addr:
@@ -347,8 +395,7 @@ class TrainConfig:
                 f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "
                 f"use one of {_fmt_list(_divisors(t.global_batch))}"
             )
-        if not self.run_id or any(c in self.run_id for c in "/\\ "):
-            raise ConfigError(f"run_id={self.run_id!r} must be non-empty without '/', '\\' or spaces")
+        validate_run_id(self.run_id, "run_id")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -415,6 +462,8 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}={value} is not a finite number; give a number (not nan or inf)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -496,6 +545,10 @@ def load_raw(path: str | None = None, overrides: list[str] | None = None) -> dic
                 raw = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path!r} is a directory; give the TOML file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     return apply_overrides(raw, overrides or [])

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from checkpointing.errors import ConfigError
+from checkpointing.errors import CheckpointError, ConfigError, StorageError
 from checkpointing.faults import StorageFaults
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
@@ -222,6 +222,24 @@ class Trainer:
             dist.all_reduce(reduced)
         norm_sq, loss, votes = reduced.tolist()
         return norm_sq, loss / self.dims.dp, votes
+
+
+def checkpoint_preflight(cfg: TrainConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
+    """Before any process group starts: the checkpoint URL takes a write (a probe), and a run that
+    does not resume finds no committed checkpoints of its run id there. ConfigError otherwise (exit 2)."""
+    c = cfg.checkpoint
+    if not c.url:
+        return
+    storage = Storage(c.url, retry=RetryPolicy(attempts=3, deadline_s=min(30.0, c.timeout_s)))
+    mgr = CheckpointManager(c.url, cfg.run_id, storage=storage)
+    try:
+        mgr.probe()
+        if not resume:
+            mgr.check_fresh_start(fix)
+    except (CheckpointError, StorageError) as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        storage.close()
 
 
 def checkpoint_manager(cfg: TrainConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:

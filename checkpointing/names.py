@@ -1,0 +1,70 @@
+"""Names and URLs that reach storage: run ids, and URLs without credentials in them.
+
+    validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
+    check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
+
+A run id becomes a path component of every object a run writes
+(``<root>/<run_id>/...``), in the checkpoint storage and in the run stores,
+so it is checked wherever one enters: the config, the CLI, the checkpoint
+manager and both run stores. URLs are logged and stored (the run store keeps
+the spec), so a credential inside one would leak: such URLs are refused, and
+the message never repeats the secret.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qsl, urlsplit
+
+from .errors import ConfigError
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_RUN_ID_RE = re.compile(RUN_ID_PATTERN)
+
+# Query parameters that carry a secret (presigned URLs, SAS tokens, API keys).
+_SECRET_QUERY = re.compile(r"(key|token|secret|signature|sig|password|passwd|credential|auth)", re.IGNORECASE)
+
+CREDENTIAL_CHAINS = ("use the standard credential chains instead: for S3 the AWS_ACCESS_KEY_ID / "
+                     "AWS_SECRET_ACCESS_KEY environment variables, ~/.aws/credentials or an instance role; "
+                     "for GCS GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def validate_run_id(run_id: object, field: str = "run_id") -> str:
+    """``run_id`` if it is a safe name (``RUN_ID_PATTERN``, not ``.`` or ``..``); ConfigError otherwise."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or run_id in (".", ".."):
+        shown = repr(run_id) if not isinstance(run_id, str) or len(run_id) <= 40 else repr(run_id[:40] + "...")
+        raise ConfigError(
+            f"{field}={shown} is not a valid run id: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit (and not '.' or '..'), e.g. run_id = \"llama-7b-v2\"")
+    return run_id
+
+
+def has_credentials(url: str) -> bool:
+    """Whether ``url`` carries a user:password@ part or a query parameter that looks like a secret."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    if "@" in parts.netloc and (parts.password is not None or parts.username):
+        return True
+    return any(_SECRET_QUERY.search(k) for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+
+
+def redact(url: str) -> str:
+    """``url`` with any user:password@ part and the whole query replaced by ``***`` (for messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=netloc, query="***" if parts.query else "").geturl()
+
+
+def check_url(url: str, field: str) -> str:
+    """``url`` unless it holds credentials (ConfigError naming ``field``, without the secret)."""
+    if url and has_credentials(url):
+        raise ConfigError(f"{field}={redact(url)} carries credentials in the URL; remove them and "
+                          f"{CREDENTIAL_CHAINS}")
+    return url
