@@ -123,10 +123,22 @@ class SaveResult:
     persist_s: float = 0.0  # upload and commit, after the blocking part
     finished_unix: float = field(default_factory=time.time)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, for diagnosis
+    # "fence_unavailable": the commit could not read the fence (a run-store outage, which the
+    # orchestrator rides out on its own bound): not counted as a failure of the storage.
+    cause: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "committed"
+
+    def to_dict(self) -> dict:
+        """The fields reported to the controller and the metrics (phases left out)."""
+        return {"step": self.step, "status": self.status, "error": self.error, "bytes": self.bytes,
+                "blocking_s": self.blocking_s, "persist_s": self.persist_s, "cause": self.cause}
+
+
+class FenceUnavailable(CheckpointError):
+    """The commit could not read the fence (the run store is away)."""
 
 
 def retained_steps(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
@@ -590,7 +602,8 @@ class CheckpointManager:
                 writer.remove_files()
                 for f in job.get("others_files", ()):
                     self._remove(f"{rel}/{f}")
-            res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0)
+            res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0,
+                             cause="fence_unavailable" if isinstance(e, FenceUnavailable) else "")
             if self.rank == 0 or not isinstance(e, CheckpointError):
                 log.warning("checkpoint at step %d failed (the previous checkpoint is untouched): %s", step, reason)
         finally:
@@ -659,7 +672,12 @@ class CheckpointManager:
         if failed:
             raise CheckpointError(f"not committed: {group_rank_errors(failed)}")
         self._check_sizes(rel, files.values())
-        fence = self.fence()
+        try:
+            fence = self.fence()
+        except (FencedError, ConfigError):
+            raise
+        except Exception as e:
+            raise FenceUnavailable(f"not committed: the fence could not be read ({describe(e)})") from e
         if fence > self.epoch:
             raise FencedError(f"not committed: epoch {self.epoch} is fenced off by epoch {fence}")
         if self.lock is not None:
@@ -728,7 +746,7 @@ class CheckpointManager:
             self._done.append(res)
             if res.status == "committed":
                 self.failed_in_a_row, self.last_error = 0, ""
-            elif res.status == "failed":
+            elif res.status == "failed" and not res.cause:
                 self.failed_in_a_row += 1
                 self.last_error = res.error
 

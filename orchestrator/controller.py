@@ -629,8 +629,9 @@ class Controller:
             elif s["status"] == "skipped":  # when_busy="skip", or the step was committed already
                 log.info("checkpoint of step %d not written: %s", s["step"], s.get("error", ""))
             else:
-                self.saves_failed_in_a_row += 1
-                self.last_save_error = s["error"]
+                if not s.get("cause"):  # a run-store outage is ridden out on its own bound (store_wait_s)
+                    self.saves_failed_in_a_row += 1
+                    self.last_save_error = s["error"]
                 self.event("checkpoint_failed", step=s["step"], error=s["error"])
 
     def check_durability(self) -> State | None:

@@ -224,8 +224,7 @@ class TrainWorker:
             if self.rank != 0:
                 continue
             with self._lock:
-                self._committed.append({"step": r.step, "status": r.status, "error": r.error, "bytes": r.bytes,
-                                        "blocking_s": r.blocking_s, "persist_s": r.persist_s})
+                self._committed.append(r.to_dict())
 
     def telemetry(self) -> dict:
         """This rank's cumulative communication and step figures and its memory now (for the metrics)."""
@@ -277,9 +276,9 @@ class TrainWorker:
         self.ckpt.wait()
         results = self.ckpt.poll()
         res = results[-1] if results else res
-        return {"status": res.status if res else "failed", "error": res.error if res else "no result",
-                "step": self.trainer.step, "blocking_s": res.blocking_s if res else 0.0,
-                "bytes": res.bytes if res else 0, "persist_s": res.persist_s if res else 0.0}
+        if res is None:
+            return {"status": "failed", "error": "no result", "step": self.trainer.step}
+        return {**res.to_dict(), "step": self.trainer.step}
 
     def step(self) -> int:
         return self.trainer.step if self.trainer is not None else -1

@@ -73,8 +73,7 @@ def report_saves(ckpt, world: World) -> list[dict]:
         if world.is_main and r.ok:
             print(f"etrain: checkpoint step {r.step} committed: {r.bytes / 2**20:.1f} MiB, "
                   f"blocked {r.blocking_s * 1e3:.0f} ms, persisted in {r.persist_s:.2f} s", flush=True)
-    return [{"step": r.step, "status": r.status, "bytes": r.bytes, "blocking_s": r.blocking_s,
-             "persist_s": r.persist_s} for r in done]
+    return [r.to_dict() for r in done]
 
 
 def start_metrics(cfg, world: World):
