@@ -37,10 +37,10 @@ test: sysdeps $(STAMP)
 test-ray: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "ray and not soak" tests
 
-# The chaos soak in its bounded form (about 2 minutes): a worker killed every 15-30 s over 150 steps.
+# The chaos soak in its bounded form (1-2 minutes): a worker killed every 10-20 s over 200 steps.
 # ETRAIN_SOAK_STEPS=3000 makes it a long soak.
 soak: sysdeps $(STAMP)
-	ETRAIN_SOAK_STEPS=$${ETRAIN_SOAK_STEPS:-150} $(BIN)/python -m pytest -q -m soak tests
+	ETRAIN_SOAK_STEPS=$${ETRAIN_SOAK_STEPS:-200} $(BIN)/python -m pytest -q -m soak tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/step.py --quick
