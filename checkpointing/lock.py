@@ -36,13 +36,11 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from .errors import CheckpointError, FencedError
+from .layout import RunRoot
 from .retry import describe
 from .storage import Storage
 
 log = logging.getLogger("etrain")
-
-LOCK_DIR = "LOCK"
-
 
 class WriterLockHeld(CheckpointError):
     """Another live writer holds the run."""
@@ -101,7 +99,7 @@ class WriterLock:
     def __init__(self, storage: Storage, run_id: str, *, epoch: int = 0, owner: str = "", ttl_s: float = 30.0):
         self.storage = storage
         self.run_id = run_id
-        self.dir = f"{run_id}/{LOCK_DIR}"
+        self.dir = RunRoot(run_id).lock_dir
         self.epoch = epoch
         self.owner = owner
         self.ttl_s = ttl_s

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointError, ConfigError, FencedError, StorageError, UnsafePathError
+from .layout import RunRoot, fence_blob, parse_fence
 from .lock import WriterLock
 from .manifest import (
     FILE_SIZE,
@@ -57,9 +58,7 @@ from .manifest import (
     checksum,
     is_listable_name,
     parse_step_dir,
-    step_dir,
 )
-from .names import validate_run_id
 from .retry import describe
 from .storage import Storage
 
@@ -166,9 +165,10 @@ class CheckpointManager:
                  when_busy: str = "wait", keep_last: int = 3, keep_every: int = 0, epoch: int = 0,
                  fence: Callable[[], int] | None = None, storage: Storage | None = None,
                  commit_timeout_s: float = 600.0, file_size: int = FILE_SIZE, process_group=None):
-        self.run_id = validate_run_id(run_id)
+        self.root = RunRoot(run_id)  # validates the run id
+        self.run_id = run_id
         self.storage = storage or Storage(url)
-        self.prefix = f"{run_id}/checkpoints"
+        self.prefix = self.root.checkpoints
         self.rank = rank
         self.world_size = world_size
         self.async_save = async_save
@@ -201,7 +201,7 @@ class CheckpointManager:
     # --- naming and listing ----------------------------------------------------
 
     def step_rel(self, step: int) -> str:
-        return f"{self.prefix}/{step_dir(step)}"
+        return self.root.step(step)
 
     def url_of(self, step: int) -> str:
         """The full URL of one step's checkpoint directory."""
@@ -247,7 +247,7 @@ class CheckpointManager:
     def probe(self) -> None:
         """Write, read back and remove a small object under the run: a URL that cannot be written
         (missing, read-only, a file, no credentials, unreachable) fails here, before training."""
-        rel = f"{self.run_id}/_probe/{uuid.uuid4().hex}"
+        rel = f"{self.root.probe_dir}/{uuid.uuid4().hex}"
         payload = f"etrain write probe {time.time()}".encode()
         where = self.storage.join(self.run_id)
         try:
@@ -291,22 +291,17 @@ class CheckpointManager:
 
     def read_fence(self) -> int:
         """The newest epoch recorded in the run's FENCE object (0 if none)."""
-        rel = f"{self.run_id}/FENCE"
         try:
-            blob = self.storage.get(rel)
+            blob = self.storage.get(self.root.fence)
         except FileNotFoundError:
             return 0
         try:
-            epoch = json.loads(blob)["epoch"]
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                raise TypeError(f"epoch {epoch!r:.20} is not an integer >= 0")
-            return epoch
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"the fence {self.storage.join(rel)} is unreadable ({str(e)[:80]}); "
-                                  "it should hold {\"epoch\": N}") from None
+            return parse_fence(blob)
+        except ValueError as e:
+            raise CheckpointError(f"the fence {self.storage.join(self.root.fence)} is unreadable: {e}") from None
 
     def write_fence(self, epoch: int) -> None:
-        self.storage.put(f"{self.run_id}/FENCE", json.dumps({"epoch": epoch}).encode())
+        self.storage.put(self.root.fence, fence_blob(epoch))
 
     # --- saving ------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
 from . import netns
+from .phase import Phase
 from .store import RunStore, StoreUnavailable
 
 log = logging.getLogger("etrain")
@@ -90,7 +91,6 @@ KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "par
 # Faults that take a member out of the group: the controller must see a failure and re-form without it.
 PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank", "partition_node")
 WINDOW_S = {"partition_node": 20.0}  # duration_s when the plan leaves it out; 10 s for the other kinds
-TERMINAL = ("FINISHED", "FAILED", "SUSPENDED")
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ class Chaos:
                 except StoreUnavailable:
                     pass  # our own etcd outage, most likely: go on with the last status
                 now = time.time()
-                if self.status.get("phase") in TERMINAL:
+                if Phase.of(self.status).terminal:
                     break
                 self._close_windows(now)
                 self._watch_partitions(now)
@@ -404,12 +404,12 @@ class Chaos:
         return self.status
 
     def _due(self, i: int, spec: FaultSpec, now: float) -> bool:
-        if self.counts[i] >= spec.max_count or self.status.get("phase") in TERMINAL:
+        if self.counts[i] >= spec.max_count or Phase.of(self.status).terminal:
             return False
         if spec.after_fault is not None:
             first = next((j for j in self.injections if j.fault == spec.after_fault), None)
             return self.counts[i] == 0 and first is not None and now >= first.time + spec.delay_s
-        if self.status.get("phase") != "RUNNING":
+        if Phase.of(self.status) != Phase.RUNNING:
             return False
         if spec.at_step is not None:
             return self.counts[i] == 0 and int(self.status.get("step") or 0) >= spec.at_step
@@ -437,7 +437,7 @@ class Chaos:
 
     def _close_windows(self, now: float) -> None:
         """Lift the window faults whose duration is over (all of them when ``now`` is infinite)."""
-        ended = self.status.get("phase") in TERMINAL
+        ended = Phase.of(self.status).terminal
         for inj, spec in list(self.open_windows):
             if now >= inj.time + spec.duration_s:
                 if ended:
@@ -644,7 +644,7 @@ def oracle(run: dict, ref: dict | None, *, total_steps: int, global_batch: int, 
     it (its rank 0 died before reporting it, but the checkpoint proves it was trained)."""
     reasons = []
     st = run["status"]
-    if st.get("phase") != "FINISHED":
+    if Phase.of(st) != Phase.FINISHED:
         reasons.append(f"the run ended {st.get('phase')} ({st.get('reason', '')}), not FINISHED")
     if st.get("step") != total_steps:
         reasons.append(f"final step {st.get('step')}, expected {total_steps}")
@@ -825,7 +825,7 @@ def reference_run(spec, store: RunStore, ref_id: str, address: str | None) -> di
     try:
         store.get_spec(ref_id)
         st = store.get_status(ref_id) or {}
-        if st.get("phase") == "FINISHED":
+        if Phase.of(st) == Phase.FINISHED:
             return st
         raise ConfigError(f"reference run {ref_id!r} exists but is {st.get('phase', 'PENDING')}; "
                           "name a finished one, or another id for a new reference")

@@ -32,6 +32,8 @@ import time
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import redact, validate_run_id
 
+from .phase import TERMINAL, Phase
+
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
@@ -214,10 +216,10 @@ def cmd_status(args) -> int:
     store = _store(args)
     if args.run:
         store.get_spec(args.run)  # UnknownRun names the fix
-        st = store.get_status(args.run) or {"run_id": args.run, "phase": "PENDING"}
+        st = store.get_status(args.run) or {"run_id": args.run, "phase": Phase.PENDING}
         rows = [st]
     else:
-        rows = [store.get_status(r) or {"run_id": r, "phase": "PENDING"} for r in store.list_runs()]
+        rows = [store.get_status(r) or {"run_id": r, "phase": Phase.PENDING} for r in store.list_runs()]
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
     elif not rows:
@@ -269,10 +271,10 @@ def _live(store, run_id: str) -> dict:
 
     store.get_spec(run_id)
     st = store.get_status(run_id) or {}
-    phase = st.get("phase", "PENDING")
-    if phase in ("FINISHED", "FAILED"):
+    phase = Phase.of(st)
+    if phase in (Phase.FINISHED, Phase.FAILED):
         raise RunConflict(f"run {run_id!r} has {phase}; nothing to change")
-    if phase == "SUSPENDED":
+    if phase == Phase.SUSPENDED:
         raise RunConflict(f"run {run_id!r} is already suspended; nothing changed "
                           f"(`etrain resume {run_id} [--workers N]` continues it)")
     if not store.leader_alive(run_id):
@@ -287,7 +289,7 @@ def _wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> 
         st = store.get_status(run_id) or {}
         if st.get("phase") in phases:
             print(f"etrain: run {run_id!r} {st['phase']} at step {st.get('step')}")
-            return 0 if st["phase"] != "FAILED" else EXIT_FAILED
+            return 0 if st["phase"] != Phase.FAILED else EXIT_FAILED
         time.sleep(0.5)
     print(f"etrain: run {run_id!r} did not get there within {timeout:.0f} s; `etrain status {run_id}` shows where "
           "it is", file=sys.stderr)
@@ -299,7 +301,7 @@ def cmd_suspend(args) -> int:
     _live(store, args.run)
     store.update_spec(args.run, suspended=True)
     print(f"etrain: suspend of run {args.run!r} requested; it stops at the next step boundary")
-    return 0 if args.no_wait else _wait_phase(store, args.run, ("SUSPENDED", "FAILED", "FINISHED"), args.timeout)
+    return 0 if args.no_wait else _wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
 def cmd_stop(args) -> int:
@@ -307,7 +309,7 @@ def cmd_stop(args) -> int:
     _live(store, args.run)
     store.update_spec(args.run, stop=True)
     print(f"etrain: stop of run {args.run!r} requested; it ends at the next step boundary")
-    return 0 if args.no_wait else _wait_phase(store, args.run, ("FINISHED", "FAILED", "SUSPENDED"), args.timeout)
+    return 0 if args.no_wait else _wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
 def cmd_resize(args) -> int:

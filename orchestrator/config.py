@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
-from trainer.config import TrainConfig, build_section, check_finite
+from trainer.config import RunConfig, build_section, check_finite
 from trainer.parallel import valid_world_sizes
 
 
@@ -76,12 +76,12 @@ def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int 
     return build_section("elastic", ElasticConfig, table)
 
 
-def allowed_sizes(cfg: TrainConfig, min_workers: int, max_workers: int) -> list[int]:
+def allowed_sizes(cfg: RunConfig, min_workers: int, max_workers: int) -> list[int]:
     """Group sizes in [min_workers, max_workers] that the global batch and dp_replicate x tp x pp allow."""
     return [n for n in valid_world_sizes(cfg, max_workers) if n >= min_workers]
 
 
-def check_sizes(cfg: TrainConfig, ecfg: ElasticConfig) -> list[int]:
+def check_sizes(cfg: RunConfig, ecfg: ElasticConfig) -> list[int]:
     """The sizes this run may take; ConfigError naming the valid ones if the request is not among them."""
     allowed = allowed_sizes(cfg, ecfg.min_workers, ecfg.max_workers)
     if not allowed:

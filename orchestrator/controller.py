@@ -38,6 +38,7 @@ from checkpointing.retry import describe
 from trainer.config import config_from_dict
 from trainer.parallel import valid_world_sizes
 
+from .phase import Phase
 from .policies import Fail, FailureLog, FailurePolicy, FailureRecord, Resize, ScalingPolicy, ScalingStatus
 from .store import RunSpec, RunStore, StoreUnavailable
 from .worker_group import WorkerLost
@@ -95,7 +96,7 @@ class State:
 
 @dataclass
 class Initializing(State):
-    name = "INITIALIZING"
+    name = Phase.INITIALIZING
 
     def step(self, c: Controller) -> State:
         c.lease = c.store.acquire(c.run_id, c.controller_id, ttl_s=c.opts.lease_ttl_s)
@@ -116,7 +117,7 @@ class Scheduling(State):
     target: int
     reason: str
     since: float | None = None
-    name = "SCHEDULING"
+    name = Phase.SCHEDULING
 
     def step(self, c: Controller) -> State:
         now = c.clock()
@@ -141,7 +142,7 @@ class Scheduling(State):
 
 @dataclass
 class Running(State):
-    name = "RUNNING"
+    name = Phase.RUNNING
 
     def step(self, c: Controller) -> State:
         if not c.train_calls:
@@ -171,7 +172,7 @@ class Recovering(State):
     failure: FailureRecord
     suspects: tuple[str, ...] = ()
     detected_at: float = 0.0  # controller clock
-    name = "RECOVERING"
+    name = Phase.RECOVERING
 
     def step(self, c: Controller) -> State:
         decision = c.opts.failure.decide(c.failures.add(self.failure), c.clock())
@@ -223,7 +224,7 @@ class Resizing(State):
     target: int
     reason: str
     requested_at: float = 0.0
-    name = "RESIZING"
+    name = Phase.RESIZING
 
     def step(self, c: Controller) -> State:
         t0 = c.clock()
@@ -257,7 +258,7 @@ class Resizing(State):
 @dataclass
 class Suspending(State):
     reason: str
-    name = "SUSPENDING"
+    name = Phase.SUSPENDING
 
     def step(self, c: Controller) -> State:
         step = c.last_completed_step()
@@ -277,7 +278,7 @@ class Suspending(State):
 class Finishing(State):
     reason: str
     stopping: bool = False
-    name = "FINISHING"
+    name = Phase.FINISHING
 
     def step(self, c: Controller) -> State:
         try:
@@ -313,15 +314,15 @@ class Terminal(State):
 
 
 class Suspended(Terminal):
-    name = "SUSPENDED"
+    name = Phase.SUSPENDED
 
 
 class Finished(Terminal):
-    name = "FINISHED"
+    name = Phase.FINISHED
 
 
 class Failed(Terminal):
-    name = "FAILED"
+    name = Phase.FAILED
 
 
 # --- the controller ------------------------------------------------------------------

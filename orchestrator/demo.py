@@ -29,6 +29,7 @@ import uuid
 from rich.console import Console
 from rich.table import Table
 
+from .phase import Phase
 from .run import BackgroundRun, connect, default_root, prepare_resume, prepare_run
 
 console = Console()
@@ -66,22 +67,22 @@ def _demo(config: str, overrides: list[str], steps: int, root: str, run_id: str,
     say(f"run {run_id!r}: the tiny model on 2 workers for {steps} steps; checkpoints and the run store in {root}")
 
     run = BackgroundRun(spec, store, progress=False)
-    run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= kill_at, what=f"step {kill_at}")
+    run.wait(lambda s: s["phase"] == Phase.RUNNING and s["step"] >= kill_at, what=f"step {kill_at}")
     pids = run.events("formed")[-1]["pids"]
     say(f"step {run.snapshot()['step']}: SIGKILL worker pid {pids[-1]} (rank {len(pids) - 1})")
     os.kill(pids[-1], signal.SIGKILL)
     run.wait_event("recovered")
 
-    run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= resize_at, what=f"step {resize_at}")
+    run.wait(lambda s: s["phase"] == Phase.RUNNING and s["step"] >= resize_at, what=f"step {resize_at}")
     say(f"step {run.snapshot()['step']}: etrain resize {run_id} --workers 3")
     store.update_spec(run_id, workers=3)
     run.wait_event("resized")
 
-    run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= suspend_at, what=f"step {suspend_at}")
+    run.wait(lambda s: s["phase"] == Phase.RUNNING and s["step"] >= suspend_at, what=f"step {suspend_at}")
     say(f"step {run.snapshot()['step']}: etrain suspend {run_id}")
     store.update_spec(run_id, suspended=True)
     suspended = run.join()
-    if suspended.get("phase") != "SUSPENDED":
+    if Phase.of(suspended) != Phase.SUSPENDED:
         say(f"the run ended {suspended.get('phase')} instead of SUSPENDED: {suspended.get('reason')}")
         return 1
 
@@ -89,7 +90,7 @@ def _demo(config: str, overrides: list[str], steps: int, root: str, run_id: str,
     spec, store = prepare_resume(run_id, root, workers=2)
     final = BackgroundRun(spec, store, progress=False).join()
     console.print(summary(store.events(run_id), final, time.monotonic() - t_start))
-    ok = final.get("phase") == "FINISHED" and final.get("step") == steps
+    ok = Phase.of(final) == Phase.FINISHED and final.get("step") == steps
     say(f"run {final.get('phase')} at step {final.get('step')}/{steps}; "
         f"`etrain events {run_id} --store {root}` lists every event")
     return 0 if ok else 1

@@ -30,12 +30,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from trainer.telemetry import SECONDS_BUCKETS, STEP_BUCKETS
 
+from .phase import Phase
+
 log = logging.getLogger("etrain")
 
 RECOVERY_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 CKPT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-PHASES = ("INITIALIZING", "SCHEDULING", "RUNNING", "RECOVERING", "RESIZING", "SUSPENDING", "FINISHING",
-          "SUSPENDED", "FINISHED", "FAILED")
+PHASES = tuple(p for p in Phase if p is not Phase.PENDING)  # the controller's
 
 
 def default_file_sd_dir() -> str:
@@ -111,7 +112,7 @@ class RunMetrics:
         self.time_to_recover = Histogram(RECOVERY_BUCKETS)
         self.world_size = 0
         self.epoch = 0
-        self.phase = "INITIALIZING"
+        self.phase = Phase.INITIALIZING
         self.goodput = 0.0
 
     # --- observations ------------------------------------------------------------------
@@ -440,7 +441,7 @@ class LauncherMetrics:
                 key = f"etrain/telemetry/{r}"
                 if self.store.check([key]):
                     self.metrics.observe_ranks(f"rank{r}", json.loads(self.store.get(key)))
-        self.metrics.observe_run(world_size=self.world.size, epoch=0, phase="RUNNING",
+        self.metrics.observe_run(world_size=self.world.size, epoch=0, phase=Phase.RUNNING,
                                  goodput=min(1.0, self.productive_s / max(1e-9, time.time() - self.metrics.started)))
 
     def record_saves(self, saves) -> None:
@@ -448,7 +449,7 @@ class LauncherMetrics:
             for r in saves:
                 self.metrics.observe_save(r)
 
-    def close(self, phase: str = "FINISHED") -> None:
+    def close(self, phase: str = Phase.FINISHED) -> None:
         if self.metrics is not None:
             self.metrics.observe_run(world_size=self.world.size, epoch=0, phase=phase, goodput=self.metrics.goodput)
         if self.endpoint is not None:

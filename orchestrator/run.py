@@ -27,12 +27,12 @@ from trainer.config import config_from_dict, load_raw
 
 from .config import ElasticConfig, check_sizes, elastic_from_raw
 from .controller import Controller, ControllerOptions
+from .phase import Phase
 from .policies import FailurePolicy
 from .store import RunSpec, RunStore, UnknownRun, open_store
 
 log = logging.getLogger("etrain")
 
-TERMINAL_OK = ("FINISHED", "SUSPENDED")
 
 
 def default_root() -> str:
@@ -263,7 +263,7 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
 
 
 def exit_code(final: dict) -> int:
-    return 0 if final.get("phase") in TERMINAL_OK else 1
+    return 0 if Phase.of(final) in (Phase.FINISHED, Phase.SUSPENDED) else 1
 
 
 def controller_actor(run_id: str):

@@ -36,15 +36,16 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from checkpointing.errors import ConfigError, EtrainError, FencedError
+from checkpointing.layout import RunRoot, fence_blob, parse_fence
 from checkpointing.names import redact, validate_run_id
 from checkpointing.retry import RetryPolicy
 from checkpointing.storage import Storage
 
-TERMINAL = ("FINISHED", "FAILED", "SUSPENDED")
+from .phase import Phase
 
 
 class UnknownRun(EtrainError):
@@ -118,20 +119,16 @@ def _event_problem(doc: Any) -> str | None:
 
 
 def _history_problem(doc: Any) -> str | None:
-    if not isinstance(doc, list) or not all(isinstance(row, list) for row in doc):
-        return "is not a JSON list of rows ([step, loss, world size, samples, unix time, step seconds])"
+    ok = isinstance(doc, list) and all(
+        isinstance(row, list) and len(row) >= len(HistoryRow._fields)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6]) for row in doc)
+    if not ok:
+        return f"is not a JSON list of rows ({', '.join(HistoryRow._fields)}: numbers)"
     return None
 
 
 def _leader_problem(doc: Any) -> str | None:
     return _object_problem(doc, {"id": (str,), "expires_unix": _NUMBER}, required=("id", "expires_unix"))
-
-
-def _fence_problem(doc: Any) -> str | None:
-    problem = _object_problem(doc, {"epoch": (int,)}, required=("epoch",))
-    if problem is None and doc["epoch"] < 0:
-        return f"has epoch={doc['epoch']}, not an epoch (>= 0)"
-    return problem
 
 
 def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None]) -> Any:
@@ -145,6 +142,22 @@ def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None])
     if found:
         raise CorruptRunStore(f"{where} {found}; repair or delete it")
     return doc
+
+
+class HistoryRow(NamedTuple):
+    """One trained step in a run's history (``RunStore.put_history``), stored as a JSON list in this
+    order. A step redone after a restore appears again, later."""
+
+    step: int
+    loss: float
+    world_size: int
+    samples_consumed: int
+    unix: float  # when the step ended
+    step_s: float  # how long it took
+
+    @classmethod
+    def of(cls, row) -> HistoryRow:
+        return row if isinstance(row, cls) else cls(*row[:6])
 
 
 @dataclass
@@ -196,13 +209,13 @@ class RunStore(ABC):
         except UnknownRun:
             self._write_spec(spec)
             return
-        phase = (self.get_status(spec.run_id) or {}).get("phase", "UNKNOWN")
-        if phase == "SUSPENDED":
+        phase = Phase.of(self.get_status(spec.run_id))
+        if phase == Phase.SUSPENDED:
             raise RunConflict(f"run {spec.run_id!r} is suspended; continue it with `etrain resume "
                               f"{spec.run_id}`, or choose another --run-id")
-        if phase == "FINISHED":
+        if phase == Phase.FINISHED:
             raise RunConflict(f"run {spec.run_id!r} has already FINISHED; choose another --run-id")
-        if phase == "FAILED":
+        if phase == Phase.FAILED:
             raise RunConflict(f"run {spec.run_id!r} FAILED; continue it from its last checkpoint with "
                               f"`etrain resume {spec.run_id}`, or choose another --run-id")
         if self.leader_alive(spec.run_id):
@@ -213,10 +226,10 @@ class RunStore(ABC):
 
     def check_resumable(self, run_id: str) -> None:
         """RunConflict unless the run can be continued: suspended, interrupted, or ended FAILED."""
-        phase = (self.get_status(run_id) or {}).get("phase", "UNKNOWN")
-        if phase == "FINISHED":
+        phase = Phase.of(self.get_status(run_id))
+        if phase == Phase.FINISHED:
             raise RunConflict(f"run {run_id!r} has FINISHED; there is nothing to resume")
-        if phase not in ("SUSPENDED", "FAILED") and self.leader_alive(run_id):
+        if phase not in (Phase.SUSPENDED, Phase.FAILED) and self.leader_alive(run_id):
             raise RunConflict(f"run {run_id!r} is {phase} and its controller is alive; "
                               f"`etrain suspend {run_id}` first, or `etrain resize {run_id} --workers N`")
 
@@ -246,14 +259,15 @@ class RunStore(ABC):
         raw = self._read(run_id, "status")
         return load_doc(raw, self._where(run_id, "status"), _status_problem) if raw else None
 
-    def put_history(self, run_id: str, rows: list[list]) -> None:
-        """Every step the run trained: [step, loss, world size, samples consumed, unix time, step seconds] rows,
-        in order (a step redone after a restore appears again). The controller writes it."""
+    def put_history(self, run_id: str, rows: list[HistoryRow]) -> None:
+        """Every step the run trained (:class:`HistoryRow`), in order (a step redone after a restore
+        appears again). The controller writes it."""
         self._write(run_id, "history", json.dumps(rows))
 
-    def get_history(self, run_id: str) -> list[list]:
+    def get_history(self, run_id: str) -> list[HistoryRow]:
         raw = self._read(run_id, "history")
-        return load_doc(raw, self._where(run_id, "history"), _history_problem) if raw else []
+        rows = load_doc(raw, self._where(run_id, "history"), _history_problem) if raw else []
+        return [HistoryRow.of(r) for r in rows]
 
     @abstractmethod
     def put_status(self, run_id: str, status: dict, lease: Lease) -> None:
@@ -323,7 +337,7 @@ class StorageRunStore(RunStore):
                                                       deadline_s=15))
 
     def _rel(self, run_id: str, name: str) -> str:
-        return f"{validate_run_id(run_id)}/control/{name}.json"
+        return f"{RunRoot(run_id).control}/{name}.json"
 
     def _where(self, run_id, name):
         return redact(self.storage.join(self._rel(run_id, name)))
@@ -353,7 +367,7 @@ class StorageRunStore(RunStore):
         self._write(run_id, "status", json.dumps({**status, "updated_unix": time.time()}, sort_keys=True))
 
     def events(self, run_id):
-        events = f"{validate_run_id(run_id)}/control/events"
+        events = f"{RunRoot(run_id).control}/events"
         names = self._guard(lambda: self.storage.list_dir(events)) or {}
         paths = [f"{events}/{n}" for n in sorted(names)]
         blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
@@ -395,17 +409,17 @@ class StorageRunStore(RunStore):
         return bool(holder) and holder["expires_unix"] > time.time()
 
     def current_epoch(self, run_id):
-        rel = f"{validate_run_id(run_id)}/FENCE"
+        rel = RunRoot(run_id).fence
         # A local file being rewritten reads empty or half written for a moment: read again.
         for attempt in range(20):
             data = self._guard(lambda: self.storage.get(rel))
             if data is None:
                 return 0
             try:
-                return load_doc(bytes(data), redact(self.storage.join(rel)), _fence_problem)["epoch"]
-            except CorruptRunStore:
+                return parse_fence(bytes(data))
+            except ValueError as e:
                 if attempt == 19:
-                    raise
+                    raise CorruptRunStore(f"{redact(self.storage.join(rel))} is corrupt: {e}") from None
                 time.sleep(0.01)
 
     def bump_epoch(self, run_id, lease, expected):
@@ -415,7 +429,7 @@ class StorageRunStore(RunStore):
         now = self.current_epoch(run_id)
         if now != expected:
             raise FencedError(f"epoch of run {run_id!r} is {now}, not {expected}: another controller moved it")
-        self._guard(lambda: self.storage.put(f"{run_id}/FENCE", json.dumps({"epoch": expected + 1}).encode()))
+        self._guard(lambda: self.storage.put(RunRoot(run_id).fence, fence_blob(expected + 1)))
         return expected + 1
 
 

@@ -42,6 +42,8 @@ from trainer.parallel import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
 
+from .store import HistoryRow
+
 log = logging.getLogger("etrain")
 
 
@@ -71,7 +73,7 @@ class TrainWorker:
         self.steps = StepMeter()
         self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
-        self._history: list[list] = []
+        self._history: list[HistoryRow] = []
         # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
         timed = self.cfg.metrics.enabled and self.cfg.metrics.comm
         self.meter = comm_meter(install=timed)
@@ -212,8 +214,8 @@ class TrainWorker:
             self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank,
                           "mfu": util}
             if self.rank == 0:
-                self._history.append([stats.step, stats.loss, stats.world_size, stats.samples_consumed,
-                                      self._last["time"], stats.step_seconds])
+                self._history.append(HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed,
+                                                self._last["time"], stats.step_seconds))
 
     def _collect_saves(self) -> None:
         """Keep the results of finished saves for the controller: rank 0's (the coordinator) only,

@@ -24,8 +24,8 @@ from checkpointing.manager import CheckpointManager
 from orchestrator.cli import main as etrain
 from orchestrator.run import prepare_resume
 from orchestrator.store import open_store
-from tests.cluster import GLOBAL_BATCH, RUN_BASE as BASE, STEPS, follow, start_run
-
+from tests.cluster import GLOBAL_BATCH, STEPS, follow, start_run
+from tests.cluster import RUN_BASE as BASE
 
 pytestmark = pytest.mark.ray
 

@@ -7,7 +7,7 @@ A whole run is one TOML file with the sections ``[model]``, ``[data]``,
 ``[train]``, ``[parallel]``, ``[checkpoint]`` and ``[metrics]``; ``--set section.field=value``
 overrides any field (the value is parsed as TOML, falling back to a string).
 Each section validates itself in ``__post_init__``; checks that span sections
-run in :class:`TrainConfig`; checks that need the world size run in
+run in :class:`RunConfig`; checks that need the world size run in
 :class:`trainer.parallel.ParallelDims`, still before any process group starts.
 Every error is a :class:`ConfigError` that names the field and the fix.
 """
@@ -158,7 +158,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class TrainConfig:
     """Optimisation: steps, batch, AdamW and the learning-rate schedule."""
 
     steps: int = 200
@@ -344,13 +344,13 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class RunConfig:
     """One training run. Cross-section checks live here."""
 
     run_id: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -420,7 +420,7 @@ class TrainConfig:
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
-    "train": OptimConfig,
+    "train": TrainConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -495,8 +495,8 @@ def build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
-    """Build and validate a :class:`TrainConfig` from a parsed TOML document."""
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a parsed TOML document."""
     sections: dict[str, Any] = {}
     top: dict[str, Any] = {}
     for key, value in raw.items():
@@ -507,7 +507,7 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
         elif key not in FOREIGN_SECTIONS:
             known = list(_SECTIONS) + list(_TOP_LEVEL) + list(FOREIGN_SECTIONS)
             raise ConfigError(f"unknown section or key {key!r}{_suggest(key, known)}")
-    return TrainConfig(**top, **sections)
+    return RunConfig(**top, **sections)
 
 
 def _parse_value(text: str) -> Any:
@@ -554,6 +554,6 @@ def load_raw(path: str | None = None, overrides: list[str] | None = None) -> dic
     return apply_overrides(raw, overrides or [])
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a run config from a TOML file (or the defaults) plus overrides."""
     return config_from_dict(load_raw(path, overrides))

@@ -34,7 +34,7 @@ from checkpointing.retry import RetryPolicy
 from checkpointing.storage import Storage
 
 from . import memory
-from .config import TrainConfig
+from .config import RunConfig
 from .data import Batcher, Corpus, load_corpus
 from .optim import build_optimizer
 from .parallel import ParallelDims, build_model_parts, lm_loss, resolve_device, resolve_precision
@@ -62,7 +62,7 @@ class StepStats:
         return asdict(self)
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: RunConfig, step: int) -> float:
     """Learning rate of step ``step`` (0-based): linear warmup, then cosine to ``lr * min_lr_ratio``."""
     t = cfg.train
     if t.warmup_steps and step < t.warmup_steps:
@@ -84,7 +84,7 @@ class Trainer:
     Expects the default process group to exist (``trainer.world.init_distributed``).
     """
 
-    def __init__(self, cfg: TrainConfig, world: World, *, corpus: Corpus | None = None,
+    def __init__(self, cfg: RunConfig, world: World, *, corpus: Corpus | None = None,
                  device: torch.device | None = None):
         self.cfg = cfg
         self.world = world
@@ -224,7 +224,7 @@ class Trainer:
         return norm_sq, loss / self.dims.dp, votes
 
 
-def checkpoint_preflight(cfg: TrainConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
+def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
     """Before any process group starts: the checkpoint URL takes a write (a probe), and a run that
     does not resume finds no committed checkpoints of its run id there. ConfigError otherwise (exit 2)."""
     c = cfg.checkpoint
@@ -242,7 +242,7 @@ def checkpoint_preflight(cfg: TrainConfig, *, resume: bool, fix: str = "pass --r
         storage.close()
 
 
-def checkpoint_manager(cfg: TrainConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:
+def checkpoint_manager(cfg: RunConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:
     """The run's checkpoint manager per ``[checkpoint]``, or None without a URL."""
     c = cfg.checkpoint
     if not c.url:

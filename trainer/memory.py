@@ -32,12 +32,12 @@ not counted: they depend on batch and sequence length, not on the stage.
 
 from __future__ import annotations
 
-from .config import TrainConfig
+from .config import RunConfig
 from .model import layer_split
 from .parallel import ParallelDims
 
 
-def local_param_count(cfg: TrainConfig, dims: ParallelDims, rank: int) -> int:
+def local_param_count(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:
     """Parameters this rank holds after tensor and pipeline parallelism, before ZeRO."""
     m, tp = cfg.model, dims.tp
     hd = m.head_dim
@@ -67,7 +67,7 @@ def bytes_per_param(stage: int, n: int, mixed: bool) -> dict[str, float]:
     return {"params": p, "grads": g, "optimizer": o}
 
 
-def predict(cfg: TrainConfig, dims: ParallelDims, rank: int, mixed: bool = False) -> dict[str, int]:
+def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) -> dict[str, int]:
     """Predicted bytes on ``rank`` for parameters, gradients and optimizer state."""
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
     n = dims.dp_shard if stage > 0 else 1

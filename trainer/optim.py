@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
 
-from .config import OptimConfig, TrainConfig
+from .config import RunConfig, TrainConfig
 from .parallel import ModelParts, ParallelDims, axis_group, sub_mesh
 
 
@@ -94,7 +94,7 @@ def _adam_entries(st: dict, wrap) -> dict:
     return {"exp_avg": wrap(st["exp_avg"]), "exp_avg_sq": wrap(st["exp_avg_sq"]), "step": st["step"]}
 
 
-def _make_adamw(groups: list[dict], ocfg: OptimConfig) -> torch.optim.AdamW:
+def _make_adamw(groups: list[dict], ocfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=ocfg.lr,
@@ -147,7 +147,7 @@ class _Slot:
 class ZeroOptimizer:
     """ZeRO stages 0, 1 and 2 over whole-parameter replicas (see module docstring)."""
 
-    def __init__(self, parts: ModelParts, cfg: TrainConfig, dims: ParallelDims, mesh, rank: int):
+    def __init__(self, parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int):
         self.stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
         self.cfg = cfg.train
         self.dims = dims
@@ -389,7 +389,7 @@ class ZeroOptimizer:
 class FSDPOptimizer:
     """ZeRO stage 3: AdamW over FSDP2's sharded DTensor parameters."""
 
-    def __init__(self, parts: ModelParts, cfg: TrainConfig, dims: ParallelDims):
+    def __init__(self, parts: ModelParts, cfg: RunConfig, dims: ParallelDims):
         self.cfg = cfg.train
         self.dims = dims
         self.params = [p for _, p in parts.named_parameters()]
@@ -459,7 +459,7 @@ class FSDPOptimizer:
         }
 
 
-def build_optimizer(parts: ModelParts, cfg: TrainConfig, dims: ParallelDims, mesh, rank: int):
+def build_optimizer(parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int):
     if parts.uses_fsdp:
         return FSDPOptimizer(parts, cfg, dims)
     return ZeroOptimizer(parts, cfg, dims, mesh, rank)

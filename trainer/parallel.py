@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from checkpointing.errors import ConfigError
 
-from .config import ParallelConfig, TrainConfig, _divisors, _fmt_list
+from .config import ParallelConfig, RunConfig, _divisors, _fmt_list
 from .model import Transformer, cut_stage
 
 log = logging.getLogger("etrain")
@@ -46,7 +46,7 @@ class ParallelDims:
     tp: int
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: RunConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard = -1`` and check the layout against the world and the batch."""
         p = cfg.parallel
         fixed = p.dp_replicate * p.tp * p.pp
@@ -88,14 +88,14 @@ class ParallelDims:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
-    def local_batch(self, cfg: TrainConfig) -> int:
+    def local_batch(self, cfg: RunConfig) -> int:
         return cfg.train.global_batch // self.dp
 
-    def pp_microbatches(self, cfg: TrainConfig) -> int:
+    def pp_microbatches(self, cfg: RunConfig) -> int:
         local = self.local_batch(cfg)
         return cfg.parallel.pp_microbatches or max(1, local // cfg.train.micro_batch)
 
-    def check_batch(self, cfg: TrainConfig) -> None:
+    def check_batch(self, cfg: RunConfig) -> None:
         t, p = cfg.train, cfg.parallel
         if t.global_batch % (self.dp * t.micro_batch):
             good = valid_dp_sizes(cfg, max_dp=max(64, self.dp))
@@ -139,13 +139,13 @@ class ParallelDims:
         return mesh
 
 
-def valid_dp_sizes(cfg: TrainConfig, max_dp: int) -> list[int]:
+def valid_dp_sizes(cfg: RunConfig, max_dp: int) -> list[int]:
     """Data-parallel sizes the fixed global batch allows (micro-batch and pipeline rules)."""
     t = cfg.train
     return [d for d in range(1, max_dp + 1) if t.global_batch % (d * t.micro_batch) == 0]
 
 
-def valid_world_sizes(cfg: TrainConfig, max_world: int) -> list[int]:
+def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
     """World sizes a run can be resized to: multiples of dp_replicate x tp x pp that fit the batch."""
     p = cfg.parallel
     fixed = p.dp_replicate * p.tp * p.pp
@@ -304,7 +304,7 @@ class ModelParts:
             m.train(mode)
 
 
-def build_model_parts(cfg: TrainConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
+def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                       device: torch.device) -> ModelParts:
     """Build, initialise and parallelize this rank's part of the model.
 

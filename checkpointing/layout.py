@@ -1,0 +1,64 @@
+"""The run root: every object a run keeps under ``<root>/<run_id>/``, named in one place.
+
+    run = RunRoot("tiny")
+    run.step(1000)          # "tiny/checkpoints/step_000001000"
+    run.fence               # "tiny/FENCE": the newest epoch, {"epoch": N}
+    epoch = parse_fence(blob)             # ValueError saying what is wrong
+    storage.put(run.fence, fence_blob(4))
+
+::
+
+    <root>/<run_id>/
+      FENCE                     the newest controller epoch (fencing token)
+      LOCK/<generation>.json    the writer lock (checkpointing.lock)
+      checkpoints/step_<N>/     one checkpoint (checkpointing.manifest)
+      control/                  the embedded run store's documents (orchestrator.store)
+      _probe/                   write probes before a run starts
+
+The checkpoint manager, the writer lock and the embedded run store all name
+these objects through this module; the run id is validated on the way in.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .manifest import step_dir
+from .names import validate_run_id
+
+FENCE = "FENCE"
+LOCK_DIR = "LOCK"
+CHECKPOINTS = "checkpoints"
+CONTROL = "control"
+PROBE_DIR = "_probe"
+
+
+class RunRoot:
+    """The keys of one run's objects, relative to the storage root."""
+
+    def __init__(self, run_id: str):
+        self.run_id = validate_run_id(run_id)
+        self.fence = f"{run_id}/{FENCE}"
+        self.lock_dir = f"{run_id}/{LOCK_DIR}"
+        self.checkpoints = f"{run_id}/{CHECKPOINTS}"
+        self.control = f"{run_id}/{CONTROL}"
+        self.probe_dir = f"{run_id}/{PROBE_DIR}"
+
+    def step(self, step: int) -> str:
+        return f"{self.checkpoints}/{step_dir(step)}"
+
+
+def fence_blob(epoch: int) -> bytes:
+    return json.dumps({"epoch": epoch}).encode()
+
+
+def parse_fence(blob: bytes) -> int:
+    """The epoch a FENCE object holds; ValueError saying what is wrong with it."""
+    try:
+        doc = json.loads(blob)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not valid JSON ({str(e)[:60]})") from None
+    epoch = doc.get("epoch") if isinstance(doc, dict) else None
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"it should hold {{\"epoch\": N}} with N an integer >= 0, not {str(doc)[:40]}")
+    return epoch
