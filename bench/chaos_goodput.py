@@ -42,7 +42,9 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from orchestrator.chaos import Chaos, judge, load_plan
+    from orchestrator.chaos.cli import judge
+    from orchestrator.chaos.injector import Chaos
+    from orchestrator.chaos.plan import load_plan
     from orchestrator.run import BackgroundRun, connect, prepare_run
 
     steps = args.steps or (1200 if args.quick else 4000)

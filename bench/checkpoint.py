@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from checkpointing.manager import CheckpointManager
     from checkpointing.storage import Storage
-    from trainer.config import load_config
+    from trainer.config_load import load_config
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -39,8 +39,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from orchestrator.metrics import LauncherMetrics
-    from trainer.config import load_config
+    from trainer.config_load import load_config
+    from trainer.launcher_metrics import LauncherMetrics
     from trainer.loop import Trainer
     from trainer.telemetry import comm_meter
     from trainer.world import World, init_distributed, shutdown_distributed

@@ -40,6 +40,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from orchestrator.phase import Phase  # noqa: E402  (after the path: run as a script)
+
 HUNG_S = 60  # a torchrun restart with no step after this long counts as hung (a normal one: 3-9 s here)
 BASE = ["run_id=bench", "model.preset=\"tiny\"", "data.max_bytes=2000000", "train.global_batch=12",
         "train.micro_batch=1", "train.lr=0.003", "checkpoint.interval_steps=10", "checkpoint.keep_last=3"]
@@ -83,7 +85,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     mttr, lost, committed_lost = [], [], 0
     for k in range(kills):
         target = every * (k + 1) + 3
-        s = run.wait(lambda x: x["phase"] == "RUNNING" and x["step"] >= target and x["world_size"] == workers,
+        s = run.wait(lambda x: x["phase"] == Phase.RUNNING and x["step"] >= target and x["world_size"] == workers,
                      what=f"step {target} on {workers} workers")
         committed = s["latest_checkpoint"]
         victim = run.events("formed")[-1]["pids"][-1]
@@ -102,7 +104,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     grows, shrinks = [], []
     for r in range(resizes):
         for size in (workers + 1, workers):
-            run.wait(lambda x, n=size: x["phase"] == "RUNNING" and x["world_size"] == (workers + workers + 1 - n)
+            run.wait(lambda x, n=size: x["phase"] == Phase.RUNNING and x["world_size"] == (workers + workers + 1 - n)
                      and x["standby_ready"] >= (standby if n > workers else 0), what="a steady group")
             t_req = time.time()
             store.update_spec(spec.run_id, workers=size)
@@ -129,28 +131,6 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
 # --- torchrun --------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(p))
-            except OSError:
-                continue
-    return out
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        return int(env[b"RANK"]) if b"RANK" in env else None
-    except (OSError, ValueError):
-        return None
-
-
 def bench_torchrun(root: str, kills: int, every: int, workers: int, max_hung: int = 3) -> dict:
     """``kills`` measured restarts; a restart that hangs is counted and the baseline starts over."""
     mttr, lost, hung, attempt = [], [], 0, 0
@@ -165,6 +145,7 @@ def bench_torchrun(root: str, kills: int, every: int, workers: int, max_hung: in
 
 
 def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[list, list, int]:
+    from orchestrator.chaos import procfs
     from tests.harness import free_port
 
     os.makedirs(root, exist_ok=True)
@@ -196,7 +177,8 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
                 hung += 1
                 print(f"torchrun: step {target} not reached within 300 s (a restart hung)", flush=True)
                 break
-            victim = next((c for c in _children(proc.pid) if _rank_of(c) == workers - 1), None)
+            ranks = {procfs.environ(c).get("RANK"): c for c in procfs.children(proc.pid)}
+            victim = ranks.get(str(workers - 1))
             if victim is None:
                 raise RuntimeError("no rank process found under torchrun")
             n_before, last_step = len(rows()), rows()[-1]["step"]
@@ -214,11 +196,7 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
                   f"{lost[-1]} steps redone", flush=True)
     finally:
         # torchrun starts each rank in a session of its own: end them by pid, then the agent.
-        for pid in _children(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        procfs.kill_tree(proc.pid, signal.SIGKILL, root=False)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -257,7 +235,7 @@ def main() -> int:
         "kills": kills,
     }
     print(json.dumps(out))
-    ok = all(r["final_phase"] == "FINISHED" for r in (bare, warm)) and out["committed_steps_lost"] == 0
+    ok = all(r["final_phase"] == Phase.FINISHED for r in (bare, warm)) and out["committed_steps_lost"] == 0
     return 0 if ok else 1
 
 

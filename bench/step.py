@@ -31,11 +31,11 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.config import load_config
+    from trainer.config_load import load_config
     from trainer.data import load_corpus
     from trainer.loop import Trainer
     from trainer.model import Transformer
-    from trainer.parallel import lm_loss
+    from trainer.parallelize import lm_loss
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

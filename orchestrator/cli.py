@@ -235,7 +235,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_chaos(args) -> int:
-    from .chaos import main as chaos_main
+    from .chaos.cli import main as chaos_main
 
     return chaos_main(args, _store(args))
 
@@ -313,15 +313,14 @@ def cmd_stop(args) -> int:
 
 
 def cmd_resize(args) -> int:
-    from trainer.config import config_from_dict
-
     from .config import allowed_sizes
+    from .run import parse_spec
     from .store import RunConflict
 
     store = _store(args)
     st = _live(store, args.run)
     spec = store.get_spec(args.run)
-    allowed = allowed_sizes(config_from_dict(spec.config), spec.min_workers, spec.max_workers)
+    allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
     if args.workers not in allowed:
         raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
                           f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")

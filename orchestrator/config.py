@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
-from trainer.config import RunConfig, build_section, check_finite
-from trainer.parallel import valid_world_sizes
+from trainer.config import RunConfig, check_finite
+from trainer.config_load import build_section
+from trainer.parallel_dims import valid_world_sizes
 
 
 @dataclass(kw_only=True)

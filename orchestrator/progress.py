@@ -1,6 +1,6 @@
 """What ``etrain run`` shows while a run goes on: a live bar, events as lines, a summary at the end.
 
-    with Follower(spec, live=True) as f:
+    with Follower(run_id, total_steps=cfg.train.steps, live=True) as f:
         f.update(snapshot, new_events)     # as often as you like
 
 On a terminal the bar shows step, loss, tokens/s, world size and phase; in a
@@ -14,8 +14,6 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from .store import RunSpec
 
 
 def describe_event(e: dict) -> str | None:
@@ -43,10 +41,11 @@ def describe_event(e: dict) -> str | None:
 
 
 class Follower:
-    def __init__(self, spec: RunSpec, live: bool = True, console: Console | None = None, every_s: float = 5.0):
+    def __init__(self, run_id: str, total_steps: int | None, live: bool = True, console: Console | None = None,
+                 every_s: float = 5.0):
         self.console = console or Console(stderr=False)
-        self.total = int(spec.config.get("train", {}).get("steps", 0)) or None
-        self.run_id = spec.run_id
+        self.total = total_steps or None
+        self.run_id = run_id
         self.live = live and self.console.is_terminal
         self.every_s = every_s
         self._last_line = 0.0

@@ -9,10 +9,17 @@
     final = run.join()
 
 The driver (this process; under ``ray job submit``, the job's entrypoint)
-starts one :class:`ControllerActor` per run, which owns the worker group and
-drives the state machine of :mod:`orchestrator.controller`. The driver only
-watches: it polls the controller for a live view (the run store has the same
-figures for any other machine) and prints events as they happen.
+starts one :class:`orchestrator.controller_actor.ControllerActor` per run,
+which owns the worker group and drives the state machine of
+:mod:`orchestrator.controller`. The driver only watches: it polls the
+controller for a live view (the run store has the same figures for any other
+machine) and prints events as they happen.
+
+The run's document (``RunSpec.config``, the TOML as JSON in the run store) is
+parsed once where it is read (:func:`parse_spec`) into the trainer's
+``RunConfig`` and the orchestrator's ``ElasticConfig``; from there on only
+those typed objects travel: to the controller actor, the controller and,
+through the worker group, every worker.
 """
 
 from __future__ import annotations
@@ -23,16 +30,17 @@ import threading
 import time
 
 from checkpointing.names import check_url, validate_run_id
-from trainer.config import config_from_dict, load_raw
+from trainer.config import RunConfig
+from trainer.config_load import config_from_dict, load_raw
 
 from .config import ElasticConfig, check_sizes, elastic_from_raw
-from .controller import Controller, ControllerOptions
+from .controller import ControllerOptions
+from .controller_actor import ControllerActor
 from .phase import Phase
 from .policies import FailurePolicy
 from .store import RunSpec, RunStore, UnknownRun, open_store
 
 log = logging.getLogger("etrain")
-
 
 
 def default_root() -> str:
@@ -57,13 +65,8 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
     raw = load_raw(config_path, overrides)
     if run_id is not None:
         raw["run_id"] = validate_run_id(run_id, "--run-id")
-    ckpt = raw.setdefault("checkpoint", {})
-    if not ckpt.get("url"):
-        ckpt["url"] = default_root()  # recovery needs a durable tier
-    if not ckpt.get("interval_steps"):
-        ckpt.setdefault("interval_steps", 10)
-    cfg = config_from_dict(raw)
-    ecfg = elastic_from_raw(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
+    raw = with_durable_checkpoints(raw)
+    cfg, ecfg = parse_config(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
     check_sizes(cfg, ecfg)
     url = store_url_for(store, ecfg, cfg.checkpoint.url)
     st = open_store(url)
@@ -79,6 +82,37 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
     return spec, st
 
 
+def with_durable_checkpoints(raw: dict) -> dict:
+    """The run document with the checkpoint defaults a run under the orchestrator needs (a copy).
+
+    Recovery needs a durable tier: without ``checkpoint.url`` the run keeps its
+    checkpoints under :func:`default_root`, every 10 steps unless the document
+    sets ``checkpoint.interval_steps``. They go into the document, not only the
+    parsed config, because the run store keeps the document (a resume from
+    another directory must find the same root) and because the checkpoint
+    section is validated as a whole when it is parsed.
+    """
+    ckpt = raw.get("checkpoint", {})
+    if not isinstance(ckpt, dict):
+        return raw  # the parser names the mistake
+    ckpt = {**ckpt, "url": ckpt.get("url") or default_root()}
+    ckpt.setdefault("interval_steps", 10)
+    return {**raw, "checkpoint": ckpt}
+
+
+def parse_config(doc: dict, *, workers: int | None = None, min_workers: int | None = None,
+                 max_workers: int | None = None) -> tuple[RunConfig, ElasticConfig]:
+    """A run document parsed: the trainer's config, and ``[elastic]`` with the given sizes taking precedence."""
+    return config_from_dict(doc), elastic_from_raw(doc, workers=workers, min_workers=min_workers,
+                                                   max_workers=max_workers)
+
+
+def parse_spec(spec: RunSpec) -> tuple[RunConfig, ElasticConfig]:
+    """The run's document parsed, with the sizes the spec holds now."""
+    return parse_config(spec.config, workers=spec.workers, min_workers=spec.min_workers,
+                        max_workers=spec.max_workers)
+
+
 def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[RunSpec, RunStore]:
     """Mark a suspended (or interrupted) run to continue, optionally on another size."""
     validate_run_id(run_id, "run_id")
@@ -87,9 +121,8 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[Ru
     st.check_resumable(run_id)
     changes: dict = {"suspended": False, "stop": False}
     if workers is not None:
-        cfg = config_from_dict(spec.config)
-        ecfg = elastic_from_raw(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
-                                max_workers=max(spec.max_workers, workers))
+        cfg, ecfg = parse_config(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
+                                 max_workers=max(spec.max_workers, workers))
         check_sizes(cfg, ecfg)
         changes.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
     spec = st.update_spec(run_id, **changes)
@@ -127,92 +160,28 @@ def connect(address: str | None, num_cpus: int) -> bool:
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def elastic_of(spec: RunSpec) -> ElasticConfig:
-    """The run's ``[elastic]`` section with the sizes the spec holds now."""
-    return elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
-                            max_workers=spec.max_workers)
-
-
-def controller_options(spec: RunSpec) -> ControllerOptions:
-    e = elastic_of(spec)
+def controller_options(e: ElasticConfig) -> ControllerOptions:
+    """The controller's timings and failure policy as ``[elastic]`` sets them."""
     return ControllerOptions(hang_timeout_s=e.hang_timeout_s, replace_wait_s=e.replace_wait_s,
                              boot_timeout_s=e.boot_timeout_s, standby=e.standby,
                              failure=FailurePolicy(max_failures=e.max_failures, backoff_s=e.backoff_s))
 
 
-def worker_resources(spec: RunSpec) -> dict:
+def worker_resources(e: ElasticConfig) -> dict:
+    """One worker's Ray resources; ``gpus_per_worker=-1``: one GPU each when the cluster has GPUs."""
     import ray
 
-    e = elastic_of(spec)
     gpus = e.gpus_per_worker
     if gpus < 0:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     return {"CPU": e.cpus_per_worker, "GPU": gpus}
 
 
-class ControllerActor:
-    """The run's controller inside Ray (wrapped with ``ray.remote`` by :func:`start_controller`)."""
-
-    def __init__(self, spec: RunSpec, store_url: str, resources: dict, opts: ControllerOptions):
-        from .worker_group import RayWorkerGroup
-
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
-        store = open_store(store_url)
-        group = RayWorkerGroup(spec.config, spec.run_id, store_url, resources=resources,
-                               env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
-        self.ctl = Controller(spec, store, group, opts)
-        self.endpoint = start_metrics(self.ctl)
-
-    def run(self) -> dict:
-        try:
-            return self.ctl.run()
-        finally:
-            if self.endpoint is not None:
-                self.endpoint.close()
-
-    def snapshot(self) -> dict:
-        return self.ctl.snapshot()
-
-    def events_since(self, n: int) -> list[dict]:
-        return self.ctl.events_log[n:]
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def set_storage_faults(self, faults: dict | None) -> int:
-        """Chaos: storage faults on every started worker (members and spares); returns how many."""
-        return self.ctl.set_storage_faults(faults)
-
-
-def start_metrics(ctl: Controller):
-    """The run's Prometheus endpoint per ``[metrics]`` (docs/metrics.md), or None when disabled.
-    Listening on every interface, the endpoint advertises this node's address for discovery."""
-    import ray
-
-    m = ctl.cfg.metrics
-    if not m.enabled:
-        return None
-    from .metrics import MetricsEndpoint, RunMetrics
-
-    ctl.metrics = RunMetrics(ctl.run_id)
-    try:
-        endpoint = MetricsEndpoint(ctl.metrics, addr=m.addr, port=m.port, file_sd_dir=m.file_sd_dir,
-                                   advertise=ray.util.get_node_ip_address())
-    except OSError as e:  # the port is taken: the run goes on without an endpoint, and says so
-        log.error("metrics: cannot listen on %s:%d (%s); set metrics.port to a free port or 0", m.addr, m.port, e)
-        ctl.metrics = None
-        return None
-    ctl.metrics_url, ctl.metrics_file_sd = endpoint.url, endpoint.file_sd_path
-    return endpoint
-
-
 def controller_name(run_id: str) -> str:
     return f"etrain-controller-{run_id}"
 
 
-def start_controller(spec: RunSpec, store_url: str):
+def start_controller(spec: RunSpec, store_url: str, cfg: RunConfig, ecfg: ElasticConfig):
     """The run's controller, on this process's node: the driver's (the head node under ``ray job
     submit``), which the job cannot outlive anyway. Never on a worker's node, whose loss it must
     survive."""
@@ -222,7 +191,7 @@ def start_controller(spec: RunSpec, store_url: str):
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
     return cls.options(name=controller_name(spec.run_id), get_if_exists=False, scheduling_strategy=here).remote(
-        spec, store_url, worker_resources(spec), controller_options(spec))
+        spec, store_url, cfg, worker_resources(ecfg), controller_options(ecfg))
 
 
 def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progress: bool = True,
@@ -232,14 +201,14 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
 
     from .progress import Follower
 
-    e = elastic_of(spec)
+    cfg, e = parse_spec(spec)
     cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
     local = connect(address, cpus)
     actor = None
     try:
-        actor = start_controller(spec, store.url)
+        actor = start_controller(spec, store.url, cfg, e)
         done = actor.run.remote()
-        follower = Follower(spec, live=progress)
+        follower = Follower(spec.run_id, cfg.train.steps, live=progress)
         seen = 0
         with follower:
             while True:

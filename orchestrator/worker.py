@@ -35,10 +35,11 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.retry import describe
-from trainer.config import config_from_dict
+from trainer.config import RunConfig
+from trainer.config_load import config_from_dict
 from trainer.data import load_corpus
-from trainer.loop import Trainer, checkpoint_manager
-from trainer.parallel import resolve_device
+from trainer.loop import Trainer, checkpoint_manager, save_due
+from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -55,8 +56,9 @@ on_torch_thread = ray.method(concurrency_group="torch")
 class TrainWorker:
     """Wrapped with ``ray.remote(**CONCURRENCY)`` by the worker group."""
 
-    def __init__(self, config: dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
-        self.cfg = config_from_dict(config)
+    def __init__(self, config: RunConfig | dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
+        """``config``: the run's :class:`RunConfig`, or its dict form (``RunConfig.to_dict()``), parsed here."""
+        self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
         self.worker_id = worker_id
         self.store_url = store_url
         self.pg_timeout_s = pg_timeout_s
@@ -186,13 +188,14 @@ class TrainWorker:
 
     @on_torch_thread
     def train(self, until_step: int) -> dict:
-        """Train until ``until_step``, a stop vote, or a failure (returned, never raised)."""
+        """Train until ``until_step``, a stop vote, or a failure (returned, never raised). Checkpoints
+        every ``checkpoint.interval_steps`` before ``until_step``; the controller saves that one."""
         tr, interval = self.trainer, self.cfg.checkpoint.interval_steps
         try:
             while tr.step < until_step:
                 stats = tr.train_step(stop=self._stop.is_set)
                 self._record(stats)
-                if self.ckpt is not None and interval and stats.step % interval == 0 and stats.step < until_step:
+                if self.ckpt is not None and save_due(stats.step, interval, until_step, final_by_caller=True):
                     tr.save_checkpoint(self.ckpt)
                 self._collect_saves()
                 if stats.stop:

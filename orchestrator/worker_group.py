@@ -1,32 +1,50 @@
-"""The Ray side of a run's workers: actors in placement groups, and calls on them.
+"""The run's workers as the controller sees them: the ``WorkerGroup`` interface, and its Ray implementation.
 
-    group = RayWorkerGroup(spec, store_url, resources={"CPU": 1})
+    group = RayWorkerGroup(cfg, run_id, store_url, resources={"CPU": 1})   # cfg: the parsed RunConfig
     ids = group.start(2)                       # actors begin to start (placement groups reserved first)
     ready = group.ready(ids, timeout=60)       # the ones whose process is up
     calls = [group.submit(w, "train", 100) for w in ready]
     done = group.wait(calls, timeout=0.5)
     group.result(done[0])                      # a value, or WorkerLost if the actor died
 
-Each worker gets a one-bundle placement group ({"CPU": 1}, or one GPU on GPU
-clusters) reserved before its actor starts, so a worker that cannot be placed
-stays *pending* instead of failing: when a node joins, pending workers come
-up by themselves, and the controller grows the group. The controller only
-sees worker ids and calls, so a fake group with the same methods drives it in
-tests without Ray.
+The controller only sees worker ids and calls, through :class:`WorkerGroup`:
+:class:`RayWorkerGroup` implements it on Ray, and ``tests.fake_group.FakeGroup``
+in memory, so the controller is tested without Ray.
+
+Each Ray worker gets a one-bundle placement group ({"CPU": 1}, or one GPU on
+GPU clusters) reserved before its actor starts, so a worker that cannot be
+placed stays *pending* instead of failing: when a node joins, pending workers
+come up by themselves, and the controller grows the group. Every worker is
+built from the run's parsed config (``trainer.config.RunConfig``), which the
+driver parsed once and which pickles through Ray.
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from checkpointing.errors import EtrainError
+from trainer.config import RunConfig
 
 
 class WorkerLost(EtrainError):
     """The worker's actor (or its node) died."""
+
+
+class GroupFailure(EtrainError):
+    """A collective call on the group failed; carries what was seen."""
+
+    def __init__(self, message: str, kind: str = "error", suspects: tuple = ()):
+        super().__init__(message)
+        self.kind = kind
+        self.suspects = tuple(suspects)
+
+    def __reduce__(self):
+        return (GroupFailure, (str(self), self.kind, self.suspects))
 
 
 @dataclass
@@ -41,16 +59,63 @@ class _Worker:
 
 @dataclass
 class Call:
+    """A method call submitted to one worker; ``ref`` is the group's handle on its result."""
+
     wid: str
     method: str
     ref: Any
     seq: int = field(default_factory=itertools.count().__next__)
 
 
-class Pinging:
-    """``alive()`` for a group that has ``submit`` and ``result`` (the Ray group and the tests' fake)."""
+class WorkerGroup(Protocol):
+    """What the controller needs of a group of workers (``orchestrator.worker.TrainWorker`` each).
+
+    Workers are named by ids that are never reused. Calls are asynchronous:
+    ``submit`` returns at once, ``wait`` and ``result`` bound how long they
+    block. A worker that is gone makes its calls raise :class:`WorkerLost`.
+    Implementations subclass this protocol to inherit :meth:`alive`.
+    """
+
+    workers: Mapping[str, Any]  # the workers started and not killed, by id
+
+    def start(self, n: int) -> list[str]:
+        """Start ``n`` new workers (never blocks); their ids. They may stay pending while there is no room."""
+        ...
+
+    def ready(self, wids: list[str], timeout: float) -> list[str]:
+        """Those of ``wids`` whose process is up, waiting up to ``timeout`` for all of them."""
+        ...
+
+    def placed(self, wids: list[str]) -> list[str]:
+        """Those of ``wids`` that hold their resources: up, or booting and soon up (never blocks)."""
+        ...
+
+    def info(self, wid: str) -> dict:
+        """What a worker that is up said of itself: ``worker_id``, ``pid``, ``node_id``, ``ip``."""
+        ...
+
+    def submit(self, wid: str, method: str, *args) -> Call:
+        """Call ``method(*args)`` on the worker; WorkerLost if it is gone already."""
+        ...
+
+    def wait(self, calls: list[Call], timeout: float) -> list[Call]:
+        """Those of ``calls`` that have returned, waiting up to ``timeout`` for all of them."""
+        ...
+
+    def result(self, call: Call, timeout: float | None = None) -> Any:
+        """The call's value, or what it raised; WorkerLost if the worker died, TimeoutError past ``timeout``."""
+        ...
+
+    def kill(self, wid: str) -> None:
+        """Stop the worker and free its resources (nothing if it is gone already)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Kill every worker."""
+        ...
 
     def alive(self, wid: str, timeout: float = 2.0) -> bool:
+        """Whether the worker answers a ping within ``timeout``."""
         try:
             self.result(self.submit(wid, "ping"), timeout=timeout)
             return True
@@ -58,8 +123,10 @@ class Pinging:
             return False
 
 
-class RayWorkerGroup(Pinging):
-    def __init__(self, config: dict, run_id: str, store_url: str, *, resources: dict | None = None,
+class RayWorkerGroup(WorkerGroup):
+    """One ``TrainWorker`` actor per worker, each in a placement group of its own."""
+
+    def __init__(self, config: RunConfig, run_id: str, store_url: str, *, resources: dict | None = None,
                  pg_timeout_s: float = 120.0, env: dict | None = None):
         self.config = config
         self.run_id = run_id

@@ -15,7 +15,7 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.config import load_config
+from trainer.config_load import load_config
 from trainer.data import load_corpus
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.world import World, init_distributed, shutdown_distributed

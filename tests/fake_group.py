@@ -7,10 +7,11 @@
     while not ctl.state.terminal:
         ctl.step()
 
-``FakeGroup`` has the methods the controller calls on ``RayWorkerGroup``
-(``start``, ``ready``, ``info``, ``submit``, ``wait``, ``result``, ``call``,
-``alive``, ``kill``, ``shutdown`` and the ``workers`` dict) and returns the
-real ``Call`` and ``WorkerLost`` types. Its workers live in memory and behave
+``FakeGroup`` implements ``orchestrator.worker_group.WorkerGroup``, the
+interface ``RayWorkerGroup`` implements on Ray (``start``, ``ready``,
+``placed``, ``info``, ``submit``, ``wait``, ``result``, ``alive``, ``kill``,
+``shutdown`` and the ``workers`` dict), and returns the real ``Call`` and
+``WorkerLost`` types. Its workers live in memory and behave
 like ``orchestrator.worker.TrainWorker``:
 
 * Everything is deterministic: no threads, no sleeping. Calls other than
@@ -38,7 +39,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.worker_group import Call, Pinging, WorkerLost
+from orchestrator.worker_group import Call, WorkerGroup, WorkerLost
 
 
 class FakeClock:
@@ -136,7 +137,7 @@ class FakeWorker:
     pending: list[Call] = field(default_factory=list)  # calls that have not returned (hung worker)
 
 
-class FakeGroup(Pinging):
+class FakeGroup(WorkerGroup):
     """In-memory stand-in for ``RayWorkerGroup``; see the module docstring."""
 
     def __init__(self, clock: FakeClock, *, interval: int = 0, capacity: int | None = None,
@@ -178,7 +179,7 @@ class FakeGroup(Pinging):
             w.up_at = self.clock() + boot
             placed += 1
 
-    # --- the RayWorkerGroup interface ----------------------------------------------
+    # --- the WorkerGroup interface -------------------------------------------------
 
     def start(self, n: int) -> list[str]:
         out = []

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from trainer.config import load_config
+from trainer.config_load import load_config
 from trainer.data import load_corpus
 from trainer.loop import Trainer
 from trainer.world import World, init_distributed, shutdown_distributed

@@ -6,11 +6,11 @@
 
 The head (no CPUs; the driver and the runs' controllers live on it) runs in this process's namespace at
 10.213.0.1 on the bridge; node N runs in namespace ``etr-nN`` at 10.213.0.(10+N), reachable only through
-its veth, which ``etrain chaos`` cuts for ``partition_node`` (orchestrator/netns.py sets them up the way
+its veth, which ``etrain chaos`` cuts for ``partition_node`` (orchestrator/chaos/netns.py sets them up the way
 a user would). No address is loopback: a namespace's 127.0.0.1 is its own. Ray is tuned to declare a
 node that stops answering dead within about 6 s, instead of most of a minute.
 
-Needs root (CI runs as root); :func:`orchestrator.netns.can_create_namespaces` says why not otherwise.
+Needs root (CI runs as root); :func:`orchestrator.chaos.netns.can_create_namespaces` says why not otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from orchestrator import netns
+from orchestrator.chaos import netns, procfs
 from tests.harness import free_port
 
 HEAD_IP = "10.213.0.1"
@@ -171,16 +171,10 @@ class NetnsCluster:
     def _end_leftovers(self) -> None:
         """Processes of this cluster still running after the head stopped (found by its private temp dir)."""
         mine = []
-        for d in os.listdir("/proc"):
-            if d.isdigit() and int(d) != os.getpid():
-                try:
-                    with open(f"/proc/{d}/cmdline", "rb") as f:
-                        if self.temp_dir.encode() in f.read():
-                            mine.append(int(d))
-                except OSError:
-                    pass
-        for pid in mine:
+        for pid in procfs.pids():
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                if pid != os.getpid() and any(self.temp_dir in arg for arg in procfs.cmdline(pid)):
+                    mine.append(pid)
+            except OSError:
                 pass
+        procfs.signal_each(mine, signal.SIGKILL)

@@ -17,7 +17,9 @@ import uuid
 import pytest
 
 from checkpointing.manager import CheckpointManager
-from orchestrator.chaos import Chaos, judge, load_plan
+from orchestrator.chaos.cli import judge
+from orchestrator.chaos.injector import Chaos
+from orchestrator.chaos.plan import load_plan
 from orchestrator.cli import main as etrain
 from tests.cluster import STEPS, follow, start_run
 

@@ -23,8 +23,11 @@ import uuid
 import pytest
 
 from checkpointing.dcp_io import file_prefix
-from orchestrator import netns
-from orchestrator.chaos import Chaos, format_report, judge, load_plan
+from orchestrator.chaos import netns, procfs
+from orchestrator.chaos.cli import judge
+from orchestrator.chaos.injector import Chaos
+from orchestrator.chaos.plan import load_plan
+from orchestrator.chaos.report import format_report
 from tests.cluster import start_run
 from tests.netns_cluster import NetnsCluster, node_ns
 
@@ -124,7 +127,7 @@ def test_partitioned_node_is_replaced_its_stale_commit_refused_and_the_run_passe
         wait_for(lambda: any(e["kind"] == "formed" and e["epoch"] > formed["epoch"] for e in st.events(run_id)),
                  "a group without the cut-off node")
     finally:
-        if not netns.gone(victim):
+        if not procfs.gone(victim):
             os.kill(victim, signal.SIGCONT)
     driver.join(400)
     final = out["final"]
@@ -153,6 +156,6 @@ def test_partitioned_node_is_replaced_its_stale_commit_refused_and_the_run_passe
     text = "".join(read(p) for p in logs)
     assert f"checkpoint at step {CUT_AT} failed" in text and "is fenced off by epoch" in text, (logs, text[-3000:])
     # Healed, the node learns that Ray declared it dead: its raylet ends, and the isolated worker with it.
-    wait_for(lambda: netns.gone(victim), "the end of the isolated worker after the heal", timeout=60)
+    wait_for(lambda: procfs.gone(victim), "the end of the isolated worker after the heal", timeout=60)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert f["target"]["node"] not in alive

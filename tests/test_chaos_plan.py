@@ -5,8 +5,11 @@ import os
 import pytest
 
 from checkpointing.errors import ConfigError
-from orchestrator import netns
-from orchestrator.chaos import Injection, assess, format_report, load_plan, oracle, report, stale_commits
+from orchestrator.chaos import netns
+from orchestrator.chaos.injector import Injection
+from orchestrator.chaos.oracle import oracle, stale_commits
+from orchestrator.chaos.plan import load_plan
+from orchestrator.chaos.report import assess, format_report, report
 
 
 def test_example_plan_loads():
@@ -98,7 +101,7 @@ def test_partition_of_a_node_without_a_namespace_says_why_and_what_to_do():
     """This process's node shares this machine's network: nothing to cut, and the error says how to set one up."""
     with pytest.raises(netns.NetnsError) as e:
         netns.node_link(os.getpid(), "127.0.0.1")
-    assert "has no link of its own to cut" in str(e.value) and "python -m orchestrator.netns node" in str(e.value)
+    assert "has no link of its own to cut" in str(e.value) and "python -m orchestrator.chaos.netns node" in str(e.value)
     with pytest.raises(netns.NetnsError, match="no process .* on this machine"):
         netns.node_link(2**22 + 12345, "10.213.0.11")
 

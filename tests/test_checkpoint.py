@@ -195,7 +195,7 @@ def repeated_saves(payload: dict) -> dict:
     """Saves of one manager in a row: the first plans, later ones of the same layout reuse its plan;
     a new key, or a non-tensor item that grew, plans again. Runs in each rank."""
     from tests.ckpt_jobs import full_state
-    from trainer.config import load_config
+    from trainer.config_load import load_config
     from trainer.data import load_corpus
     from trainer.loop import Trainer, checkpoint_manager
     from trainer.world import World, init_distributed, shutdown_distributed

@@ -272,7 +272,7 @@ def _load_error(mgr: CheckpointManager, step: int) -> Exception:
 def _replace_bytes_item(mgr: CheckpointManager, step: int, payload: bytes) -> None:
     """Overwrite the serialized ``extra.note`` item in its shard with ``payload`` (same length or less,
     padded), then fix the manifest's checksum of that shard: only the content is hostile."""
-    from checkpointing.dcp_io import load_metadata
+    from checkpointing.dcp_read import load_metadata
 
     rel = mgr.step_rel(step)
     md = load_metadata(mgr.storage.get(f"{rel}/.metadata"), "x")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from orchestrator.chaos import procfs
 from tests.harness import ROOT, free_port
 
 PY = sys.executable
@@ -71,18 +72,8 @@ def test_torchrun_two_processes_write_step_log(tmp_path):
 
 def _rank_pids(agent_pid: int) -> dict[int, int]:
     """The rank processes torchrun's agent started: {RANK: pid}."""
-    out = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                    continue
-            with open(f"/proc/{p}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            out[int(env[b"RANK"])] = int(p)
-        except (OSError, KeyError, ValueError):
-            continue
-    return out
+    ranks = {pid: procfs.environ(pid).get("RANK", "") for pid in procfs.children(agent_pid)}
+    return {int(rank): pid for pid, rank in ranks.items() if rank.isdigit()}
 
 
 def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):

@@ -3,9 +3,10 @@
 import pytest
 
 from checkpointing.errors import ConfigError
-from trainer.config import MODEL_PRESETS, load_config
+from trainer.config import MODEL_PRESETS
+from trainer.config_load import load_config
 from trainer.model import Transformer, count_params
-from trainer.parallel import ParallelDims, valid_world_sizes
+from trainer.parallel_dims import ParallelDims, valid_world_sizes
 
 
 def test_defaults_and_overrides(tmp_path):

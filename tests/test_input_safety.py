@@ -22,7 +22,8 @@ from orchestrator.cli import main as etrain_main
 from orchestrator.config import ElasticConfig, elastic_from_raw
 from orchestrator.store import CorruptRunStore, Lease, RunSpec, open_store
 from tests.harness import ROOT
-from trainer.config import _SECTIONS, TrainConfig, load_config
+from trainer.config import _SECTIONS, TrainConfig
+from trainer.config_load import load_config
 
 PY = sys.executable
 CONFIG = os.path.join(ROOT, "examples", "tiny.toml")

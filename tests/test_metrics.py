@@ -14,8 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.cli import main as etrain
-from orchestrator.metrics import MetricsEndpoint, RunMetrics
 from tests.harness import ROOT, free_port, run_ranks
+from trainer.metrics import RunMetrics
+from trainer.metrics_endpoint import MetricsEndpoint
 from trainer.telemetry import SECONDS_BUCKETS
 
 TINY = ["data.seq_len=32", "data.max_bytes=200000", "train.micro_batch=2"]
@@ -42,7 +43,7 @@ def sample(samples: dict, name: str, **labels) -> float:
 def test_fsdp_bytes_match_the_analytic_volume():
     """ZeRO-3 at dp=2, one micro-batch per rank and step. Forward all-gathers every FSDP unit
     (the full parameters P); backward all-gathers again every unit that resharded after forward
-    (all but the last block, which trainer.parallel keeps unsharded); backward reduce-scatters
+    (all but the last block, which trainer.parallelize keeps unsharded); backward reduce-scatters
     every unit's gradients (P)."""
     res = run_ranks("tests.jobs:comm_volume", 2, {"steps": 3, "overrides": [*TINY, "train.global_batch=4",
                                                                             "parallel.zero_stage=3"]})

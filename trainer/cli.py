@@ -30,10 +30,10 @@ import time
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
-from .config import load_config
+from .config_load import load_config
 from .data import load_corpus
-from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight
-from .parallel import ParallelDims, resolve_device
+from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight, save_due
+from .parallel_dims import ParallelDims, resolve_device
 from .telemetry import comm_meter
 from .world import World, init_distributed, shutdown_distributed
 
@@ -82,7 +82,7 @@ def start_metrics(cfg, world: World):
         return None
     import torch.distributed as dist
 
-    from orchestrator.metrics import LauncherMetrics
+    from .launcher_metrics import LauncherMetrics
 
     store = dist.distributed_c10d._get_default_store() if world.size > 1 else None
     m = LauncherMetrics(cfg, world, store)
@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
             if s.stop:  # a rank saw max_consecutive_failures failed saves: stop at this boundary
                 break
-            every = cfg.checkpoint.interval_steps
-            if ckpt is not None and ((every and s.step % every == 0) or s.step == total):
+            if ckpt is not None and save_due(s.step, cfg.checkpoint.interval_steps, total):
                 trainer.save_checkpoint(ckpt)
                 if s.step == total:
                     final_save = s.step

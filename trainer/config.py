@@ -1,27 +1,24 @@
-"""Run configuration: keyword-only dataclasses loaded from one TOML file.
+"""Run configuration: the keyword-only dataclasses of one run, section by section.
 
-    from trainer.config import load_config
-    cfg = load_config("examples/tiny.toml", overrides=["parallel.tp=2"])
+    from trainer.config import RunConfig, TrainConfig
+    cfg = RunConfig(train=TrainConfig(steps=10))          # validated as it is built
+    # from a TOML file: trainer.config_load.load_config("examples/tiny.toml", ["parallel.tp=2"])
 
 A whole run is one TOML file with the sections ``[model]``, ``[data]``,
 ``[train]``, ``[parallel]``, ``[checkpoint]`` and ``[metrics]``; ``--set section.field=value``
-overrides any field (the value is parsed as TOML, falling back to a string).
+overrides any field (:mod:`trainer.config_load` reads the file and builds these).
 Each section validates itself in ``__post_init__``; checks that span sections
 run in :class:`RunConfig`; checks that need the world size run in
-:class:`trainer.parallel.ParallelDims`, still before any process group starts.
+:class:`trainer.parallel_dims.ParallelDims`, still before any process group starts.
 Every error is a :class:`ConfigError` that names the field and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -429,131 +426,3 @@ _TOP_LEVEL = {"run_id": str}
 # Sections owned by other components of a run (the orchestrator's [elastic]);
 # they live in the same TOML file and the trainer leaves them alone.
 FOREIGN_SECTIONS = ("elastic",)
-
-
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(options))}"
-
-
-def _check_type(where: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` converted to ``tp`` or raise a ConfigError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}={value!r} is not allowed; use one of {', '.join(repr(c) for c in choices)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            try:
-                return _check_type(where, value, arm)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}={value!r} has the wrong type; expected {tp}")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"{where}={value} is not a finite number; give a number (not nan or inf)")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
-        return value
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a table, got {value!r}")
-        return value
-    return value
-
-
-def build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
-    """Build the dataclass ``cls`` of section ``[name]`` from its raw table, checking keys and types."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{name}] must be a table, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    values: dict[str, Any] = {}
-    if name == "model":
-        preset = raw.get("preset", "tiny")
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
-        values.update(MODEL_PRESETS[preset])
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
-        values[key] = _check_type(f"{name}.{key}", value, hints[key])
-    return cls(**values)
-
-
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from a parsed TOML document."""
-    sections: dict[str, Any] = {}
-    top: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _SECTIONS:
-            sections[key] = build_section(key, _SECTIONS[key], value)
-        elif key in _TOP_LEVEL:
-            top[key] = _check_type(key, value, _TOP_LEVEL[key])
-        elif key not in FOREIGN_SECTIONS:
-            known = list(_SECTIONS) + list(_TOP_LEVEL) + list(FOREIGN_SECTIONS)
-            raise ConfigError(f"unknown section or key {key!r}{_suggest(key, known)}")
-    return RunConfig(**top, **sections)
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.field=value`` strings to a raw TOML dict (a copy)."""
-    out = json.loads(json.dumps(raw))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r} must look like section.field=value, e.g. parallel.tp=2")
-        path, _, text = item.partition("=")
-        keys = path.strip().split(".")
-        if not all(keys):
-            raise ConfigError(f"--set {item!r}: the field path {path!r} is malformed")
-        node = out
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {k!r} is not a section")
-        node[keys[-1]] = _parse_value(text.strip())
-    return out
-
-
-def load_raw(path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The run's TOML document (or an empty one) with ``--set`` overrides applied, not yet validated."""
-    raw: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {path!r} is a directory; give the TOML file") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    return apply_overrides(raw, overrides or [])
-
-
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a run config from a TOML file (or the defaults) plus overrides."""
-    return config_from_dict(load_raw(path, overrides))

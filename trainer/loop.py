@@ -2,8 +2,14 @@
 
     init_distributed(world, device)
     trainer = Trainer(cfg, world)
-    for _ in range(n):
+    while trainer.step < last:
         stats = trainer.train_step()
+        if ckpt is not None and save_due(stats.step, cfg.checkpoint.interval_steps, last):
+            trainer.save_checkpoint(ckpt)
+
+Both launchers drive this loop: ``python -m trainer`` (:mod:`trainer.cli`)
+and the Ray worker (``orchestrator.worker``); :func:`save_due` is the one
+rule for when they checkpoint.
 
 A step trains on a fixed global batch of ``train.global_batch`` samples: each
 data-parallel rank takes its contiguous share, split into micro-batches of
@@ -37,7 +43,8 @@ from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, load_corpus
 from .optim import build_optimizer
-from .parallel import ParallelDims, build_model_parts, lm_loss, resolve_device, resolve_precision
+from .parallel_dims import ParallelDims, resolve_device, resolve_precision
+from .parallelize import build_model_parts, lm_loss
 from .world import World
 
 log = logging.getLogger("etrain")
@@ -76,6 +83,17 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 def step_seed(seed: int, step: int, sample_index: int) -> int:
     """Seed for the randomness of one micro-batch, from (seed, step, first sample index)."""
     return xxhash.xxh64_intdigest(f"step:{seed}:{step}:{sample_index}") & ((1 << 63) - 1)
+
+
+def save_due(step: int, interval: int, last: int, *, final_by_caller: bool = False) -> bool:
+    """Whether a loop that trains up to step ``last`` checkpoints after completing ``step``.
+
+    Every ``interval`` steps (0: none by interval) and at ``last``, unless the caller saves that
+    one itself (``final_by_caller``: under Ray the controller commits the final checkpoint once
+    every rank has stopped)."""
+    if step == last:
+        return not final_by_caller
+    return bool(interval) and step % interval == 0
 
 
 class Trainer:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from .config import RunConfig
 from .model import layer_split
-from .parallel import ParallelDims
+from .parallel_dims import ParallelDims
 
 
 def local_param_count(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:

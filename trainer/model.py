@@ -87,7 +87,7 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.dropout = cfg.dropout
-        # Set by trainer.parallel.apply_ac; recomputes this block in backward.
+        # Set by trainer.parallelize.apply_ac; recomputes this block in backward.
         self.checkpoint_activations = False
 
     def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
 
 from .config import RunConfig, TrainConfig
-from .parallel import ModelParts, ParallelDims, axis_group, sub_mesh
+from .parallel_dims import ParallelDims, axis_group, sub_mesh
+from .parallelize import ModelParts
 
 
 def chunk_bounds(size: int, n: int, r: int) -> tuple[int, int]:

@@ -5,12 +5,12 @@ nodes to cut. A node started in a network namespace of its own reaches the rest 
 through a veth pair whose host end is a port of a bridge: bringing that end down cuts the node off while
 its processes keep running; bringing it up heals the partition. As root, on the machine:
 
-    python -m orchestrator.netns bridge                       # etr-br0 with 10.213.0.1/24 (the head's address)
+    python -m orchestrator.chaos.netns bridge             # etr-br0 with 10.213.0.1/24 (the head's address)
     ray start --head --node-ip-address=10.213.0.1 --port=6379 --num-cpus=0
-    python -m orchestrator.netns node etr-n1 10.213.0.11 --address=10.213.0.1:6379 --num-cpus=1
-    ...                                                        # the node runs until Ctrl-C (ray start --block)
-    python -m orchestrator.netns down etr-n1                  # its processes, namespace and link
-    python -m orchestrator.netns down --bridge                # the bridge, once every node is down
+    python -m orchestrator.chaos.netns node etr-n1 10.213.0.11 --address=10.213.0.1:6379 --num-cpus=1
+    ...                                                   # the node runs until Ctrl-C (ray start --block)
+    python -m orchestrator.chaos.netns down etr-n1        # its processes, namespace and link
+    python -m orchestrator.chaos.netns down --bridge      # the bridge, once every node is down
 
 ``node`` creates namespace ``etr-n1`` with ``eth0`` at 10.213.0.11/24 (the peer of ``etr-n1-h``, a port of
 the bridge), loopback up, a default route through the bridge and a resolv.conf that fails lookups at
@@ -24,6 +24,11 @@ on a bridge address.
 ``etrain chaos`` finds a rank's namespace from its worker's pid (:func:`node_link`) and cuts and heals
 the host end of its link (:func:`set_link`) from the host namespace, so it must run on the machine of
 the namespaces, as root.
+
+Invariants: a node's link is the veth pair ``NAME-h`` (host end, a port of the bridge) / ``eth0`` (in
+the namespace); a namespace half made is undone before the error is raised; ``down`` ends the processes
+before it removes the namespace (which outlives its name while a process is in it) and removes only the
+resolv.conf files this module wrote. Every failure of ``ip`` is a NetnsError that says what to do.
 """
 
 from __future__ import annotations
@@ -42,10 +47,13 @@ import time
 
 from checkpointing.errors import EtrainError
 
+from . import procfs
+
 BRIDGE = "etr-br0"
 BRIDGE_CIDR = "10.213.0.1/24"
 NETNS_DIR = "/run/netns"  # where `ip netns add` names namespaces
 NETNS_ETC = "/etc/netns"  # files `ip netns exec` mounts over /etc in the namespace of the same name
+# The module's old name, kept: resolv.conf files written under it are still recognised as ours.
 RESOLV_MARK = "# written by orchestrator.netns"
 NODE_IF = "eth0"  # a node's end of its link, inside its namespace
 HOST_SUFFIX = "-h"  # the host end of a node's veth is named after its namespace
@@ -115,8 +123,8 @@ def can_create_namespaces() -> str | None:
 def create_bridge(name: str = BRIDGE, cidr: str = BRIDGE_CIDR) -> None:
     """A bridge in the host namespace with ``cidr``, the address of the head and the nodes' gateway."""
     if link_exists(name):
-        raise NetnsError(f"link {name} exists already; remove it (`python -m orchestrator.netns down --bridge "
-                         f"--bridge-name {name}`) or choose another name")
+        raise NetnsError(f"link {name} exists already; remove it (`python -m orchestrator.chaos.netns down "
+                         f"--bridge --bridge-name {name}`) or choose another name")
     ipaddress.ip_interface(cidr)  # ValueError names a malformed address
     ip("link", "add", name, "type", "bridge", "forward_delay", "0")
     ip("addr", "add", cidr, "dev", name)
@@ -133,7 +141,7 @@ def bridge_interface(name: str = BRIDGE) -> ipaddress.IPv4Interface:
     for a in (rows[0].get("addr_info", []) if rows else []):
         return ipaddress.IPv4Interface(f"{a['local']}/{a['prefixlen']}")
     raise NetnsError(f"bridge {name} does not exist or has no IPv4 address; create it first: "
-                     "`python -m orchestrator.netns bridge`")
+                     "`python -m orchestrator.chaos.netns bridge`")
 
 
 def host_end(ns: str) -> str:
@@ -152,7 +160,7 @@ def create_node_netns(ns: str, address: str, *, bridge: str = BRIDGE) -> str:
                          f"has {gw.ip})")
     if ns in namespaces() or link_exists(host_end(ns)):
         raise NetnsError(f"namespace {ns} or link {host_end(ns)} exists already; remove them first: "
-                         f"`python -m orchestrator.netns down {ns}`")
+                         f"`python -m orchestrator.chaos.netns down {ns}`")
     link = host_end(ns)
     ip("netns", "add", ns)
     try:
@@ -210,14 +218,13 @@ def pids_in(ns: str) -> list[int]:
     except FileNotFoundError:
         return []
     out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                s = os.stat(f"/proc/{d}/ns/net")
-            except OSError:
-                continue
-            if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
-                out.append(int(d))
+    for pid in procfs.pids():
+        try:
+            s = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            out.append(pid)
     return out
 
 
@@ -237,26 +244,13 @@ def end_processes(ns: str, timeout_s: float = 10.0) -> None:
     """End every process in namespace ``ns``: SIGTERM, then SIGKILL to those left after ``timeout_s``."""
     pids = pids_in(ns)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        procfs.signal_each(pids, sig)
         deadline = time.monotonic() + timeout_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if os.path.exists(f"/proc/{p}") and not gone(p)]
+            pids = [p for p in pids if not procfs.gone(p)]
             time.sleep(0.1)
         if not pids:
             return
-
-
-def gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (no such process, or a zombie waiting for its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 # --- Ray nodes -----------------------------------------------------------------------------------
@@ -316,7 +310,7 @@ def namespace_of(pid: int) -> str | None:
         if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
             return name
     raise NetnsError(f"process {pid} runs in a network namespace that has no name under {NETNS_DIR} (a "
-                     "container's?); start the node with `python -m orchestrator.netns node ...`")
+                     "container's?); start the node with `python -m orchestrator.chaos.netns node ...`")
 
 
 def host_link(ns: str) -> str:
@@ -329,7 +323,7 @@ def host_link(ns: str) -> str:
             if ids[ns] is not None and r.get("link_netnsid") == ids[ns] and r.get("link_index") in inside]
     if len(ours) != 1:
         raise NetnsError(f"namespace {ns} has {len(ours)} veth links to this namespace, not 1: nothing (or "
-                         "no one thing) to cut; set it up with `python -m orchestrator.netns node ...`")
+                         "no one thing) to cut; set it up with `python -m orchestrator.chaos.netns node ...`")
     return ours[0]
 
 
@@ -338,8 +332,8 @@ def node_link(pid: int, node_ip: str) -> tuple[str, str]:
 
     NetnsError says why there is none: the process is not on this machine, or its node shares this
     machine's network (no link of its own to cut)."""
-    how = ("start that node in a network namespace of its own on this machine: `python -m orchestrator.netns "
-           "node NAME ADDRESS --address=HEAD:PORT` (docs/chaos.md, \"Network partitions\")")
+    how = ("start that node in a network namespace of its own on this machine: `python -m "
+           "orchestrator.chaos.netns node NAME ADDRESS --address=HEAD:PORT` (docs/chaos.md, \"Network partitions\")")
     try:
         ns = namespace_of(pid)
     except NetnsError as e:
@@ -393,7 +387,7 @@ def run_node(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.netns",
+    p = argparse.ArgumentParser(prog="python -m orchestrator.chaos.netns",
                                 description="Ray nodes in network namespaces, for partition_node chaos (as root)")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bridge", help="create the bridge the namespaces connect to")

@@ -1,0 +1,298 @@
+"""The injector: drives a chaos plan against a live run and records what it injected.
+
+    chaos = Chaos(run_id, store, load_plan("chaos.toml"))   # connected to the run's Ray cluster
+    final = chaos.run(timeout_s=3600)                       # until the run ends; its final status
+    chaos.injections                                        # [Injection]: what, when, on whom, errors
+
+Faults fire only while the run is RUNNING (an ``after_fault`` one fires on time, whatever the phase).
+Worker processes are found from the run's last ``formed`` event; signals reach other nodes through a Ray
+task pinned to the node (:func:`on_node`). A fault that cannot be injected is recorded with its error
+(it fails the verdict), never raised. Window faults (storage, etcd_outage, partition_node) are lifted
+after ``duration_s``, and whatever ends the loop (Ctrl-C included) lifts every one still open: no link
+stays cut and no etcd stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from ..phase import Phase
+from ..store import RunStore, StoreUnavailable
+from . import procfs
+from .etcd import EtcdControl
+from .plan import ChaosPlan, FaultSpec
+
+log = logging.getLogger("etrain")
+
+
+@dataclass
+class Injection:
+    fault: int  # index in the plan
+    kind: str
+    time: float  # unix
+    step: int
+    target: dict = field(default_factory=dict)
+    ended: float | None = None  # windows (storage, etcd, partition): when the fault was lifted
+    committed: int | None = None  # the newest committed step the driver knew of at injection
+    error: str | None = None
+
+
+# --- processes and nodes ----------------------------------------------------------------------
+
+
+def kill_node_of(pid: int) -> int:
+    """SIGKILL the raylet that started ``pid`` (a Ray worker process) and every process it started.
+    Runs on the node itself. Returns the raylet's pid."""
+    raylet = procfs.parent(pid)
+    if not any("raylet" in arg for arg in procfs.cmdline(raylet)):
+        raise RuntimeError(f"process {pid}'s parent {raylet} is not a raylet")
+    procfs.kill_tree(raylet, signal.SIGKILL)
+    return raylet
+
+
+def _signal(pid: int, sig: int) -> None:
+    os.kill(pid, sig)
+
+
+def _local_addresses() -> set[str]:
+    out = {"127.0.0.1", "localhost"}
+    try:
+        out.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return out
+
+
+def on_node(node_id: str, fn, *args):
+    """Run ``fn(*args)`` on the node ``node_id``: here when the node is this machine, else in a Ray
+    task pinned to the node."""
+    import ray
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node["Alive"]:
+        raise RuntimeError(f"node {node_id[:8]} is not alive")
+    if node["NodeManagerAddress"] in _local_addresses():
+        return fn(*args)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    ref = task.remote(*args)
+    try:
+        return ray.get(ref, timeout=30)
+    except Exception as e:  # killing its own raylet ends the task too
+        return f"(no answer: {type(e).__name__})"
+
+
+def is_head(node_id: str) -> bool:
+    import ray
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return "node:__internal_head__" in node.get("Resources", {})
+
+
+# --- the injector -------------------------------------------------------------------------------
+
+
+class Chaos:
+    """Drives a plan against a live run and records what it injected."""
+
+    def __init__(self, run_id: str, store: RunStore, plan: ChaosPlan, *, poll_s: float = 0.2):
+        self.run_id, self.store, self.plan, self.poll_s = run_id, store, plan, poll_s
+        self.rng = random.Random(plan.seed)
+        self.injections: list[Injection] = []
+        self.counts = [0] * len(plan.faults)
+        self.next_at: list[float | None] = [None] * len(plan.faults)
+        self.open_windows: list[tuple[Injection, FaultSpec]] = []
+        self.status: dict = {}
+        self.etcd: EtcdControl | None = None
+        self.next_node_check = 0.0
+        self.started = time.time()
+
+    # --- the loop ---
+
+    def run(self, timeout_s: float = 3600.0) -> dict:
+        """Inject until the run ends (or ``timeout_s``); returns the run's final status."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    self.status = self.store.get_status(self.run_id) or self.status
+                except StoreUnavailable:
+                    pass  # our own etcd outage, most likely: go on with the last status
+                now = time.time()
+                if Phase.of(self.status).terminal:
+                    break
+                self._close_windows(now)
+                self._watch_partitions(now)
+                for i, spec in enumerate(self.plan.faults):
+                    if self._due(i, spec, now):
+                        self.inject(i, spec)
+                time.sleep(self.poll_s)
+        finally:  # whatever ends the loop (Ctrl-C included), no link stays cut and no etcd stopped
+            self._close_windows(float("inf"))
+        return self.status
+
+    def _due(self, i: int, spec: FaultSpec, now: float) -> bool:
+        if self.counts[i] >= spec.max_count or Phase.of(self.status).terminal:
+            return False
+        if spec.after_fault is not None:
+            first = next((j for j in self.injections if j.fault == spec.after_fault), None)
+            return self.counts[i] == 0 and first is not None and now >= first.time + spec.delay_s
+        if Phase.of(self.status) != Phase.RUNNING:
+            return False
+        if spec.at_step is not None:
+            return self.counts[i] == 0 and int(self.status.get("step") or 0) >= spec.at_step
+        if self.next_at[i] is None:
+            self.next_at[i] = now + (spec.every_s if spec.every_s is not None
+                                     else self.rng.uniform(spec.min_gap_s, spec.max_gap_s))
+        if now < self.next_at[i]:
+            return False
+        self.next_at[i] = now + (spec.every_s if spec.every_s is not None
+                                 else self.rng.uniform(spec.min_gap_s, spec.max_gap_s))
+        return True
+
+    def inject(self, i: int, spec: FaultSpec) -> Injection:
+        self.counts[i] += 1
+        inj = Injection(i, spec.kind, time.time(), int(self.status.get("step") or 0),
+                        committed=self.status.get("latest_checkpoint"))
+        try:
+            getattr(self, f"_inject_{spec.kind}")(inj, spec)
+        except Exception as e:  # recorded and reported: a fault that could not be injected fails the run's verdict
+            inj.error = f"{type(e).__name__}: {e}"
+            log.error("chaos: %s could not be injected: %s", spec.kind, inj.error)
+        self.injections.append(inj)
+        log.warning("chaos: injected %s at step %d %s", spec.kind, inj.step, inj.target or "")
+        return inj
+
+    def _close_windows(self, now: float) -> None:
+        """Lift the window faults whose duration is over (all of them when ``now`` is infinite)."""
+        ended = Phase.of(self.status).terminal
+        for inj, spec in list(self.open_windows):
+            if now >= inj.time + spec.duration_s:
+                if ended:
+                    inj.target["until_end"] = True
+                try:
+                    if spec.kind == "storage":
+                        if not ended:  # a run that ended took its workers (and their faults) with it
+                            self._controller().set_storage_faults.remote(None)
+                    elif spec.kind == "partition_node":
+                        _netns().set_link(inj.target["link"], up=True)
+                    else:
+                        self.etcd.start(spec.mode)
+                except Exception as e:
+                    inj.error = f"lifting the fault: {type(e).__name__}: {e}"
+                inj.ended = time.time()
+                self.open_windows.remove((inj, spec))
+
+    def _watch_partitions(self, now: float) -> None:
+        """When Ray declares a cut-off node dead (its health checks fail): seconds after the cut."""
+        open_cuts = [inj for inj, spec in self.open_windows
+                     if spec.kind == "partition_node" and "node_dead_after_s" not in inj.target]
+        if not open_cuts or now < self.next_node_check:
+            return
+        self.next_node_check = now + 0.5
+        import ray
+
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        for inj in open_cuts:
+            if not alive.get(inj.target["node"], False):
+                inj.target["node_dead_after_s"] = round(now - inj.time, 2)
+
+    # --- targets ---
+
+    def _members(self) -> list[dict]:
+        """Rank -> {pid, node} from the newest ``formed`` event."""
+        formed = [e for e in self.store.events(self.run_id) if e.get("kind") == "formed"]
+        if not formed:
+            raise RuntimeError("the run has not formed a group yet")
+        last = formed[-1]
+        return [{"rank": r, "pid": pid, "node": node} for r, (pid, node) in
+                enumerate(zip(last["pids"], last.get("nodes") or [""] * len(last["pids"])))]
+
+    def _target(self, spec: FaultSpec) -> dict:
+        members = self._members()
+        alive = [m for m in members if not any(j.target.get("pid") == m["pid"] for j in self.injections)]
+        if spec.rank is not None:
+            pick = next((m for m in members if m["rank"] == spec.rank), None)
+            if pick is None:
+                raise RuntimeError(f"rank {spec.rank} is not in the group (world size {len(members)})")
+            if pick not in alive and alive:  # that rank's process was hit already: its successor in rank order
+                pick = alive[spec.rank % len(alive)]
+            return pick
+        if not alive:
+            raise RuntimeError("every member was hit already")
+        return self.rng.choice(alive)
+
+    def _inject_kill_worker(self, inj: Injection, spec: FaultSpec) -> None:
+        t = inj.target = self._target(spec)
+        on_node(t["node"], _signal, t["pid"], signal.SIGKILL)
+
+    def _inject_hang_rank(self, inj: Injection, spec: FaultSpec) -> None:
+        t = inj.target = self._target(spec)
+        on_node(t["node"], _signal, t["pid"], signal.SIGSTOP)
+
+    def _inject_kill_node(self, inj: Injection, spec: FaultSpec) -> None:
+        t = inj.target = self._target(spec)
+        if is_head(t["node"]):
+            raise RuntimeError(f"rank {t['rank']} runs on the head node; killing it ends the cluster "
+                               "(choose another rank)")
+        import ray
+
+        if t["node"] == ray.get(self._controller().node_id.remote(), timeout=30):
+            raise RuntimeError(f"rank {t['rank']} runs on the node of the run's controller (the driver's node); "
+                               "killing it ends the run (choose another rank)")
+        t["raylet"] = on_node(t["node"], kill_node_of, t["pid"])
+
+    def _inject_partition_node(self, inj: Injection, spec: FaultSpec) -> None:
+        """Cut the link of the network namespace the rank's node runs in; healed after ``duration_s``."""
+        t = inj.target = self._target(spec)
+        import ray
+
+        node = next((n for n in ray.nodes() if n["NodeID"] == t["node"]), None)
+        if node is None or not node["Alive"]:
+            raise RuntimeError(f"rank {t['rank']}'s node {t['node'][:8]} is not alive")
+        if is_head(t["node"]) or t["node"] == ray.get(self._controller().node_id.remote(), timeout=30):
+            raise RuntimeError(f"rank {t['rank']} runs on the node of the head or the run's controller; cutting it "
+                               "off ends the run, not a member (choose another rank)")
+        netns = _netns()
+        t["netns"], t["link"] = netns.node_link(t["pid"], node["NodeManagerAddress"])
+        t["node_ip"] = node["NodeManagerAddress"]
+        netns.set_link(t["link"], up=False)
+        self.open_windows.append((inj, spec))
+
+    def _inject_storage(self, inj: Injection, spec: FaultSpec) -> None:
+        import ray
+
+        faults = spec.storage_faults(self.plan.seed + inj.fault)
+        inj.target = {"workers": ray.get(self._controller().set_storage_faults.remote(faults), timeout=30),
+                      **faults}
+        self.open_windows.append((inj, spec))
+
+    def _inject_etcd_outage(self, inj: Injection, spec: FaultSpec) -> None:
+        self.etcd = self.etcd or EtcdControl(self.store.url)
+        self.etcd.stop(spec.mode)
+        inj.target = {"port": self.etcd.port, "pid": self.etcd.pid, "mode": spec.mode}
+        self.open_windows.append((inj, spec))
+
+    def _controller(self):
+        from ..run import controller_actor
+
+        actor = controller_actor(self.run_id)
+        if actor is None:
+            raise RuntimeError(f"no live controller for run {self.run_id!r} in this Ray cluster")
+        return actor
+
+
+def _netns():
+    """The partition machinery, imported when a partition is cut or healed: importing it with the package
+    would put it in sys.modules before ``python -m orchestrator.chaos.netns`` runs it (runpy warns)."""
+    from . import netns
+
+    return netns

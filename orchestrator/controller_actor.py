@@ -1,0 +1,85 @@
+"""The run's controller inside Ray: the actor the driver starts, and the run's metrics endpoint.
+
+    cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
+    actor = cls.remote(spec, store_url, cfg, resources, opts)   # what orchestrator.run.start_controller does
+    final = ray.get(actor.run.remote())        # the final status, once the run is terminal
+    ray.get(actor.snapshot.remote())           # meanwhile, from other threads of the actor: the live view
+
+The actor owns the worker group (:class:`orchestrator.worker_group.RayWorkerGroup`)
+and the :class:`orchestrator.controller.Controller` that drives it. It gets
+the run's config parsed once by the driver (``trainer.config.RunConfig``,
+pickled through Ray) and hands it on to the controller and to every worker.
+When ``[metrics]`` is enabled it serves the run's Prometheus endpoint, fed
+by a :class:`orchestrator.observers.MetricsObserver`; the controller does not
+know whether there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from trainer.config import RunConfig
+
+from .controller import Controller, ControllerOptions
+from .observers import ControllerObserver, MetricsObserver
+from .store import RunSpec, open_store
+
+log = logging.getLogger("etrain")
+
+
+class ControllerActor:
+    """The run's controller inside Ray (wrapped with ``ray.remote`` by ``orchestrator.run.start_controller``)."""
+
+    def __init__(self, spec: RunSpec, store_url: str, config: RunConfig, resources: dict, opts: ControllerOptions):
+        from .worker_group import RayWorkerGroup
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
+        store = open_store(store_url)
+        group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources,
+                               env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
+        self.endpoint, observers = start_metrics(spec.run_id, config)
+        self.ctl = Controller(spec, store, group, opts, config=config, observers=observers)
+
+    def run(self) -> dict:
+        try:
+            return self.ctl.run()
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.close()
+
+    def snapshot(self) -> dict:
+        return self.ctl.snapshot()
+
+    def events_since(self, n: int) -> list[dict]:
+        return self.ctl.status.events_log[n:]
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def set_storage_faults(self, faults: dict | None) -> int:
+        """Chaos: storage faults on every started worker (members and spares); returns how many."""
+        return self.ctl.set_storage_faults(faults)
+
+
+def start_metrics(run_id: str, config: RunConfig) -> tuple[object | None, list[ControllerObserver]]:
+    """The run's Prometheus endpoint per ``[metrics]`` (docs/metrics.md) and the observer that feeds it;
+    (None, []) when disabled. Listening on every interface, the endpoint advertises this node's
+    address for discovery."""
+    import ray
+
+    m = config.metrics
+    if not m.enabled:
+        return None, []
+    from .metrics import MetricsEndpoint, RunMetrics
+
+    metrics = RunMetrics(run_id)
+    try:
+        endpoint = MetricsEndpoint(metrics, addr=m.addr, port=m.port, file_sd_dir=m.file_sd_dir,
+                                   advertise=ray.util.get_node_ip_address())
+    except OSError as e:  # the port is taken: the run goes on without an endpoint, and says so
+        log.error("metrics: cannot listen on %s:%d (%s); set metrics.port to a free port or 0", m.addr, m.port, e)
+        return None, []
+    return endpoint, [MetricsObserver(metrics, url=endpoint.url, file_sd=endpoint.file_sd_path)]

@@ -1,0 +1,267 @@
+"""What the controller tells the rest of etrain: one observer interface, as Ray Train's controller callbacks.
+
+    class Printer(ControllerObserver):
+        def on_recovery(self, ctl, seconds, steps_lost):
+            print(f"recovered in {seconds:.1f} s, {steps_lost} steps lost")
+
+    ctl = Controller(spec, store, group, opts, config=cfg, observers=[MetricsObserver(RunMetrics(run_id))])
+
+The controller and its states announce what happened (a step, a save, a
+failure, a recovery, ...) through :class:`Observers`, which calls every
+observer in order. The run's own reporting is made of observers too: the
+status, events and history in the run store (``orchestrator.status.RunStatus``),
+the goodput (:class:`Goodput`), the leadership lease (:class:`LeaseKeeper`);
+the Prometheus figures (:class:`MetricsObserver`) are one more, present only
+when the run serves metrics.
+
+Invariants:
+
+* Every hook of :class:`ControllerObserver` is a no-op: an observer overrides
+  only what it needs, and the controller never asks which observers it has.
+* Observers read the controller; what they change on it is ``ctl.fenced``
+  (this controller may no longer write) and its event log (``ctl.event``).
+  Decisions stay with the states and the policies.
+* Hooks run on the controller's thread, in the order the observers were
+  given, except ``on_end``, which runs in reverse (the last one started ends
+  first): the lease keeper, given first, renews the lease from the start and
+  releases it only after the status has written the final status under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from trainer.metrics import goodput_ratio
+
+from .policies import FailureRecord
+from .store import HistoryRow, StoreUnavailable
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .metrics import RunMetrics
+    from .states import State
+
+log = logging.getLogger("etrain")
+
+
+class ControllerObserver:
+    """Hooks the controller calls; each one does nothing here. Subclass and override what you need."""
+
+    def on_start(self, ctl: Controller) -> None:
+        """This controller leads the run: it holds the lease and has read the epoch."""
+
+    def on_event(self, ctl: Controller, event: dict) -> None:
+        """A run event (``kind``, ``time``, ``epoch`` and its fields), for the run's event log."""
+
+    def on_state(self, ctl: Controller) -> None:
+        """After every iteration of the loop; ``ctl.state`` is the state it moved to (often the same)."""
+
+    def on_poll(self, ctl: Controller) -> None:
+        """RUNNING, once per poll while the members train (never waits)."""
+
+    def on_history(self, ctl: Controller, rows: list[list]) -> None:
+        """Rank 0's rows of the steps trained since the last poll (``RunStore.put_history`` rows)."""
+
+    def on_step(self, ctl: Controller, progress: dict) -> None:
+        """Rank 0 completed a new step; ``progress`` is its figures (``StepStats.to_dict()``)."""
+
+    def on_save(self, ctl: Controller, result: dict) -> None:
+        """A checkpoint ended: ``result["status"]`` is committed, exists, skipped or failed."""
+
+    def on_formed(self, ctl: Controller) -> None:
+        """A group of ``len(ctl.members)`` formed a new epoch and restored ``ctl.committed_step``."""
+
+    def on_failure(self, ctl: Controller, failure: FailureRecord, detect_s: float) -> None:
+        """A failure, ``detect_s`` after the last sign of progress; the failure policy decides next."""
+
+    def on_recovery(self, ctl: Controller, seconds: float, steps_lost: int) -> None:
+        """The first step after a recovery: it took ``seconds`` from detection and lost ``steps_lost``."""
+
+    def on_resize(self, ctl: Controller) -> None:
+        """The first step after a resize (no step is lost)."""
+
+    def on_end(self, ctl: Controller, state: State) -> None:
+        """The controller reached a terminal state; nothing is called after this (observers in reverse)."""
+
+    def status_fields(self, ctl: Controller) -> dict[str, Any]:
+        """Fields this observer adds to the run's status (``Controller.snapshot``)."""
+        return {}
+
+
+class Observers(ControllerObserver):
+    """Several observers as one: every hook calls each of them, in order (``on_end`` in reverse)."""
+
+    def __init__(self, observers: Iterable[ControllerObserver]):
+        self.observers = list(observers)
+
+    def _each(self, hook: str, *args) -> None:
+        for o in self.observers:
+            getattr(o, hook)(*args)
+
+    def on_start(self, ctl):
+        self._each("on_start", ctl)
+
+    def on_event(self, ctl, event):
+        self._each("on_event", ctl, event)
+
+    def on_state(self, ctl):
+        self._each("on_state", ctl)
+
+    def on_poll(self, ctl):
+        self._each("on_poll", ctl)
+
+    def on_history(self, ctl, rows):
+        self._each("on_history", ctl, rows)
+
+    def on_step(self, ctl, progress):
+        self._each("on_step", ctl, progress)
+
+    def on_save(self, ctl, result):
+        self._each("on_save", ctl, result)
+
+    def on_formed(self, ctl):
+        self._each("on_formed", ctl)
+
+    def on_failure(self, ctl, failure, detect_s):
+        self._each("on_failure", ctl, failure, detect_s)
+
+    def on_recovery(self, ctl, seconds, steps_lost):
+        self._each("on_recovery", ctl, seconds, steps_lost)
+
+    def on_resize(self, ctl):
+        self._each("on_resize", ctl)
+
+    def on_end(self, ctl, state):
+        for o in reversed(self.observers):
+            o.on_end(ctl, state)
+
+    def status_fields(self, ctl):
+        out: dict[str, Any] = {}
+        for o in self.observers:
+            out.update(o.status_fields(ctl))
+        return out
+
+
+class Goodput(ControllerObserver):
+    """The run's goodput since this controller started: every trained step's time counts, polled or not."""
+
+    def __init__(self, clock=time.time):
+        self.clock = clock
+        self.started_unix = clock()
+        self.productive_s = 0.0
+
+    def ratio(self) -> float:
+        return goodput_ratio(self.productive_s, self.started_unix, self.clock())
+
+    def on_history(self, ctl, rows):
+        self.productive_s += sum(HistoryRow.of(r).step_s for r in rows)
+
+    def status_fields(self, ctl):
+        return {"started_unix": self.started_unix, "goodput": self.ratio()}
+
+
+class LeaseKeeper(ControllerObserver):
+    """Renews the controller's leadership lease in the background; losing it ends the controller's writes.
+
+    Renews every third of the TTL; after a failed renewal (the store away) it
+    tries again each second, so that a short outage, whose failed request may
+    itself take a client timeout, cannot outlast the lease between two tries.
+    """
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def on_start(self, ctl):
+        self.thread = threading.Thread(target=self._keep, args=(ctl,), name="etrain-lease", daemon=True)
+        self.thread.start()
+
+    def _keep(self, ctl: Controller) -> None:
+        ttl_s = ctl.opts.lease_ttl_s
+        wait_s = ttl_s / 3
+        while not self.stop.wait(wait_s):
+            try:
+                if not ctl.store.renew(ctl.lease):
+                    log.error("lost the leadership of run %s; another controller leads it", ctl.run_id)
+                    ctl.fenced = "lost the leadership lease; another controller may lead the run"
+                    return
+                wait_s = ttl_s / 3
+            except StoreUnavailable as e:
+                log.debug("lease not renewed (store away): %s", e)
+                wait_s = min(1.0, ttl_s / 3)
+
+    def on_end(self, ctl, state):
+        self.stop.set()
+        if ctl.lease is not None and ctl.fenced is None and not state.reason.startswith("fenced"):
+            try:
+                ctl.store.release(ctl.lease)
+            except StoreUnavailable:
+                pass
+
+
+class MetricsObserver(ControllerObserver):
+    """The run's Prometheus figures (``orchestrator.metrics.RunMetrics``), and the members' telemetry
+    collected for them every ``metrics.every_s``."""
+
+    def __init__(self, metrics: RunMetrics, *, url: str | None = None, file_sd: str | None = None):
+        self.metrics = metrics
+        self.url = url  # where the endpoint serves them (announced in the events and the status)
+        self.file_sd = file_sd  # its Prometheus target file
+        self.calls: dict[str, Any] = {}  # telemetry asked of each member, not collected yet
+        self.next_telemetry = 0.0
+
+    def on_start(self, ctl):
+        if self.url:
+            ctl.event("metrics", url=self.url, file_sd=self.file_sd)
+
+    def on_state(self, ctl):
+        self.metrics.observe_run(world_size=len(ctl.members), epoch=ctl.epoch, phase=ctl.state.name,
+                                 goodput=ctl.goodput.ratio())
+
+    def on_poll(self, ctl):
+        """Collect the members' telemetry asked for last time, ask again. Never waits: a member busy
+        in a long step answers on a later poll."""
+        done = ctl.group.wait(list(self.calls.values()), timeout=0) if self.calls else []
+        for call in done:
+            self.calls.pop(call.wid, None)
+            try:
+                t = ctl.group.result(call, timeout=0)
+            except Exception as e:  # a worker that died is the failure path's business
+                log.debug("telemetry of %s: %s", call.wid, e)
+                continue
+            if call.wid in ctl.members:
+                self.metrics.observe_ranks(call.wid, {**t, "rank": ctl.members.index(call.wid)})
+        now = ctl.clock()
+        if now < self.next_telemetry:
+            return
+        self.next_telemetry = now + ctl.cfg.metrics.every_s
+        for w in ctl.members:
+            if w not in self.calls:
+                self.calls[w] = ctl.group.submit(w, "telemetry")
+
+    def on_step(self, ctl, progress):
+        self.metrics.observe_step(progress)
+
+    def on_save(self, ctl, result):
+        self.metrics.observe_save(result)
+
+    def on_formed(self, ctl):
+        self.metrics.observe_commit(ctl.committed_step)
+        self.metrics.forget_ranks_above(len(ctl.members))
+        self.calls = {}
+
+    def on_failure(self, ctl, failure, detect_s):
+        self.metrics.observe_failure(failure.kind, detect_s)
+
+    def on_recovery(self, ctl, seconds, steps_lost):
+        self.metrics.observe_recovery(seconds, steps_lost)
+
+    def on_resize(self, ctl):
+        self.metrics.observe_resize()
+
+    def status_fields(self, ctl):
+        return {"metrics_url": self.url}

@@ -1,0 +1,379 @@
+"""The controller's states: one class per state, carrying its own data.
+
+    state = Initializing()
+    while not state.terminal:
+        state = state.step(ctl)             # what Controller.step does, with the status write after it
+
+``State.step(ctl)`` does one bounded piece of work on the controller
+(:class:`orchestrator.controller.Controller`: its membership, its group calls,
+its observers) and returns the next state, often itself. A state never
+writes the store or the metrics itself: it calls the controller, and the
+controller's observers hear of it (``orchestrator.observers``).
+
+Invariants:
+
+* The state names are :class:`orchestrator.phase.Phase` members; a terminal
+  state (SUSPENDED, FINISHED, FAILED) carries the reason and cannot step.
+* A failure becomes a :class:`Recovering` in one place, :meth:`Recovering.now`
+  (and :meth:`Recovering.after` for a :class:`GroupFailure`): a group call
+  that fails and that a state does not handle itself propagates to
+  ``Controller.step``, which converts it the same way.
+* Running's checks (train calls, durability, hang, scaling) live here, beside
+  the state that acts on them; the controller only gathers what they read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from checkpointing.manager import group_rank_errors
+from checkpointing.names import redact
+
+from .phase import Phase
+from .policies import Fail, FailureRecord, Resize, ScalingStatus
+from .worker_group import GroupFailure, WorkerLost
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+log = logging.getLogger("etrain")
+
+
+class State:
+    name: ClassVar[Phase]
+    terminal: ClassVar[bool] = False
+
+    def step(self, c: Controller) -> State:
+        raise NotImplementedError(f"{type(self).__name__}.step: not a state the controller knows")
+
+
+@dataclass
+class Initializing(State):
+    name = Phase.INITIALIZING
+
+    def step(self, c: Controller) -> State:
+        c.lease = c.store.acquire(c.run_id, c.controller_id, ttl_s=c.opts.lease_ttl_s)
+        c.epoch = c.store.current_epoch(c.run_id)
+        c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
+                controller_id=c.controller_id)
+        c.observers.on_start(c)  # the lease renewed from now on, a resumed run's history, the metrics endpoint
+        return Scheduling(c.desired(), "starting")
+
+
+@dataclass
+class Scheduling(State):
+    """Start workers and wait until enough are up to form a valid group."""
+
+    target: int
+    reason: str
+    since: float | None = None
+    name = Phase.SCHEDULING
+
+    def step(self, c: Controller) -> State:
+        now = c.clock()
+        self.since = self.since if self.since is not None else now
+        if c.spec.suspended:
+            return Suspending("suspend requested while scheduling")
+        c.ensure_workers(self.target)
+        candidates = c.members + c.spares
+        ready = c.group.ready(candidates, timeout=c.opts.poll_s)
+        waited = now - self.since
+        size = c.formable(ready, candidates, self.target, waited)
+        if size is not None:
+            c.form(size, ready)
+            return Running()
+        if waited > c.opts.start_timeout_s:
+            status = ScalingStatus(current=0, requested=self.target, available=len(ready), valid_sizes=c.valid_sizes)
+            decision = c.scaling.decide(status, now)
+            return Failed(f"workers did not start within {c.opts.start_timeout_s:.0f} s: {decision.reason}")
+        c.refresh_spec_throttled()
+        return self
+
+
+@dataclass
+class Running(State):
+    name = Phase.RUNNING
+
+    def step(self, c: Controller) -> State:
+        if not c.train_calls:
+            c.launch_training()
+        ended = check_training(c)
+        if ended is not None:
+            return ended
+        c.poll_progress()
+        undurable = check_durability(c)
+        if undurable is not None:
+            return undurable
+        c.observers.on_poll(c)
+        c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
+        c.refresh_spec_throttled()
+        if c.spec.suspended:
+            return Suspending("suspend requested")
+        if c.spec.stop:
+            return Finishing("stop requested", stopping=True)
+        hang = check_hang(c)
+        if hang is not None:
+            return hang
+        return check_scaling(c) or self
+
+
+@dataclass
+class Recovering(State):
+    failure: FailureRecord
+    suspects: tuple[str, ...] = ()
+    detected_at: float = 0.0  # controller clock
+    name = Phase.RECOVERING
+
+    @classmethod
+    def now(cls, c: Controller, kind: str, message: str, suspects: Iterable[str] = (),
+            step: int | None = None) -> Recovering:
+        """A recovery from a failure detected now, at the last completed step unless ``step`` is given."""
+        t = c.clock()
+        return cls(FailureRecord(kind, c.last_completed_step() if step is None else step, message, t),
+                   tuple(suspects), t)
+
+    @classmethod
+    def after(cls, c: Controller, e: GroupFailure, step: int | None = None) -> Recovering:
+        """The recovery from a failed group call."""
+        return cls.now(c, e.kind, str(e), e.suspects, step)
+
+    def step(self, c: Controller) -> State:
+        decision = c.opts.failure.decide(c.failures.add(self.failure), c.clock())
+        detected = self.detected_at or c.clock()  # detection is measured from the last sign of progress
+        c.observers.on_failure(c, self.failure, max(0.0, detected - c.progress_at))
+        c.event("failure", failure_kind=self.failure.kind, step=self.failure.step, message=self.failure.message,
+                decision=decision.reason, world_size=len(c.members))
+        log.warning("failure: %s", decision.reason)
+        if isinstance(decision, Fail):
+            return Failed(decision.reason)
+        if decision.delay_s:
+            c.sleep(decision.delay_s)
+        last_step = c.last_completed_step()
+        world_before = len(c.members)
+        t0 = c.clock()
+        c.poll_progress(timeout=0.5)  # rank 0's last steps (history, saves) before anyone is killed
+        survivors = c.settle_after_failure(self.suspects)
+        # Replacements for lost members start now; new standbys only once the group trains again,
+        # so that their boot does not compete with the recovery for the machine.
+        c.ensure_workers(c.desired(), standby=False)
+        t_settled = c.clock()
+        poll = 0.0  # look first without waiting: a ready standby means the group can form now
+        while True:
+            candidates = survivors + c.spares
+            ready = c.group.ready(candidates, timeout=poll)
+            poll = c.opts.poll_s
+            waited = c.clock() - t_settled
+            # Survivors do not wait for new processes to boot: they go on at the best size ready now,
+            # and the group grows back at a step boundary once the replacements are up.
+            size = c.formable(ready, candidates, c.desired(), waited, wait_booting=False)
+            if size is not None or waited >= c.opts.replace_wait_s:
+                break
+        c.pending_recovery = {"detected_at": self.detected_at or t0, "last_step": last_step,
+                              "world_before": world_before, "failure_kind": self.failure.kind,
+                              "failure_time_unix": time.time() - (c.clock() - self.failure.time),
+                              "settled_at": t_settled, "phases": {"settle_s": t_settled - t0}}
+        if size is None:  # below min_workers: wait for capacity; the recovery completes when a group forms
+            return Scheduling(c.desired(), "waiting for capacity after a failure")
+        try:
+            c.form(size, ready)
+        except GroupFailure as e:  # at the step this recovery started from
+            return Recovering.after(c, e, last_step)
+        return Running()
+
+
+@dataclass
+class Resizing(State):
+    target: int
+    reason: str
+    requested_at: float = 0.0
+    name = Phase.RESIZING
+
+    def step(self, c: Controller) -> State:
+        t0 = c.clock()
+        c.stop_at_boundary()
+        t1 = c.clock()
+        saved = c.save_now()
+        t2 = c.clock()
+        if not saved:
+            log.warning("resize to %d postponed: the boundary checkpoint did not commit", self.target)
+            c.next_grow_check = c.clock() + c.opts.grow_check_s
+            return Running()
+        before = len(c.members)
+        ready = c.group.ready(c.members + c.spares, timeout=0)
+        c.form(self.target, ready)
+        c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
+        requested = self.requested_at or t0
+        c.pending_resize = {"requested_at": requested, "from": before, "to": self.target, "reason": self.reason,
+                            "phases": {"notice_s": t0 - requested, "stop_s": t1 - t0, "save_s": t2 - t1,
+                                       **c.form_phases}}
+        return Running()
+
+
+@dataclass
+class Suspending(State):
+    reason: str
+    name = Phase.SUSPENDING
+
+    def step(self, c: Controller) -> State:
+        step = c.last_completed_step()
+        try:
+            c.stop_at_boundary()
+            saved = c.save_now()
+        except GroupFailure as e:
+            saved = False
+            log.warning("suspending after a failure at step %d: %s", step, e)
+        c.release_workers()
+        c.event("suspended", step=c.last_completed_step(), checkpoint_committed=bool(saved), reason=self.reason)
+        return Suspended(f"{self.reason} at step {c.last_completed_step()}")
+
+
+@dataclass
+class Finishing(State):
+    reason: str
+    stopping: bool = False
+    name = Phase.FINISHING
+
+    def step(self, c: Controller) -> State:
+        try:
+            if self.stopping:
+                c.stop_at_boundary()
+            if not c.save_now() and c.cfg.checkpoint.url and c.members:
+                # The storage refused the last checkpoint (not a member's death): the
+                # run's final state is not durable, and it must say so.
+                c.release_workers()
+                return Failed(f"the final checkpoint (step {c.last_completed_step()}) failed: "
+                              f"{c.last_save_error or 'see the checkpoint_failed events'}")
+        except GroupFailure as e:
+            # A member died during the final save: recover like any failure (Controller.step), so that the
+            # last steps are trained again (if they must be) and the final checkpoint commits; never finish
+            # without it.
+            log.warning("the final checkpoint failed: %s", e)
+            raise
+        c.release_workers()
+        c.event("finished", step=c.last_completed_step(), reason=self.reason)
+        return Finished(self.reason)
+
+
+@dataclass
+class Terminal(State):
+    reason: str
+    terminal = True
+
+    def step(self, c: Controller) -> State:
+        raise RuntimeError(f"{self.name} is terminal")
+
+
+class Suspended(Terminal):
+    name = Phase.SUSPENDED
+
+
+class Finished(Terminal):
+    name = Phase.FINISHED
+
+
+class Failed(Terminal):
+    name = Phase.FAILED
+
+
+# --- Running's checks -------------------------------------------------------------------
+
+
+def check_training(c: Controller) -> State | None:
+    """React to train calls that returned: done, stopped, failed, or a dead worker."""
+    done = c.group.wait(list(c.train_calls.values()), timeout=c.opts.poll_s)
+    if not done:
+        return None
+    results, lost = {}, []
+    for call in done:
+        try:
+            results[call.wid] = c.group.result(call)
+        except WorkerLost as e:
+            lost.append((call.wid, str(e)))
+    if lost:
+        # Name ranks, not worker ids: a replacement gets a new id, and the crash-loop rule compares messages.
+        ranks = ",".join(str(c.members.index(w)) for w, _ in lost if w in c.members)
+        log.warning("workers lost: %s", "; ".join(m for _, m in lost))
+        return Recovering.now(c, "actor_died", f"worker died: rank {ranks}", tuple(w for w, _ in lost))
+    failed = {w: r for w, r in results.items() if r["status"] == "failed"}
+    if failed:
+        # The cause before its echoes: peers of a failing rank only see their collective fail.
+        # The message groups the culprits by error ("ranks 1,3: X"), named by rank.
+        culprits = {w: r for w, r in failed.items() if r.get("kind") != "collective_failed"} or failed
+        kind = next(iter(culprits.values())).get("kind", "error")
+        message = group_rank_errors({c.members.index(w): r["error"] for w, r in culprits.items()})
+        return Recovering.now(c, kind, message)
+    if len(results) == len(c.train_calls) and all(r["status"] == "done" for r in results.values()):
+        c.poll_progress()  # the last steps' figures (loss), which the final status reports
+        c.progress["step"] = max(r["step"] for r in results.values())
+        return Finishing("all steps done")
+    return None  # "stopped" results are collected by stop_at_boundary
+
+
+def check_durability(c: Controller) -> State | None:
+    """Failed once ``checkpoint.max_consecutive_failures`` saves failed in a row: the run's work
+    is no longer being made durable, and training on would only hide that."""
+    limit = c.cfg.checkpoint.max_consecutive_failures
+    if c.saves_failed_in_a_row < limit:
+        return None
+    try:
+        c.stop_at_boundary()
+    except GroupFailure as e:
+        log.warning("stopping after %d failed checkpoints: %s", c.saves_failed_in_a_row, e)
+    return Failed(f"{c.saves_failed_in_a_row} checkpoints in a row failed (last: {c.last_save_error}); "
+                  f"the run stops because its work is not being made durable: fix the storage at "
+                  f"{redact(c.cfg.checkpoint.url)} and `etrain resume {c.run_id}`, or raise "
+                  "checkpoint.max_consecutive_failures")
+
+
+def check_hang(c: Controller) -> State | None:
+    """Recovering when no step completed within the hang deadline, naming the members that do not answer."""
+    idle = c.clock() - c.progress_at
+    if idle <= c.hang_deadline():
+        return None
+    hung = tuple(w for w in c.members if not c.group.alive(w, timeout=2.0))
+    msg = (f"no step completed for {idle:.0f} s (deadline {c.hang_deadline():.0f} s); "
+           + (f"{len(hung)} worker(s) unresponsive" if hung else "every worker answers: a collective hang"))
+    return Recovering.now(c, "hang", msg, hung or tuple(c.members))
+
+
+def check_scaling(c: Controller) -> State | None:
+    """Resize requests, shrink requests, and growth when spares are up.
+
+    Missing workers are started at most every ``grow_check_s``; spares
+    already started are looked at on every poll, and the group grows once
+    every spare that holds resources is up (one re-formation, not one per
+    worker), or when the rest have booted for longer than ``boot_timeout_s``.
+    """
+    current, want = len(c.members), c.desired()
+    requested_at = c.resize_requested_at or c.clock()
+    if (want == current and c.opts.standby and c.pending_recovery is None and c.pending_resize is None
+            and c.clock() >= c.next_grow_check):  # top the standbys up once the group trains again
+        c.next_grow_check = c.clock() + min(c.opts.grow_check_s, 5.0)
+        c.ensure_workers(want)
+    if want < current:
+        size = c.scaling.target(ScalingStatus(current, want, current, c.valid_sizes))
+        if size is not None and size != current:
+            return Resizing(size, f"resize to {want} requested", requested_at)
+        return None
+    if want > current:
+        now = c.clock()
+        if now >= c.next_grow_check:
+            c.next_grow_check = now + min(c.opts.grow_check_s, 5.0)
+            c.ensure_workers(want)
+        if not c.spares:
+            return None
+        ready = c.group.ready(c.spares, timeout=0)
+        booting = [w for w in c.group.placed(c.spares) if w not in ready]
+        if booting and len(ready) < want - current:
+            c.booting_since = c.booting_since if c.booting_since is not None else now
+            if now - c.booting_since < c.opts.boot_timeout_s:
+                return None
+        c.booting_since = None
+        decision = c.scaling.decide(ScalingStatus(current, want, current + len(ready), c.valid_sizes), now)
+        if isinstance(decision, Resize) and decision.workers > current:
+            return Resizing(decision.workers, decision.reason, requested_at)
+    return None

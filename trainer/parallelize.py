@@ -1,0 +1,214 @@
+"""The ordered steps that parallelize this rank's part of the model.
+
+    dims = ParallelDims.from_config(cfg, world_size)
+    mesh = dims.build_mesh("cpu")
+    parts = build_model_parts(cfg, dims, mesh, rank, device)   # stages of this rank, parallelized
+    loss = lm_loss(parts.modules[0](inputs), targets)
+
+The order of :func:`parallelize`: tensor parallelism first, because it replaces
+parameters with DTensors sharded over the ``tp`` axis; activation
+checkpointing next, because it only marks blocks; data parallelism last,
+because FSDP2 shards whatever parameters it finds (the TP DTensors included,
+as 2-D shards) and must see the final module tree to group its all-gathers
+per block. Pipeline stages are cut from the full model before any of it,
+keeping parameter names (FQNs).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import ParallelConfig, RunConfig
+from .model import Transformer, cut_stage
+from .parallel_dims import ParallelDims, axis_group, resolve_precision, sub_mesh
+
+log = logging.getLogger("etrain")
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism with DTensor plans.
+
+    Attention q/k/v and the SwiGLU gate/up projections are column-wise (each
+    rank owns whole heads / hidden units); the output projections are
+    row-wise, so each block needs one all-reduce in forward and one in
+    backward. The embedding is sharded by vocabulary rows, the output head by
+    vocabulary columns with its logits gathered. Norms stay replicated.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    block_plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def apply_ac(model: Transformer, mode: str, every_k: int) -> None:
+    """Activation checkpointing: recompute every block, or every k-th, in backward."""
+    for i, (name, block) in enumerate(model.layers.items()):
+        if mode == "full":
+            block.checkpoint_activations = True
+        elif mode == "every_k":
+            block.checkpoint_activations = int(name) % every_k == 0
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.device, pipelined: bool):
+    """ZeRO-3: FSDP2 ``fully_shard`` per block, then the root (embedding, norm, head).
+
+    A 2-D ``dp_mesh`` (dp_replicate, dp_shard) gives HSDP: sharded within
+    dp_shard, replicated across dp_replicate. Under pipeline parallelism the
+    parameters stay unsharded between forward and backward, since every
+    micro-batch would otherwise all-gather them again.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if resolve_precision(pcfg, device) == torch.bfloat16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload: OffloadPolicy = OffloadPolicy()
+    if pcfg.offload == "cpu":
+        if device.type == "cpu":
+            log.warning('parallel.offload="cpu" has no effect when training on the CPU')
+        else:
+            offload = CPUOffloadPolicy()
+    reshard = not pipelined
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+
+
+def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
+                device: torch.device, *, use_fsdp: bool) -> None:
+    """Apply the layout to one stage, in place: TP, then AC, then FSDP (ZeRO-3) or the compute dtype.
+
+    The order matters (module docstring): TP turns parameters into DTensors, AC only marks blocks,
+    and FSDP2 must see the final module tree and the TP-sharded parameters. ZeRO 0-2 shard in the
+    optimizer (:mod:`trainer.optim`), not here. Rotary tables stay fp32 in every case.
+    """
+    tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(pcfg, device)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    apply_ac(model, pcfg.activation_checkpoint, pcfg.ac_every_k)
+    if use_fsdp:
+        apply_fsdp(model, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), pcfg, device, pipelined=dims.pp > 1)
+    elif dtype != torch.float32:
+        model.to(dtype)
+    model.rope = model.rope.float()
+
+
+@dataclass
+class ModelParts:
+    """What this rank runs: one module, or its pipeline stages, and their schedule."""
+
+    modules: list[Transformer]
+    stage_ids: list[int]
+    n_stages: int
+    pipeline: Pipeline | None
+    uses_fsdp: bool
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.modules:
+            m.train(mode)
+
+
+def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
+                      device: torch.device) -> ModelParts:
+    """Build, initialise and parallelize this rank's part of the model.
+
+    Weights are initialised on the host from (seed, FQN) before any sharding,
+    so the result is the same for every layout.
+    """
+    p = cfg.parallel
+    coords = dims.coords(rank)
+    n_stages = dims.pp * p.pp_stages_per_rank
+    stage_ids = [coords["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
+    use_fsdp = p.zero_stage == 3 and dims.dp > 1
+    if p.zero_stage > 0 and dims.dp == 1:
+        log.warning("parallel.zero_stage=%d has no effect with a data-parallel size of 1", p.zero_stage)
+    modules = []
+    for s in stage_ids:
+        with torch.device("meta"):
+            m = Transformer(cfg.model)
+        if dims.pp > 1:
+            cut_stage(m, s, n_stages)
+        m.to_empty(device="cpu")
+        m.init_weights(cfg.train.seed)
+        m.to(device)
+        parallelize(m, p, dims, mesh, device, use_fsdp=use_fsdp)
+        modules.append(m)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
+                            p.pp_schedule, dims.pp_microbatches(cfg))
+    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Pipeline:
+    """A ``torch.distributed.pipelining`` schedule over this rank's stages.
+
+    Each micro-batch's loss is divided by the micro-batch count (and the
+    schedule's own gradient scaling is off), so gradients are the mean over
+    the local batch, as without pipelining.
+    """
+
+    def __init__(self, modules, stage_ids, n_stages, device, group, schedule: str, n_microbatches: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.n_microbatches = n_microbatches
+        self.has_first = 0 in stage_ids
+        self.has_last = n_stages - 1 in stage_ids
+        stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stage_ids)]
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
+        first = stages if schedule == "interleaved_1f1b" else stages[0]
+        self.schedule = cls(first, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets) / self.n_microbatches
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward over the local batch; the summed loss on the last stage."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+        if not self.has_last:
+            return None
+        return torch.stack([x.detach().float() for x in losses]).sum()
