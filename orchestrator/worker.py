@@ -38,7 +38,7 @@ from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
 from trainer.data import load_corpus
-from trainer.loop import Trainer, checkpoint_manager, save_due
+from trainer.loop import Trainer, checkpoint_manager
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
@@ -190,13 +190,10 @@ class TrainWorker:
     def train(self, until_step: int) -> dict:
         """Train until ``until_step``, a stop vote, or a failure (returned, never raised). Checkpoints
         every ``checkpoint.interval_steps`` before ``until_step``; the controller saves that one."""
-        tr, interval = self.trainer, self.cfg.checkpoint.interval_steps
+        tr = self.trainer
         try:
-            while tr.step < until_step:
-                stats = tr.train_step(stop=self._stop.is_set)
+            for stats in tr.run_steps(until_step, self.ckpt, stop=self._stop.is_set, final_by_caller=True):
                 self._record(stats)
-                if self.ckpt is not None and save_due(stats.step, interval, until_step, final_by_caller=True):
-                    tr.save_checkpoint(self.ckpt)
                 self._collect_saves()
                 if stats.stop:
                     self._stop.clear()

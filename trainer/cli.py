@@ -32,7 +32,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config_load import load_config
 from .data import load_corpus
-from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight, save_due
+from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight
 from .parallel_dims import ParallelDims, resolve_device
 from .telemetry import comm_meter
 from .world import World, init_distributed, shutdown_distributed
@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         first = last = None
         final_save = None
         t0 = time.monotonic()
-        while trainer.step < total:
-            s = trainer.train_step(stop=undurable)
+        for s in trainer.run_steps(total, ckpt, stop=undurable, save_when_stopping=False):
             first = first or s
             last = s
             if log:
@@ -201,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
             if s.stop:  # a rank saw max_consecutive_failures failed saves: stop at this boundary
                 break
-            if ckpt is not None and save_due(s.step, cfg.checkpoint.interval_steps, total):
-                trainer.save_checkpoint(ckpt)
-                if s.step == total:
-                    final_save = s.step
+            if ckpt is not None and s.step == total:
+                final_save = s.step
             saves = report_saves(ckpt, world)
             if metrics is not None:
                 metrics.after_step(s, trainer, ckpt, saves)

@@ -2,14 +2,12 @@
 
     init_distributed(world, device)
     trainer = Trainer(cfg, world)
-    while trainer.step < last:
-        stats = trainer.train_step()
-        if ckpt is not None and save_due(stats.step, cfg.checkpoint.interval_steps, last):
-            trainer.save_checkpoint(ckpt)
+    for stats in trainer.run_steps(last, ckpt):      # train_step(), and a checkpoint when save_due()
+        print(stats.step, stats.loss)
 
-Both launchers drive this loop: ``python -m trainer`` (:mod:`trainer.cli`)
-and the Ray worker (``orchestrator.worker``); :func:`save_due` is the one
-rule for when they checkpoint.
+Both launchers drive this one loop (:meth:`Trainer.run_steps`): ``python -m
+trainer`` (:mod:`trainer.cli`) and the Ray worker (``orchestrator.worker``);
+:func:`save_due` is the one rule for when they checkpoint.
 
 A step trains on a fixed global batch of ``train.global_batch`` samples: each
 data-parallel rank takes its contiguous share, split into micro-batches of
@@ -25,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -221,6 +219,25 @@ class Trainer:
             data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
             stop=stop_votes > 0,
         )
+
+    def run_steps(self, until: int, ckpt: CheckpointManager | None = None, *, stop: bool | Callable[[], bool] = False,
+                  final_by_caller: bool = False, save_when_stopping: bool = True) -> Iterator[StepStats]:
+        """The step loop of every launcher: train until step ``until`` or a stop vote, checkpointing
+        by :func:`save_due`; yields each step's stats once its save (if due) has started.
+
+        ``stop``: this rank's vote (see :meth:`train_step`); the loop ends after the step that carried
+        it. That step's checkpoint is still taken if due, unless ``save_when_stopping`` is off (the
+        trainer stops on failed saves: another one would not help). ``final_by_caller``: the caller
+        commits step ``until`` itself (the controller does under Ray)."""
+        interval = self.cfg.checkpoint.interval_steps
+        while self.step < until:
+            s = self.train_step(stop=stop)
+            if ckpt is not None and (save_when_stopping or not s.stop) and save_due(
+                    s.step, interval, until, final_by_caller=final_by_caller):
+                self.save_checkpoint(ckpt)
+            yield s
+            if s.stop:
+                return
 
     def _seed(self, sample_index: int) -> None:
         if self.cfg.model.dropout > 0:

@@ -1,0 +1,159 @@
+"""What the run store holds: its documents, their shapes, and the check every document read back passes.
+
+    spec = RunSpec.from_json(blob, where="file:///runs/tiny/control/spec.json")   # CorruptRunStore if not one
+    rows = [HistoryRow.of(r) for r in history]                                      # step, loss, world_size, ...
+    status = load_doc(raw, where, _status_problem)
+
+The run store (:mod:`orchestrator.store`) keeps a run's spec (desired state,
+written by the CLI), status, events and step history (observed state, written
+by the controller) and its leader lease, as JSON documents in etcd or beside
+the checkpoints. Stored bytes are data: every document is checked against the
+shape etrain writes before use, and anything else raises
+:class:`CorruptRunStore` naming the document's key or URL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NamedTuple
+
+from checkpointing.errors import ConfigError, EtrainError
+from checkpointing.names import validate_run_id
+
+
+class CorruptRunStore(EtrainError):
+    """A run-store document is not valid JSON or not the shape etrain writes; the message names it."""
+
+
+# --- document shapes ---------------------------------------------------------------
+
+_NUMBER = (int, float)
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a JSON object",
+               list: "a JSON list"}
+
+
+def _is(value: Any, types: tuple) -> bool:
+    """isinstance, except that a bool is not an int or a float (JSON tells them apart)."""
+    return isinstance(value, bool) == (bool in types) and isinstance(value, types)
+
+
+def _object_problem(doc: Any, types: dict[str, tuple], required: tuple[str, ...] = (),
+                    none_ok: bool = False) -> str | None:
+    """What is wrong with ``doc`` as a JSON object whose fields have ``types``, or None."""
+    if not isinstance(doc, dict):
+        return f"is not a JSON object (it holds {json.dumps(doc)[:40]})"
+    for key in required:
+        if key not in doc:
+            return f"lacks the field {key!r}"
+    for key, tps in types.items():
+        if key in doc and not (_is(doc[key], tps) or (none_ok and doc[key] is None)):
+            expected = "a number" if tps == _NUMBER else " or ".join(_TYPE_NAMES[t] for t in tps)
+            return f"has {key}={json.dumps(doc[key])[:40]}, not {expected}"
+    return None
+
+
+# RunSpec's fields, as JSON types.
+SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": (int,), "min_workers": (int,),
+                                "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
+                                "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,)}
+
+
+def _spec_problem(doc: Any) -> str | None:
+    problem = _object_problem(doc, SPEC_TYPES, required=("run_id", "config", "workers", "min_workers",
+                                                         "max_workers"))
+    if problem is None:
+        try:
+            validate_run_id(doc["run_id"])
+        except ConfigError:
+            return f"has run_id={json.dumps(doc['run_id'])[:40]}, which is not a valid run id"
+    return problem
+
+
+def _status_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"run_id": (str,), "phase": (str,), "reason": (str,), "step": (int,),
+                                 "total_steps": (int,), "world_size": (int,), "epoch": (int,),
+                                 "loss": _NUMBER, "updated_unix": _NUMBER, "metrics_url": (str,)}, none_ok=True)
+
+
+def _event_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"kind": (str,), "time": _NUMBER})
+
+
+def _history_problem(doc: Any) -> str | None:
+    ok = isinstance(doc, list) and all(
+        isinstance(row, list) and len(row) >= len(HistoryRow._fields)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6]) for row in doc)
+    if not ok:
+        return f"is not a JSON list of rows ({', '.join(HistoryRow._fields)}: numbers)"
+    return None
+
+
+def _leader_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"id": (str,), "expires_unix": _NUMBER}, required=("id", "expires_unix"))
+
+
+def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None]) -> Any:
+    """The JSON document ``raw`` read from ``where``; CorruptRunStore naming ``where`` if it is not
+    valid JSON or ``problem(doc)`` finds something wrong with its shape."""
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptRunStore(f"{where} is not valid JSON: {e}; repair or delete it") from None
+    found = problem(doc)
+    if found:
+        raise CorruptRunStore(f"{where} {found}; repair or delete it")
+    return doc
+
+
+class HistoryRow(NamedTuple):
+    """One trained step in a run's history (``RunStore.put_history``), stored as a JSON list in this
+    order. A step redone after a restore appears again, later."""
+
+    step: int
+    loss: float
+    world_size: int
+    samples_consumed: int
+    unix: float  # when the step ended
+    step_s: float  # how long it took
+
+    @classmethod
+    def of(cls, row) -> HistoryRow:
+        return row if isinstance(row, cls) else cls(*row[:6])
+
+
+@dataclass
+class RunSpec:
+    """What the user asked for. Written by the CLI, read by the controller."""
+
+    run_id: str
+    config: dict[str, Any]  # the whole run config (TOML as a dict)
+    workers: int
+    min_workers: int
+    max_workers: int
+    suspended: bool = False
+    stop: bool = False
+    generation: int = 0  # bumped by every change, so the controller can tell a new request
+    created_unix: float = field(default_factory=time.time)
+    updated_unix: float = 0.0  # when the last change was requested (the requester's clock)
+    ray_address: str = ""  # the cluster that ran it last ("" = a local Ray)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "spec.json") -> RunSpec:
+        """The spec stored at ``where``; CorruptRunStore if it is not one."""
+        d = load_doc(text, where, _spec_problem)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Lease:
+    run_id: str
+    controller_id: str
+    ttl_s: float
+    handle: Any = None  # backend's own lease object
