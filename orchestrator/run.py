@@ -125,6 +125,9 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[Ru
                                  max_workers=max(spec.max_workers, workers))
         check_sizes(cfg, ecfg)
         changes.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
+    from trainer.loop import checkpoint_preflight  # torch: only when a run really resumes
+
+    checkpoint_preflight(parse_spec(spec)[0], resume=True)  # its checkpoints must still be writable
     spec = st.update_spec(run_id, **changes)
     return spec, st
 

@@ -575,3 +575,20 @@ def test_the_busy_save_decision_holds_beside_a_cpu_hog(tmp_path):
 BUSY_BASE = ["data.max_bytes=300000", "data.seq_len=16", "train.global_batch=24", "train.micro_batch=2",
              "model.dim=64", "model.n_layers=2", "model.ffn_hidden=128", "train.warmup_steps=2", "train.steps=40",
              "train.grad_clip=1.0", "checkpoint.timeout_s=20"]
+
+
+def test_etrain_resume_probes_the_checkpoint_url_first(tmp_path):
+    """A run whose checkpoint storage went away is not resumed into saves that all fail."""
+    import shutil
+
+    from orchestrator.run import prepare_resume, prepare_run
+
+    ck, store = tmp_path / "ck", f"file://{tmp_path}/store"
+    spec, _ = prepare_run("examples/tiny.toml", [f'checkpoint.url="file://{ck}"', "checkpoint.interval_steps=5"],
+                          run_id="gone", store=store)
+    shutil.rmtree(ck, ignore_errors=True)
+    ck.write_text("not a directory any more")
+    with pytest.raises(ConfigError, match=f"cannot write checkpoints to file://{ck}/gone"):
+        prepare_resume("gone", store, workers=None)
+    ck.unlink()
+    prepare_resume("gone", store, workers=None)  # writable again: the resume is recorded

@@ -256,6 +256,13 @@ def test_trainer_refuses_credentials_in_checkpoint_url():
     assert "SUPERSECRET" not in r.stderr + r.stdout
 
 
+def test_trainer_refuses_credentials_in_the_data_source():
+    r = run_module("trainer", ["--config", CONFIG, "--set", 'data.source="s3://bucket/corpus/*.txt?token=SUPERSECRET"'])
+    assert r.returncode == 2, r.stderr
+    assert "data.source=s3://bucket/corpus/*.txt?*** carries credentials" in r.stderr
+    assert "SUPERSECRET" not in r.stderr + r.stdout
+
+
 def test_etrain_run_with_secret_url_writes_nothing(tmp_path):
     """A user's `etrain run` with a key in checkpoint.url: refused, not echoed, no spec.json kept anywhere."""
     r = run_module("orchestrator", ["run", CONFIG, "--set", f'checkpoint.url="{SECRET_URL}"',

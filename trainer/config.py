@@ -152,6 +152,8 @@ class DataConfig:
             raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 reads everything)")
         if not self.source:
             raise ConfigError('data.source is empty; use "stdlib" or an fsspec URL such as "file:///data/*.txt"')
+        if "://" in self.source:
+            check_url(self.source, "data.source")
 
 
 @dataclass(kw_only=True)
