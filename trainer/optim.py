@@ -334,6 +334,7 @@ class ZeroOptimizer:
 
     # --- update ------------------------------------------------------------------
 
+    @torch.no_grad()  # the update and the copy into the (bf16) parameters are not part of any graph
     def step(self, lr: float, clip_coef: float) -> None:
         grads = [s.master.grad for s in self.slots if s.master is not None]
         if clip_coef < 1.0 and grads:
