@@ -30,6 +30,7 @@ import io
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -363,10 +364,12 @@ class EtrainWriter(StorageWriter):
         crc = self.storage.put_parts(f"{self.step_rel}/{f.path}", f.parts, exclusive=True)
         return FileEntry(f.path, f.size, crc)
 
-    def remove_files(self) -> None:
-        """Delete the files this writer wrote (after :meth:`abort`): a failed save leaves nothing.
-        Their names are this attempt's own, so nothing of another save is touched."""
-        for name in self.written:
+    def remove_files(self, others: Iterable[str] = ()) -> None:
+        """Delete the files this writer wrote (after :meth:`abort`), and ``others`` of the same attempt
+        in its step directory (the coordinator's view of the other ranks' files and the metadata): a
+        failed save leaves nothing. Their names are this attempt's own, so nothing of another save is
+        touched."""
+        for name in [*self.written, *others]:
             try:
                 self.storage.delete_tree(f"{self.step_rel}/{name}")
             except Exception:  # retention removes what is left of an uncommitted step
@@ -375,7 +378,7 @@ class EtrainWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Runs on the coordinator while every rank waits for the result: only
-        # collect here; pickling waits for upload(), beside the file writes.
+        # collect here; the manager pickles and writes the metadata at commit.
         storage_md = {}
         for per_rank in results:
             for wr in per_rank:

@@ -338,9 +338,7 @@ class SaveTransaction:
             if not job.get("manifest_attempted"):
                 # A failed save removes what it wrote. Never once the manifest was tried:
                 # a write that failed to answer may still have committed.
-                writer.remove_files()
-                for f in job.get("others_files", ()):
-                    self._remove(f"{rel}/{f}")
+                writer.remove_files(job.get("others_files", ()))
             res = SaveResult(step, "failed", reason, blocking_s=self._blocking(job), persist_s=time.monotonic() - t0,
                              cause="fence_unavailable" if isinstance(e, FenceUnavailable) else "")
             if self.rank == 0 or not isinstance(e, CheckpointError):
@@ -351,12 +349,6 @@ class SaveTransaction:
                 self._writer = None
         self._finish(res)
         return res
-
-    def _remove(self, rel: str) -> None:
-        try:
-            self.storage.delete_tree(rel)
-        except Exception as e:  # retention removes what is left of an uncommitted step
-            log.debug("could not remove %s of a failed save: %s", rel, describe(e))
 
     def _blocking(self, job: dict) -> float:
         """How long training waited: the snapshot (async), or the whole save (sync)."""
