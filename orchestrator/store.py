@@ -42,14 +42,13 @@ from checkpointing.names import redact, validate_run_id
 from checkpointing.retry import RetryPolicy
 from checkpointing.storage import Storage
 
-from .documents import (  # noqa: F401  (callers import the documents from here too)
+from .documents import (  # noqa: F401  (HistoryRow, CorruptRunStore: callers import them from here too)
     CorruptRunStore,
     HistoryRow,
     Lease,
     RunSpec,
     _event_problem,
     _history_problem,
-    _is,
     _leader_problem,
     _status_problem,
     load_doc,
