@@ -83,8 +83,28 @@ def check_storage_url(url: str, field: str) -> str:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Llama-style decoder sizes. ``preset`` fills the fields not given."""
+    """The model: the built-in Llama-style decoder (``preset`` fills the sizes not given), a Hugging
+    Face ``transformers`` causal LM built from a local config, or any ``nn.Module`` from a factory
+    (docs/models-and-data.md)."""
 
+    # "builtin": the decoder of trainer/model.py; "hf": AutoModelForCausalLM.from_config(hf_config);
+    # "python": factory(model table) -> nn.Module mapping token ids [b, s] to logits [b, s, vocab].
+    source: Literal["builtin", "hf", "python"] = "builtin"
+    # source "hf": a directory holding config.json, or the JSON file itself (never fetched from a hub).
+    hf_config: str = ""
+    # source "python": "package.module:function"; loss: "package.module:function"(output, targets) -> scalar.
+    factory: str = ""
+    loss: str = ""
+    # Class name of the repeated block (the unit of FSDP, activation checkpointing and pipeline cuts);
+    # "" = the model's own _no_split_modules (HF), or every direct child of the first ModuleList.
+    block_class: str = ""
+    # Module paths (FQNs of blocks) where pipeline stages begin after the first; [] = equal block counts.
+    pp_split_points: list[str] = field(default_factory=list)
+    # "package.module:function"(model, tp_mesh) -> {module path: ParallelStyle}; HF models default to
+    # their own base_model_tp_plan.
+    tp_plan: str = ""
+    # Free-form arguments for a python factory (it receives the whole [model] table).
+    args: dict = field(default_factory=dict)
     preset: str = "tiny"
     dim: int = 128
     n_layers: int = 4
@@ -98,6 +118,18 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.source == "hf" and not self.hf_config:
+            raise ConfigError('model.source="hf" needs model.hf_config: a directory with config.json, or the file')
+        if self.source == "python" and not self.factory:
+            raise ConfigError('model.source="python" needs model.factory="package.module:function"')
+        if self.source != "python" and self.factory:
+            raise ConfigError(f'model.factory is set but model.source={self.source!r}; set model.source="python"')
+        if self.source != "hf" and self.hf_config:
+            raise ConfigError(f'model.hf_config is set but model.source={self.source!r}; set model.source="hf"')
+        for name in ("factory", "loss", "tp_plan"):
+            ref = getattr(self, name)
+            if ref and (ref.count(":") != 1 or not all(ref.split(":"))):
+                raise ConfigError(f"model.{name}={ref!r} must look like \"package.module:function\"")
         if self.preset not in MODEL_PRESETS:
             raise ConfigError(
                 f"model.preset={self.preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}"
@@ -138,12 +170,26 @@ class DataConfig:
     # "stdlib": this machine's Python standard library sources (the default
     # corpus). Otherwise an fsspec URL or glob of text files, or of pre-tokenized
     # ``.bin`` token files (format "tokens").
+    # "python": ``factory`` returns a map-style dataset (__len__, __getitem__(i) -> token ids).
     source: str = "stdlib"
-    format: Literal["auto", "text", "tokens"] = "auto"
+    # auto: "tokens" for .bin files or a directory of them, "jsonl"/"parquet" by extension, else "text".
+    # "hf": source is a datasets builder name ("json", "parquet", "text", "csv") read from data_files.
+    format: Literal["auto", "text", "jsonl", "parquet", "hf", "tokens"] = "auto"
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int = 64
     # Read at most this many bytes of text (0 = all); keeps tests quick.
     max_bytes: int = 0
+    # "bytes" (ids 0-255) or a local Hugging Face tokenizer: a tokenizer.json file or a directory.
+    tokenizer: str = "bytes"
+    # The text column of jsonl / parquet / hf records.
+    text_field: str = "text"
+    # format "hf": the local files datasets.load_dataset reads (a path, glob or list of them).
+    data_files: list[str] = field(default_factory=list)
+    # source "python": "package.module:function"(data table) -> map-style dataset of token ids.
+    factory: str = ""
+    # Where tokenized text is cached ("" = <checkpoint url's directory>/token-cache when local,
+    # else ~/.cache/etrain/tokens).
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -154,6 +200,12 @@ class DataConfig:
             raise ConfigError('data.source is empty; use "stdlib" or an fsspec URL such as "file:///data/*.txt"')
         if "://" in self.source:
             check_url(self.source, "data.source")
+        if self.source == "python" and not self.factory:
+            raise ConfigError('data.source="python" needs data.factory="package.module:function"')
+        if self.format == "hf" and not self.data_files:
+            raise ConfigError('data.format="hf" needs data.data_files (local files, e.g. ["/data/*.jsonl"])')
+        if not self.tokenizer:
+            raise ConfigError('data.tokenizer is empty; use "bytes" or a tokenizer.json file / directory')
 
 
 @dataclass(kw_only=True)
@@ -227,6 +279,15 @@ class ParallelConfig:
     ac_every_k: int = 2
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     offload: Literal["none", "cpu"] = "none"
+    # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
+    sequence_parallel: bool = False
+    # Cross-entropy on vocabulary-sharded logits under tensor parallelism (no logits all-gather).
+    loss_parallel: bool = True
+    # ZeRO-2: gradients are reduce-scattered in buckets of this many MiB during backward.
+    bucket_mb: float = 25.0
+    # Gradient accumulation: reduce (FSDP reduce-scatter) after every micro-batch instead of only the
+    # last (less memory for ZeRO-3, more communication).
+    reduce_every_microbatch: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
@@ -249,6 +310,12 @@ class ParallelConfig:
                 'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp_stages_per_rank >= 2; '
                 'use 2, or pp_schedule="1f1b"'
             )
+        check_finite(self, "parallel")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb} must be > 0 (MiB per ZeRO-2 reduce bucket)")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={self.tp}); "
+                              "set parallel.tp=2 or more, or sequence_parallel=false")
         if self.offload == "cpu" and self.zero_stage != 3:
             raise ConfigError(
                 f'parallel.offload="cpu" needs parallel.zero_stage=3 (got {self.zero_stage}); '
@@ -259,6 +326,36 @@ class ParallelConfig:
     def model_parallel(self) -> int:
         """Ranks that hold one model replica's fixed part: tp x pp."""
         return self.tp * self.pp
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out loss: every ``every_steps`` steps, ``batches`` global batches of a validation split."""
+
+    # 0 = no evaluation.
+    every_steps: int = 0
+    batches: int = 4
+    # The share of documents held out of training (0 with no ``source`` of its own = none).
+    val_fraction: float = 0.0
+    # A validation corpus of its own (read as [data] reads its source: same format and tokenizer).
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        check_finite(self, "eval")
+        if self.every_steps < 0:
+            raise ConfigError(f"eval.every_steps={self.every_steps} must be >= 0 (0 = no evaluation)")
+        if self.batches < 1:
+            raise ConfigError(f"eval.batches={self.batches} must be >= 1")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"eval.val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.val_fraction and self.source:
+            raise ConfigError("eval.val_fraction and eval.source are both set; hold out a fraction of "
+                              "[data] or give a validation source, not both")
+        if self.every_steps and not (self.val_fraction or self.source):
+            raise ConfigError(f"eval.every_steps={self.every_steps} needs a validation split: "
+                              "set eval.val_fraction (e.g. 0.05) or eval.source")
+        if "://" in self.source:
+            check_url(self.source, "eval.source")
 
 
 @dataclass(kw_only=True)
@@ -353,9 +450,36 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         m, p, d, t = self.model, self.parallel, self.data, self.train
+        self._check_layout_fits_builtin()
+        stages = p.pp * p.pp_stages_per_rank
+        if m.source == "builtin" and stages > m.n_layers:
+            raise ConfigError(
+                f"parallel.pp={p.pp} x parallel.pp_stages_per_rank={p.pp_stages_per_rank} = {stages} "
+                f"pipeline stages exceed model.n_layers={m.n_layers}; use at most {m.n_layers} stages"
+            )
+        if m.source == "builtin" and d.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len"
+            )
+        if self.checkpoint.resume and not self.checkpoint.url:
+            raise ConfigError("checkpoint.resume=true needs checkpoint.url")
+        if t.global_batch % t.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "
+                f"use one of {_fmt_list(_divisors(t.global_batch))}"
+            )
+        validate_run_id(self.run_id, "run_id")
+
+    def _check_layout_fits_builtin(self) -> None:
+        """The built-in decoder's sizes against tensor parallelism (other models are checked when built)."""
+        m, p = self.model, self.parallel
+        if m.source != "builtin":
+            return
         if m.n_heads % p.tp:
             good = [v for v in _divisors(m.n_heads) if m.n_kv_heads % v == 0]
             raise ConfigError(
@@ -376,25 +500,6 @@ class RunConfig:
                 f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}; "
                 f"use one of {_fmt_list(_divisors(m.vocab_size))}"
             )
-        stages = p.pp * p.pp_stages_per_rank
-        if stages > m.n_layers:
-            raise ConfigError(
-                f"parallel.pp={p.pp} x parallel.pp_stages_per_rank={p.pp_stages_per_rank} = {stages} "
-                f"pipeline stages exceed model.n_layers={m.n_layers}; use at most {m.n_layers} stages"
-            )
-        if d.seq_len > m.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-                f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len"
-            )
-        if self.checkpoint.resume and not self.checkpoint.url:
-            raise ConfigError("checkpoint.resume=true needs checkpoint.url")
-        if t.global_batch % t.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "
-                f"use one of {_fmt_list(_divisors(t.global_batch))}"
-            )
-        validate_run_id(self.run_id, "run_id")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -410,11 +515,23 @@ class RunConfig:
         d.pop("parallel")
         d.pop("checkpoint")
         d.pop("metrics")
+        d.pop("eval")
         d.pop("run_id")
         d["train"].pop("log_every")
+        # Fields added after the first format count only when set, so older checkpoints keep their hash.
+        for section, cls in (("model", ModelConfig), ("data", DataConfig)):
+            defaults = dataclasses.asdict(cls())
+            for key in _HASHED_WHEN_SET[section]:
+                if d[section].get(key) == defaults[key]:
+                    d[section].pop(key, None)
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+
+_HASHED_WHEN_SET = {
+    "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args"),
+    "data": ("tokenizer", "text_field", "data_files", "factory", "cache_dir"),
+}
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -423,6 +540,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
+    "eval": EvalConfig,
 }
 _TOP_LEVEL = {"run_id": str}
 # Sections owned by other components of a run (the orchestrator's [elastic]);

@@ -50,6 +50,13 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{where}={value!r} has the wrong type; expected {tp}")
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and item is str:
+            value = [value]  # a single path where a list of them is allowed
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is type(None):  # the None arm of ``X | None``: TOML has no null, so only X can be given
         if value is not None:
             raise ConfigError(f"{where}={value!r} has the wrong type")
