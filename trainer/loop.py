@@ -42,7 +42,7 @@ from .config import RunConfig
 from .data import Batcher, Corpus, load_corpus
 from .optim import build_optimizer
 from .parallel_dims import ParallelDims, resolve_device, resolve_precision
-from .parallelize import build_model_parts, lm_loss
+from .parallelize import build_model_parts
 from .world import World
 
 log = logging.getLogger("etrain")
@@ -186,17 +186,18 @@ class Trainer:
 
         if self.parts.pipeline is not None:
             self._seed(positions.start)
+            self.optimizer.before_backward(final=True)
             loss_sum = self.parts.pipeline.step(inputs, targets)
             self.optimizer.after_backward(final=True)
         else:
-            model = self.parts.modules[0]
             mb = cfg.train.micro_batch
             n_micro = len(positions) // mb
             loss_sum = torch.zeros((), device=self.device)
             for i in range(n_micro):
                 self._seed(positions.start + i * mb)
-                logits = model(inputs[i * mb : (i + 1) * mb])
-                loss = lm_loss(logits, targets[i * mb : (i + 1) * mb]) / n_micro
+                self.optimizer.before_backward(final=i == n_micro - 1)
+                logits = self.parts.forward(inputs[i * mb : (i + 1) * mb])
+                loss = self.parts.loss(logits, targets[i * mb : (i + 1) * mb]) / n_micro
                 loss.backward()
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)

@@ -268,6 +268,9 @@ class ZeroOptimizer:
                 view.copy_(lg)
         self._point_grads_at_views()
 
+    def before_backward(self, final: bool) -> None:
+        """Call before each micro-batch's forward; ``final`` before the step's last one."""
+
     def after_backward(self, final: bool) -> None:
         """Call after each backward; ``final`` after the last micro-batch of the step."""
         if self.stage == 2:
@@ -410,6 +413,9 @@ class FSDPOptimizer:
 
     def after_load(self) -> None:
         """Nothing to do: DCP loaded straight into the sharded parameters and state."""
+
+    def before_backward(self, final: bool) -> None:
+        """Call before each micro-batch's forward; ``final`` before the step's last one."""
 
     def after_backward(self, final: bool) -> None:
         """FSDP reduce-scatters inside backward; nothing to do here."""

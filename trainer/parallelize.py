@@ -20,46 +20,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
 from .model import Transformer, cut_stage
 from .parallel_dims import ParallelDims, axis_group, resolve_precision, sub_mesh
+from .tensor_parallel import apply_tp, lm_loss
 
 log = logging.getLogger("etrain")
-
-
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallelism with DTensor plans.
-
-    Attention q/k/v and the SwiGLU gate/up projections are column-wise (each
-    rank owns whole heads / hidden units); the output projections are
-    row-wise, so each block needs one all-reduce in forward and one in
-    backward. The embedding is sharded by vocabulary rows, the output head by
-    vocabulary columns with its logits gathered. Norms stay replicated.
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
-    block_plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
 
 
 def apply_ac(model: Transformer, mode: str, every_k: int) -> None:
@@ -136,6 +104,14 @@ class ModelParts:
     def has_last_stage(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
 
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of the (whole, unpipelined) model for token ids ``inputs``."""
+        return self.modules[0](inputs)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (mean over its tokens)."""
+        return lm_loss(logits, targets)
+
     def named_parameters(self):
         for m in self.modules:
             yield from m.named_parameters()
@@ -175,11 +151,6 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class Pipeline:
