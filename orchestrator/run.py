@@ -68,6 +68,10 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
     raw = with_durable_checkpoints(raw)
     cfg, ecfg = parse_config(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
     check_sizes(cfg, ecfg)
+    if cfg.model.source != "builtin":
+        from trainer.models import model_preflight  # torch and transformers: only for such models
+
+        model_preflight(cfg)
     url = store_url_for(store, ecfg, cfg.checkpoint.url)
     st = open_store(url)
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,

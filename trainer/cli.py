@@ -32,7 +32,8 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config_load import load_config
 from .data import load_corpus
-from .loop import StepStats, Trainer, checkpoint_manager, checkpoint_preflight
+from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
+from .models import model_preflight
 from .parallel_dims import ParallelDims, resolve_device
 from .telemetry import comm_meter
 from .world import World, init_distributed, shutdown_distributed
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set + (["checkpoint.resume=true"] if args.resume else []))
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
+        model_info = model_preflight(cfg)
         corpus = load_corpus(cfg.data)
+        check_vocab(cfg, corpus.vocab_size)
         log = _open_log(args.log_file, world)
         ckpt = checkpoint_manager(cfg, world)
         if ckpt is not None and world.is_main:
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                       if manifest else "etrain: no checkpoint to resume from; starting at step 0", flush=True)
         total = cfg.train.steps
         if world.is_main and not args.quiet:
-            print(f"etrain: {cfg.model.preset} model, world {world.size} "
+            what = model_info.describe() if model_info else f"{cfg.model.preset} model"
+            print(f"etrain: {what}, world {world.size} "
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
                   f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}, {trainer.device.type}; "
                   f"corpus {corpus.describe()}", flush=True)

@@ -80,7 +80,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
 def step_seed(seed: int, step: int, sample_index: int) -> int:
     """Seed for the randomness of one micro-batch, from (seed, step, first sample index)."""
-    return xxhash.xxh64_intdigest(f"step:{seed}:{step}:{sample_index}") & ((1 << 63) - 1)
+    return xxhash.xxh64_intdigest(f"step:{seed}:{step}:{sample_index}".encode()) & ((1 << 63) - 1)
 
 
 def save_due(step: int, interval: int, last: int, *, final_by_caller: bool = False) -> bool:
@@ -107,11 +107,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg, world.size)
         self.device = device or resolve_device(cfg.parallel, world.local_rank)
         self.corpus = corpus or load_corpus(cfg.data)
-        if self.corpus.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the corpus vocabulary "
-                f"({self.corpus.vocab_size} = largest token id + 1); set model.vocab_size >= {self.corpus.vocab_size}"
-            )
+        check_vocab(cfg, self.corpus.vocab_size)
         self.coords = self.dims.coords(world.rank)
         self.dp_rank = self.dims.dp_rank(world.rank)
         self.batcher = Batcher(self.corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch,
@@ -167,6 +163,10 @@ class Trainer:
         return manifest
 
     def memory_predicted(self) -> dict[str, int]:
+        if self.parts.local_params:
+            stage = self.cfg.parallel.zero_stage if self.dims.dp > 1 else 0
+            per = memory.bytes_per_param(stage, self.dims.dp_shard if stage > 0 else 1, self.mixed)
+            return {k: round(v * self.parts.local_params) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
     # --- the step ------------------------------------------------------------
@@ -241,7 +241,8 @@ class Trainer:
                 return
 
     def _seed(self, sample_index: int) -> None:
-        if self.cfg.model.dropout > 0:
+        # Models of other sources may drop out whatever model.dropout says.
+        if self.cfg.model.dropout > 0 or self.cfg.model.source != "builtin":
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
     def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool]) -> tuple[float, float, float]:
@@ -258,6 +259,21 @@ class Trainer:
             dist.all_reduce(reduced)
         norm_sq, loss, votes = reduced.tolist()
         return norm_sq, loss / self.dims.dp, votes
+
+
+def check_vocab(cfg: RunConfig, data_vocab: int) -> None:
+    """ConfigError unless the data's token ids (``data_vocab`` = largest id + 1, or the tokenizer's size)
+    fit the model's vocabulary."""
+    if cfg.model.source == "hf":
+        from .models import model_vocab_size
+
+        vocab, field = model_vocab_size(cfg), f"the vocab_size of model.hf_config={cfg.model.hf_config!r}"
+    else:
+        vocab, field = cfg.model.vocab_size, f"model.vocab_size={cfg.model.vocab_size}"
+    if data_vocab > vocab:
+        raise ConfigError(f"{field} is smaller than the data's vocabulary ({data_vocab} token ids: the tokenizer's "
+                          f"size or the largest id + 1); use a model vocabulary >= {data_vocab} or another "
+                          "data.tokenizer")
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:

@@ -17,9 +17,11 @@ keeping parameter names (FQNs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
@@ -40,6 +42,12 @@ def apply_ac(model: Transformer, mode: str, every_k: int) -> None:
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.device, pipelined: bool):
+    """ZeRO-3 of the built-in decoder: :func:`shard_blocks` over its ``layers``."""
+    shard_blocks(model, list(model.layers.values()), dp_mesh, pcfg, device, pipelined)
+
+
+def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, pcfg: ParallelConfig,
+                 device: torch.device, pipelined: bool) -> None:
     """ZeRO-3: FSDP2 ``fully_shard`` per block, then the root (embedding, norm, head).
 
     A 2-D ``dp_mesh`` (dp_replicate, dp_shard) gives HSDP: sharded within
@@ -59,7 +67,6 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, pcfg: ParallelConfig, de
         else:
             offload = CPUOffloadPolicy()
     reshard = not pipelined
-    blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
@@ -90,11 +97,17 @@ def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, me
 class ModelParts:
     """What this rank runs: one module, or its pipeline stages, and their schedule."""
 
-    modules: list[Transformer]
+    modules: list[nn.Module]
     stage_ids: list[int]
     n_stages: int
     pipeline: Pipeline | None
     uses_fsdp: bool
+    # Models of other sources (trainer.models): how to get logits, and the loss; None = the built-in's.
+    forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Parameters held after tensor parallelism, before ZeRO (for the memory prediction); 0 = compute it
+    # from the built-in model's sizes.
+    local_params: int = 0
 
     @property
     def has_first_stage(self) -> bool:
@@ -106,11 +119,13 @@ class ModelParts:
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits of the (whole, unpipelined) model for token ids ``inputs``."""
+        if self.forward_fn is not None:
+            return self.forward_fn(self.modules[0], inputs)
         return self.modules[0](inputs)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of one micro-batch (mean over its tokens)."""
-        return lm_loss(logits, targets)
+        return (self.loss_fn or lm_loss)(logits, targets)
 
     def named_parameters(self):
         for m in self.modules:
@@ -128,6 +143,8 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     Weights are initialised on the host from (seed, FQN) before any sharding,
     so the result is the same for every layout.
     """
+    if cfg.model.source != "builtin":
+        return build_custom_parts(cfg, dims, mesh, device)
     p = cfg.parallel
     coords = dims.coords(rank)
     n_stages = dims.pp * p.pp_stages_per_rank
@@ -151,6 +168,32 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp)
+
+
+def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None,
+                       device: torch.device) -> ModelParts:
+    """A hf/python model (:mod:`trainer.models`): built whole on the host from the seed, then TP from its plan,
+    activation checkpointing and FSDP per block, or the compute dtype for ZeRO 0-2."""
+    from . import models
+
+    p = cfg.parallel
+    model = models.build_model(cfg, "cpu").to(device)
+    blocks = [m for _, m in models.find_blocks(model, cfg.model)]
+    tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
+    if tp_mesh is not None:
+        models.apply_tp_plan(model, cfg, tp_mesh)
+    local = models.local_param_count(model)
+    models.apply_block_ac(blocks, p.activation_checkpoint, p.ac_every_k)
+    use_fsdp = p.zero_stage == 3 and dims.dp > 1
+    if p.zero_stage > 0 and dims.dp == 1:
+        log.warning("parallel.zero_stage=%d has no effect with a data-parallel size of 1", p.zero_stage)
+    if use_fsdp:
+        shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device, pipelined=False)
+    elif dtype != torch.float32:
+        models.cast_parameters(model, dtype)
+    loss_fn = models.resolve_ref(cfg.model.loss, "model.loss") if cfg.model.loss else None
+    forward = models.hf_forward if cfg.model.source == "hf" else models.plain_forward
+    return ModelParts([model], [0], 1, None, use_fsdp, forward_fn=forward, loss_fn=loss_fn, local_params=local)
 
 
 class Pipeline:
