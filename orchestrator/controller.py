@@ -497,6 +497,7 @@ class Controller:
             "world_size": len(self.members), "workers_requested": self.spec.workers, "step": self.last_completed_step(),
             "standby_ready": self.standby_ready,
             "total_steps": self.total_steps, "epoch": self.epoch, "loss": p.get("loss"), "lr": p.get("lr"),
+            "eval_loss": p.get("eval_loss"), "eval_step": p.get("eval_step"),
             "tokens_per_s": p.get("tokens_per_s"), "latest_checkpoint": self.committed_step,
             "controller_id": self.controller_id, "failures": len(self.failures.records),
             "metrics_url": None,  # where the run's metrics are served, when they are (the metrics observer)

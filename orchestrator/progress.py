@@ -86,17 +86,20 @@ class Follower:
 def info_line(snap: dict) -> str:
     loss = snap.get("loss")
     tps = snap.get("tokens_per_s")
+    ev = snap.get("eval_loss")
     return (f"loss {loss:.4f}  " if loss is not None else "") + \
+           (f"eval {ev:.4f}  " if ev is not None else "") + \
            (f"{tps:,.0f} tok/s  " if tps else "") + f"world {snap.get('world_size')}  {snap.get('phase')}"
 
 
 def status_table(rows: list[dict]) -> Table:
-    t = Table("run", "phase", "step", "world", "loss", "checkpoint", "recoveries", "steps lost", "goodput",
+    t = Table("run", "phase", "step", "world", "loss", "eval loss", "checkpoint", "recoveries", "steps lost", "goodput",
               "updated")
     for s in rows:
         age = time.time() - s["updated_unix"] if s.get("updated_unix") else None
         t.add_row(s.get("run_id", "?"), s.get("phase", "?"), f"{s.get('step', '-')}/{s.get('total_steps', '-')}",
                   str(s.get("world_size", "-")), f"{s['loss']:.4f}" if s.get("loss") is not None else "-",
+                  f"{s['eval_loss']:.4f}" if s.get("eval_loss") is not None else "-",
                   str(s.get("latest_checkpoint") if s.get("latest_checkpoint") is not None else "-"),
                   str(s.get("recoveries", 0)), str(s.get("steps_lost", 0)),
                   f"{s['goodput']:.2f}" if s.get("goodput") is not None else "-",

@@ -62,7 +62,14 @@ def prepare_run(config_path: str, overrides: list[str], *, workers: int | None =
                 min_workers: int | None = None, max_workers: int | None = None, run_id: str | None = None,
                 store: str | None = None) -> tuple[RunSpec, RunStore]:
     """Validate everything a run needs (ConfigError on any mistake) and record it in the store."""
-    raw = load_raw(config_path, overrides)
+    return prepare_run_doc(load_raw(config_path, overrides), workers=workers, min_workers=min_workers,
+                           max_workers=max_workers, run_id=run_id, store=store)
+
+
+def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int | None = None,
+                    max_workers: int | None = None, run_id: str | None = None,
+                    store: str | None = None) -> tuple[RunSpec, RunStore]:
+    """:func:`prepare_run` for a run document already read (the Python API's dicts and RunConfigs)."""
     if run_id is not None:
         raw["run_id"] = validate_run_id(run_id, "--run-id")
     raw = with_durable_checkpoints(raw)

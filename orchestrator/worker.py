@@ -213,6 +213,8 @@ class TrainWorker:
         with self._lock:
             self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank,
                           "mfu": util}
+            if self.trainer.last_eval is not None:  # the newest held-out loss stays in view between evaluations
+                self._last["eval_step"], self._last["eval_loss"] = self.trainer.last_eval
             if self.rank == 0:
                 self._history.append(HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed,
                                                 self._last["time"], stats.step_seconds))

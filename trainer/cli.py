@@ -22,14 +22,18 @@ durable says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
+from .config import RunConfig
 from .config_load import load_config
 from .data import load_corpus
 from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
@@ -133,15 +137,36 @@ def _agree_on(verdict: str, world: World) -> str:
     return box[0]
 
 
+@dataclass
+class Outcome:
+    """How a run of :func:`train_config` ended: ``exit_code`` 0 done, 2 invalid config, 1 anything else."""
+
+    exit_code: int
+    error: str = ""
+    step: int = 0
+    first_loss: float | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    seconds: float = 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    overrides = args.set + (["checkpoint.resume=true"] if args.resume else [])
+    return train_config(lambda: load_config(args.config, overrides), log_file=args.log_file,
+                        quiet=args.quiet).exit_code
+
+
+def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, quiet: bool = False) -> Outcome:
+    """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
+    args = argparse.Namespace(log_file=log_file, quiet=quiet)
     world = None
     ckpt = None
     log = None
     try:
         world = World.from_env()
         setup_logging(world)
-        cfg = load_config(args.config, args.set + (["checkpoint.resume=true"] if args.resume else []))
+        cfg = load()
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
@@ -164,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
         if ckpt is not None:
             ckpt.close()
-        return 2
+        return Outcome(2, str(e))
 
     meter = comm_meter(install=cfg.metrics.enabled and cfg.metrics.comm)
     meter.enabled = cfg.metrics.enabled and cfg.metrics.comm
@@ -200,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
                 print(format_step(s, total), flush=True)
+            if world.is_main and not args.quiet and s.eval_loss is not None:
+                print(f"eval at step {s.step}: loss {s.eval_loss:.4f} ({cfg.eval.batches} batches)", flush=True)
             if first is s and world.is_main and not args.quiet:
                 print(format_memory(trainer.memory_measured, trainer.memory_predicted(), world.rank), flush=True)
             if s.stop:  # a rank saw max_consecutive_failures failed saves: stop at this boundary
@@ -223,22 +250,25 @@ def main(argv: list[str] | None = None) -> int:
             elif final_save is not None and ckpt.failed_in_a_row:
                 verdict = f"the final checkpoint (step {final_save}) failed: {ckpt.last_error}"
             verdict = _agree_on(verdict if world.is_main else "", world)
+        done = Outcome(0, step=trainer.step, first_loss=first.loss if first else None,
+                       loss=last.loss if last else None, seconds=time.monotonic() - t0,
+                       eval_loss=trainer.last_eval[1] if trainer.last_eval else None)
         if verdict:
             if world.is_main:
                 print(f"etrain: error: {verdict}", file=sys.stderr, flush=True)
-            return 1
+            return dataclasses.replace(done, exit_code=1, error=verdict)
         if world.is_main and last is not None:
-            print(f"etrain: trained {total} steps in {time.monotonic() - t0:.1f} s; "
+            print(f"etrain: trained {total} steps in {done.seconds:.1f} s; "
                   f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)
-        return 0
+        return done
     except ConfigError as e:
         if world.is_main:
             print(f"etrain: invalid config: {e}", file=sys.stderr)
-        return 2
+        return Outcome(2, str(e))
     except EtrainError as e:
         if world.is_main:
             print(f"etrain: error: {e}", file=sys.stderr)
-        return 1
+        return Outcome(1, str(e))
     finally:
         if metrics is not None:
             metrics.close()

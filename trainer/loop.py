@@ -20,6 +20,7 @@ rate is a pure function of the step: linear warmup, then cosine decay.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -62,6 +63,7 @@ class StepStats:
     world_size: int
     samples_consumed: int
     stop: bool = False  # some rank asked to stop after this step (all ranks agree)
+    eval_loss: float | None = None  # held-out loss after this step, on the steps that evaluate ([eval])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,7 +103,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, world: World, *, corpus: Corpus | None = None,
-                 device: torch.device | None = None):
+                 val_corpus: Corpus | None = None, device: torch.device | None = None):
         self.cfg = cfg
         self.world = world
         self.dims = ParallelDims.from_config(cfg, world.size)
@@ -112,6 +114,10 @@ class Trainer:
         self.dp_rank = self.dims.dp_rank(world.rank)
         self.batcher = Batcher(self.corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch,
                                self.dp_rank, self.dims.dp)
+        self.val_corpus = val_corpus
+        self.val_batcher = None if val_corpus is None else Batcher(
+            val_corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch, self.dp_rank, self.dims.dp)
+        self.last_eval: tuple[int, float] | None = None  # (step, held-out loss) of the newest evaluation
         self.mesh = self.dims.build_mesh(self.device.type)
         self.parts = build_model_parts(cfg, self.dims, self.mesh, world.rank, self.device)
         self.optimizer = build_optimizer(self.parts, cfg, self.dims, self.mesh, world.rank)
@@ -231,14 +237,54 @@ class Trainer:
         trainer stops on failed saves: another one would not help). ``final_by_caller``: the caller
         commits step ``until`` itself (the controller does under Ray)."""
         interval = self.cfg.checkpoint.interval_steps
+        every = self.cfg.eval.every_steps
         while self.step < until:
             s = self.train_step(stop=stop)
+            if every and self.val_batcher is not None and (s.step % every == 0 or s.step == until):
+                s = dataclasses.replace(s, eval_loss=self.evaluate())
             if ckpt is not None and (save_when_stopping or not s.stop) and save_due(
                     s.step, interval, until, final_by_caller=final_by_caller):
                 self.save_checkpoint(ckpt)
             yield s
             if s.stop:
                 return
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval.batches`` global batches of the validation split (collective).
+
+        The same batches at every evaluation and every world size: positions ``[0, batches x global_batch)``
+        of the split's own sample order, each data-parallel rank taking its share as in training."""
+        cfg, vb = self.cfg, self.val_batcher
+        n_batches = cfg.eval.batches
+        loss_sum = torch.zeros((), device=self.device)
+        self.parts.train(False)
+        try:
+            for b in range(n_batches):
+                inputs, targets = vb.tokens(vb.local_positions(b * cfg.train.global_batch))
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if self.parts.pipeline is not None:
+                    pl = self.parts.pipeline
+                    losses: list[torch.Tensor] = []
+                    pl.schedule.eval(*((inputs,) if pl.has_first else ()),
+                                     target=targets if pl.has_last else None, losses=losses)
+                    if pl.has_last:
+                        loss_sum += torch.stack([x.float() for x in losses]).sum()
+                    continue
+                mb = cfg.train.micro_batch
+                n_micro = len(inputs) // mb
+                for i in range(n_micro):
+                    logits = self.parts.forward(inputs[i * mb : (i + 1) * mb])
+                    loss_sum += self.parts.loss(logits, targets[i * mb : (i + 1) * mb]).float() / n_micro
+        finally:
+            self.parts.train(True)
+        counts = self.parts.has_last_stage and self.coords["tp"] == 0
+        total = loss_sum if counts else torch.zeros((), device=self.device)
+        if self.world.size > 1:
+            dist.all_reduce(total)
+        value = total.item() / self.dims.dp / n_batches
+        self.last_eval = (self.step, value)
+        return value
 
     def _seed(self, sample_index: int) -> None:
         # Models of other sources may drop out whatever model.dropout says.

@@ -73,6 +73,7 @@ class RunMetrics:
         self.started = clock()
         # training
         self.last_step: dict = {}
+        self.eval_loss: float | None = None  # the newest held-out loss ([eval])
         self.steps_total = 0
         self.tokens_total = 0
         self.step_seconds = Histogram(STEP_BUCKETS)
@@ -113,6 +114,8 @@ class RunMetrics:
         with self._lock:
             prev = self.last_step.get("step")
             self.last_step = dict(s)
+            if s.get("eval_loss") is not None:
+                self.eval_loss = s["eval_loss"]
             if prev is not None and s.get("step", 0) > prev:
                 done = s["step"] - prev
             elif prev is None or s.get("step", 0) < prev:  # first report, or training went back (a restore)
@@ -265,6 +268,7 @@ class RunMetrics:
         yield hist("etrain_step_seconds", "Wall time of one training step (rank 0)", self.step_seconds)
         yield gauge("etrain_tokens_per_second", "Tokens per second of the last step", s.get("tokens_per_s"))
         yield gauge("etrain_loss", "Loss of the last step (mean over the global batch)", s.get("loss"))
+        yield gauge("etrain_eval_loss", "Held-out loss of the newest evaluation ([eval])", self.eval_loss)
         yield gauge("etrain_learning_rate", "Learning rate of the last step", s.get("lr"))
         yield gauge("etrain_grad_norm", "Global gradient norm of the last step, before clipping", s.get("grad_norm"))
         yield gauge("etrain_step_data_wait_seconds", "Seconds the last step waited for its batch",
