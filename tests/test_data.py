@@ -1,4 +1,6 @@
-"""The sample order and its single cursor: resumable at any world size."""
+"""The sample order and its single cursor: resumable at any world size; the default byte corpus.
+
+Formats, tokenizers and the token cache: tests/test_data_formats.py."""
 
 import os
 
@@ -7,7 +9,7 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from trainer.config import DataConfig
-from trainer.data import Batcher, Corpus, SampleOrder, load_corpus, stdlib_files
+from trainer.data import Batcher, Corpus, SampleOrder, load_corpus, split_corpus, stdlib_files
 
 
 def small_corpus(n_tokens=2000):
@@ -79,8 +81,10 @@ def test_stdlib_corpus_is_listed_and_hashed():
 def test_text_glob_and_tokens_bin(tmp_path):
     for i in range(3):
         (tmp_path / f"doc{i}.txt").write_text("hello world " * (i + 1))
-    c = load_corpus(DataConfig(source=f"file://{tmp_path}/*.txt"))
+    c = load_corpus(DataConfig(source=f"file://{tmp_path}/*.txt", cache_dir=str(tmp_path / "cache")))
     assert len(c.files) == 3 and c.kind == "text"
+    assert bytes(c.window(0, c.n_tokens).astype(np.uint8)) == b"hello world \0" + b"hello world " * 2 + b"\0" + \
+        b"hello world " * 3 + b"\0"
     toks = np.arange(5000, dtype=np.uint16) % 1000
     toks.tofile(tmp_path / "train.bin")
     t = load_corpus(DataConfig(source=str(tmp_path / "train.bin")))
@@ -101,8 +105,25 @@ def test_missing_and_empty_corpus_are_clear_errors(tmp_path):
         load_corpus(DataConfig(source=f"file://{tmp_path}/*.txt"))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ConfigError, match="holds no text"):
-        load_corpus(DataConfig(source=f"file://{tmp_path}/*.txt"))
+        load_corpus(DataConfig(source=f"file://{tmp_path}/*.txt", cache_dir=str(tmp_path / "cache")))
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(ConfigError, match="token_dtype"):
         load_corpus(DataConfig(source=str(tmp_path / "odd.bin")))
     assert not os.path.exists(tmp_path / "nope")
+
+
+def test_held_out_documents_of_the_default_corpus():
+    """val_fraction holds out whole files of the default corpus, picked by the seed; spans read across gaps."""
+    c = load_corpus(DataConfig(max_bytes=200_000))
+    docs = [bytes(c.parts[0][a:b]) for a, b in zip(c.doc_offsets[0][:-1], c.doc_offsets[0][1:])]
+    assert len(docs) == len(c.files) and b"".join(docs) == bytes(c.parts[0])
+    train, val = split_corpus(c, 0.25, seed=3, seq_len=16)
+    got_train = bytes(train.window(0, train.n_tokens).astype(np.uint8))
+    got_val = bytes(val.window(0, val.n_tokens).astype(np.uint8))
+    held = [d for d in docs if d in got_val]
+    assert len(held) == round(0.25 * len(docs)) and got_val == b"".join(held)
+    assert got_train == b"".join(d for d in docs if d not in held)
+    assert train.n_tokens + val.n_tokens == c.n_tokens
+    assert split_corpus(c, 0.25, seed=3, seq_len=16)[1].digest == val.digest != split_corpus(c, 0.25, 4, 16)[1].digest
+    with pytest.raises(ConfigError, match="give eval.source"):
+        split_corpus(load_corpus(DataConfig(max_bytes=100)), 0.5, seed=3, seq_len=16)
