@@ -90,6 +90,7 @@ def runs(configs):
         ("llama_zero3", llama + ["parallel.zero_stage=3"]),
         ("gpt2_zero0", gpt2 + ["parallel.zero_stage=0"]),
         ("gpt2_zero3", gpt2 + ["parallel.zero_stage=3"]),
+        ("llama_pp2_gpipe", llama + ["parallel.pp=2", 'parallel.pp_schedule="gpipe"', "parallel.zero_stage=0"]),
     ]}, timeout=600)
     w4 = run_ranks("tests.jobs:train_layouts", 4, {"base": TRAIN, "steps": STEPS, "layouts": [
         ("llama_hsdp", llama + ["parallel.dp_replicate=2", "parallel.zero_stage=3"]),
@@ -97,6 +98,8 @@ def runs(configs):
         ("llama_tp2_zero1", llama + ["parallel.tp=2", "parallel.zero_stage=1"]),
         ("llama_tp2_zero3_ac", llama + ["parallel.tp=2", "parallel.zero_stage=3",
                                         'parallel.activation_checkpoint="full"']),
+        ("llama_pp2_dp2_1f1b", llama + ["parallel.pp=2", "parallel.zero_stage=3",
+                                        'model.pp_split_points=["model.layers.1"]']),
     ]}, timeout=600)
     return {**w2[0], **w4[0], "_w4": w4}
 
@@ -167,7 +170,7 @@ def test_python_factory_with_its_own_tp_plan_matches_world_1():
     (['model.source="python"', 'model.factory="tests.custom_model:missing"'], "has no attribute 'missing'"),
     (['model.source="hf"', 'model.hf_config="/nonexistent/llama"'], "model.hf_config='/nonexistent/llama' does not exist"),
     (CUSTOM + ["parallel.tp=2"], "the model declares no tensor-parallel plan"),
-    (CUSTOM + ["parallel.pp=2"], "pipeline parallelism is available for model.source=\"builtin\" only"),
+    (CUSTOM + ["parallel.pp=2"], "not from a python factory's model"),
 ])
 def test_bad_models_exit_2_before_any_process_group(overrides, message):
     args = []
@@ -182,6 +185,9 @@ def test_hf_model_without_a_plan_refuses_tp_and_vocab_must_fit(configs, tmp_path
     r = run_module("trainer", ["--set", 'model.source="hf"', "--set", f'model.hf_config="{configs["gpt2"]}"',
                                "--set", "parallel.tp=2"])
     assert r.returncode == 2 and "GPT2LMHeadModel has no _tp_plan" in r.stderr, r.stderr
+    r = run_module("trainer", ["--set", 'model.source="hf"', "--set", f'model.hf_config="{configs["llama"]}"',
+                               "--set", "parallel.pp=2", "--set", 'model.pp_split_points=["model.layers.7"]'])
+    assert r.returncode == 2 and "model.pp_split_points: ['model.layers.7'] are not blocks" in r.stderr, r.stderr
     small = dict(LLAMA, vocab_size=128)
     (tmp_path / "config.json").write_text(json.dumps(small))
     r = run_module("trainer", ["--set", 'model.source="hf"', "--set", f'model.hf_config="{tmp_path}"',

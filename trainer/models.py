@@ -20,8 +20,13 @@ What the layouts need from a model:
   declares one for Llama, Qwen2, Mistral and others), or ``model.tp_plan = "pkg.mod:fn"`` returning
   ``{path: ParallelStyle}`` for ``fn(model, tp_mesh)``; a model with neither is refused under tp > 1.
 
-Pipeline parallelism and sequence parallelism are for the built-in model only (refused with the
-reason otherwise): cutting an arbitrary ``forward`` into stages needs the model's cooperation.
+* pipeline stages, for ``transformers`` decoders laid out as Llama's (``model.embed_tokens``,
+  ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``: Llama, Qwen2, Mistral and
+  others): each stage keeps its blocks under their own names and runs them with its own rotary
+  positions; stages begin at ``model.pp_split_points`` (block paths), by default at equal block
+  counts. A python factory's ``forward`` cannot be cut generically: refused with the reason.
+
+Sequence parallelism is for the built-in model only.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import fnmatch
 import importlib
 import logging
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -185,9 +191,7 @@ def inspect_model(cfg: RunConfig) -> ModelInfo:
                           f"({mcfg.hf_config}); use data.seq_len <= {max_len}")
     plan_kind = "model.tp_plan" if mcfg.tp_plan else ("model's own" if getattr(model, "_tp_plan", None) else "none")
     if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is available for model.source=\"builtin\" only "
-                          f"(model.source={mcfg.source!r}); use parallel.pp=1 and shard with parallel.zero_stage=3 "
-                          "or tensor parallelism")
+        _check_pipeline(model, cfg, [n for n, _ in blocks])
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true is available for model.source=\"builtin\" only; "
                           "set it to false")
@@ -200,6 +204,82 @@ def inspect_model(cfg: RunConfig) -> ModelInfo:
             _check_hf_plan(model, p)
     n_params = sum(t.numel() for t in model.parameters())
     return ModelInfo(mcfg.source, vocab, n_params, len(blocks), type(blocks[0][1]).__name__, plan_kind, max_len)
+
+
+def _check_pipeline(model: nn.Module, cfg: RunConfig, block_names: list[str]) -> None:
+    mcfg, p = cfg.model, cfg.parallel
+    if not llama_like(model):
+        what = "a python factory's model" if mcfg.source == "python" else f"{type(model).__name__}"
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline stages can be cut from the built-in decoder and from "
+                          f"transformers decoders laid out as Llama's, not from {what}; use parallel.pp=1 and "
+                          "shard with parallel.zero_stage=3 or tensor parallelism")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ConfigError(f"parallel.pp={p.pp}: the model ties its input and output embeddings, which live on the "
+                          "first and the last stage; use parallel.pp=1")
+    if mcfg.loss:
+        raise ConfigError("model.loss with parallel.pp > 1: the pipeline schedule computes the language-model "
+                          "loss itself; drop model.loss or use parallel.pp=1")
+    stage_ranges(block_names, p.pp * p.pp_stages_per_rank, mcfg.pp_split_points)
+
+
+def llama_like(model: nn.Module) -> bool:
+    base = getattr(model, "model", None)
+    return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
+        model, "lm_head") and isinstance(base.layers, nn.ModuleList)
+
+
+def stage_ranges(block_names: list[str], n_stages: int, split_points: list[str]) -> list[range]:
+    """Block index ranges per pipeline stage: starting at ``split_points`` (block paths), else even."""
+    if n_stages > len(block_names):
+        raise ConfigError(f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
+                          f"model's {len(block_names)} blocks; use at most {len(block_names)} stages")
+    if not split_points:
+        base, extra = divmod(len(block_names), n_stages)
+        starts = [s * base + min(s, extra) for s in range(n_stages)]
+    else:
+        if len(split_points) != n_stages - 1:
+            raise ConfigError(f"model.pp_split_points has {len(split_points)} entries; {n_stages} stages need "
+                              f"{n_stages - 1} (the block where each stage after the first begins)")
+        unknown = [x for x in split_points if x not in block_names]
+        if unknown:
+            raise ConfigError(f"model.pp_split_points: {unknown} are not blocks of the model; blocks are "
+                              f"{block_names[0]!r} .. {block_names[-1]!r}")
+        starts = [0] + [block_names.index(x) for x in split_points]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ConfigError(f"model.pp_split_points={split_points} must name blocks in increasing order, "
+                              "none of them the first")
+    ends = starts[1:] + [len(block_names)]
+    return [range(a, b) for a, b in zip(starts, ends)]
+
+
+def cut_hf_stage(model: nn.Module, keep: range, first: bool, last: bool) -> list[nn.Module]:
+    """Keep what one pipeline stage of a Llama-like ``transformers`` model runs, in place; its blocks.
+
+    The kept blocks keep their names (``model.layers.5``): the layer list becomes a dict keyed by the
+    original indices. The stage's ``forward`` takes token ids (first stage) or hidden states and returns
+    hidden states or logits (last stage)."""
+    base = model.model
+    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = None
+        model.lm_head = None
+    model.forward = types.MethodType(_stage_forward, model)
+    return list(base.layers.values())
+
+
+def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+    base = self.model
+    h = base.embed_tokens(x) if base.embed_tokens is not None else x
+    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    rotary = base.rotary_emb(h, position_ids=positions)
+    for layer in base.layers.values():
+        # No mask: the attention runs causal (SDPA's is_causal), as the whole model does on unpadded input.
+        h = layer(h, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+    if self.lm_head is not None:
+        h = self.lm_head(base.norm(h))
+    return h
 
 
 def model_preflight(cfg: RunConfig) -> ModelInfo | None:

@@ -144,7 +144,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     so the result is the same for every layout.
     """
     if cfg.model.source != "builtin":
-        return build_custom_parts(cfg, dims, mesh, device)
+        return build_custom_parts(cfg, dims, mesh, rank, device)
     p = cfg.parallel
     coords = dims.coords(rank)
     n_stages = dims.pp * p.pp_stages_per_rank
@@ -170,30 +170,47 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp)
 
 
-def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None,
+def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                        device: torch.device) -> ModelParts:
-    """A hf/python model (:mod:`trainer.models`): built whole on the host from the seed, then TP from its plan,
-    activation checkpointing and FSDP per block, or the compute dtype for ZeRO 0-2."""
+    """A hf/python model (:mod:`trainer.models`): built whole on the host from the seed, cut to this rank's
+    pipeline stages, then TP from its plan, activation checkpointing and FSDP per block, or the compute
+    dtype for ZeRO 0-2."""
     from . import models
 
     p = cfg.parallel
-    model = models.build_model(cfg, "cpu").to(device)
-    blocks = [m for _, m in models.find_blocks(model, cfg.model)]
+    n_stages = dims.pp * p.pp_stages_per_rank
+    stage_ids = [dims.coords(rank)["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
-    if tp_mesh is not None:
-        models.apply_tp_plan(model, cfg, tp_mesh)
-    local = models.local_param_count(model)
-    models.apply_block_ac(blocks, p.activation_checkpoint, p.ac_every_k)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
     if p.zero_stage > 0 and dims.dp == 1:
         log.warning("parallel.zero_stage=%d has no effect with a data-parallel size of 1", p.zero_stage)
-    if use_fsdp:
-        shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device, pipelined=False)
-    elif dtype != torch.float32:
-        models.cast_parameters(model, dtype)
+    modules, local = [], 0
+    for s in stage_ids:
+        model = models.build_model(cfg, "cpu")
+        named = models.find_blocks(model, cfg.model)
+        blocks = [m for _, m in named]
+        if dims.pp > 1:
+            keep = models.stage_ranges([n for n, _ in named], n_stages, cfg.model.pp_split_points)[s]
+            blocks = models.cut_hf_stage(model, keep, first=s == 0, last=s == n_stages - 1)
+        model.to(device)
+        if tp_mesh is not None:
+            models.apply_tp_plan(model, cfg, tp_mesh)
+        local += models.local_param_count(model)
+        models.apply_block_ac(blocks, p.activation_checkpoint, p.ac_every_k)
+        if use_fsdp:
+            shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device,
+                         pipelined=dims.pp > 1)
+        elif dtype != torch.float32:
+            models.cast_parameters(model, dtype)
+        modules.append(model)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
+                            p.pp_schedule, dims.pp_microbatches(cfg))
     loss_fn = models.resolve_ref(cfg.model.loss, "model.loss") if cfg.model.loss else None
     forward = models.hf_forward if cfg.model.source == "hf" else models.plain_forward
-    return ModelParts([model], [0], 1, None, use_fsdp, forward_fn=forward, loss_fn=loss_fn, local_params=local)
+    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=forward, loss_fn=loss_fn,
+                      local_params=local)
 
 
 class Pipeline:
