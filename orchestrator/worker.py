@@ -37,7 +37,7 @@ import torch.distributed as dist
 from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
-from trainer.data import load_corpus
+from trainer.data import load_splits
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
@@ -62,7 +62,7 @@ class TrainWorker:
         self.worker_id = worker_id
         self.store_url = store_url
         self.pg_timeout_s = pg_timeout_s
-        self.corpus = None
+        self.corpus = self.val_corpus = None
         self._store: dist.TCPStore | None = None  # the rendezvous store of the epochs this worker is rank 0 of
         self.trainer: Trainer | None = None
         self.ckpt = None
@@ -92,7 +92,7 @@ class TrainWorker:
         import torch.distributed.pipelining  # noqa: F401
         import torch.distributed.tensor.parallel  # noqa: F401
 
-        self.corpus = load_corpus(self.cfg.data)
+        self.corpus, self.val_corpus = load_splits(self.cfg)
 
     # --- identity -------------------------------------------------------------------
 
@@ -137,7 +137,7 @@ class TrainWorker:
         init_distributed(world, device, store=dist.PrefixStore(f"etrain/epoch_{epoch}", store),
                          timeout_s=self.pg_timeout_s)
         t2 = time.monotonic()
-        self.trainer = Trainer(self.cfg, world, corpus=self.corpus, device=device)
+        self.trainer = Trainer(self.cfg, world, corpus=self.corpus, val_corpus=self.val_corpus, device=device)
         self.meter.name_axes(self.trainer.mesh)
         self.ckpt = checkpoint_manager(self.cfg, world, epoch=epoch, fence=self._fence())
         if self.ckpt is not None and rank == 0:

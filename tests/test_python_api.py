@@ -87,7 +87,7 @@ def test_submit_an_hf_model_kill_a_worker_and_pass_the_oracle(ray_cluster, tmp_p
 @pytest.mark.ray
 def test_submitted_run_is_resized_suspended_and_resumed_through_the_api(ray_cluster, tmp_path):
     root = f"file://{tmp_path}/runs"
-    doc, overrides = _doc(root, "train.steps=24")
+    doc, overrides = _doc(root, "train.steps=24", "eval.every_steps=4", "eval.val_fraction=0.1", "eval.batches=1")
     run = etrain.submit(doc, workers=2, min_workers=1, max_workers=2, store=root, overrides=overrides,
                         run_id=f"api-{uuid.uuid4().hex[:6]}")
     run._bg.wait(lambda s: s.get("phase") == "RUNNING" and (s.get("step") or 0) >= 4, timeout=120,
@@ -104,3 +104,4 @@ def test_submitted_run_is_resized_suspended_and_resumed_through_the_api(ray_clus
     final = run.resume(workers=2).wait(timeout=300)
     assert final["phase"] == "FINISHED" and final["step"] == 24, final
     assert run.events("resized")
+    assert run.status()["eval_loss"] > 0 and run.status()["eval_step"] == 24  # as `etrain status` shows it

@@ -35,7 +35,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
 from .config_load import load_config
-from .data import load_corpus
+from .data import load_splits
 from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
 from .models import model_preflight
 from .parallel_dims import ParallelDims, resolve_device
@@ -170,7 +170,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
-        corpus = load_corpus(cfg.data)
+        corpus, val_corpus = load_splits(cfg)
         check_vocab(cfg, corpus.vocab_size)
         log = _open_log(args.log_file, world)
         ckpt = checkpoint_manager(cfg, world)
@@ -196,7 +196,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     init_distributed(world, device)
     metrics = None
     try:
-        trainer = Trainer(cfg, world, corpus=corpus, device=device)
+        trainer = Trainer(cfg, world, corpus=corpus, val_corpus=val_corpus, device=device)
         meter.name_axes(trainer.mesh)
         metrics = start_metrics(cfg, world)
         if ckpt is not None and cfg.checkpoint.resume:

@@ -40,7 +40,7 @@ from checkpointing.storage import Storage
 
 from . import memory
 from .config import RunConfig
-from .data import Batcher, Corpus, load_corpus
+from .data import Batcher, Corpus, load_splits
 from .optim import build_optimizer
 from .parallel_dims import ParallelDims, resolve_device, resolve_precision
 from .parallelize import build_model_parts
@@ -108,7 +108,9 @@ class Trainer:
         self.world = world
         self.dims = ParallelDims.from_config(cfg, world.size)
         self.device = device or resolve_device(cfg.parallel, world.local_rank)
-        self.corpus = corpus or load_corpus(cfg.data)
+        if corpus is None:
+            corpus, val_corpus = load_splits(cfg)
+        self.corpus = corpus
         check_vocab(cfg, self.corpus.vocab_size)
         self.coords = self.dims.coords(world.rank)
         self.dp_rank = self.dims.dp_rank(world.rank)
