@@ -8,6 +8,7 @@
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
     etrain train --config CONFIG.toml     (one rank of a run under torchrun; same as python -m trainer)
+    etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
     etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
 
@@ -122,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="the run's Ray cluster (default $RAY_ADDRESS, else the local one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the run at most")
     _add_store(p)
+
+    p = sub.add_parser("data", help="prepare a run's token caches ahead of time, on one machine")
+    p.add_argument("action", choices=["prepare"], help="prepare: tokenize [data] (and eval.source) into the cache")
+    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
 
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
     _add_run(p)
@@ -330,9 +336,29 @@ def cmd_resize(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from trainer.config_load import load_config
+    from trainer.data import prepare
+
+    cfg = load_config(args.config, args.set)
+    with Progress(TextColumn("tokenizing"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("tokenizing", total=None)
+        splits = prepare(cfg, lambda done, total: bar.update(task, completed=min(done, total), total=total))
+    for s in splits:
+        where = (f"cache {s['cache_state']} at {s['cache']}" if "cache" in s else
+                 "no cache: token files are mapped in place" if s["kind"] == "tokens" else
+                 "no cache: the default byte corpus is read into memory")
+        print(f"etrain: {s['split']}: {s['tokens']:,} tokens, {s.get('documents', '?')} documents, {s['kind']}, "
+              f"digest {s['digest']}; {where}", flush=True)
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
-            "chaos": cmd_chaos}
+            "chaos": cmd_chaos, "data": cmd_data}
 
 
 if __name__ == "__main__":

@@ -138,13 +138,14 @@ def test_python_factory_and_token_directories(tmp_path):
 def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_path):
     over = ['data.tokenizer="%s"' % corpus_dir["tokenizer"], f'data.source="{corpus_dir["dir"]}/txt"',
             f'data.cache_dir="{tmp_path}"', "model.vocab_size=512"]
-    r = subprocess.run([sys.executable, "-m", "trainer.data", "prepare", os.path.join(ROOT, "examples/tiny.toml"),
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "data", "prepare", "examples/tiny.toml",
                         *sum((["--set", o] for o in over), [])], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
-    built = json.loads(r.stdout.strip().splitlines()[-1])
-    assert built["cache_state"] == "built" and built["documents"] == 240
-    assert prepare(load_config(None, over))[0]["cache_state"] == "reused"
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("etrain: train: ") and "240 documents" in line and "cache built at" in line, line
+    built = prepare(load_config(None, over))[0]
+    assert built["cache_state"] == "reused" and line.endswith(built["cache"])
 
     with open(os.path.join(built["cache"], "tokens.bin"), "r+b") as f:
         f.write(b"\xff\xff")  # no longer what the header hashed
@@ -156,8 +157,8 @@ def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_pat
 def test_bad_data_is_a_config_error_naming_the_fix(corpus_dir, tmp_path_factory):
     d, tok = corpus_dir["dir"], corpus_dir["tokenizer"]
     tmp_path, inputs = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("inputs")
-    with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than data.tokenizer's vocabulary.*"
-                                          r"set model.vocab_size >= 420"):
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than the vocabulary of data.tokenizer="
+                                          r".*420 ids; set model.vocab_size >= 420"):
         load_splits(load_config(None, [f'data.tokenizer="{tok}"', f'data.source="{d}/docs.jsonl"']))
     for source in ("docs.jsonl", "docs.parquet"):
         with pytest.raises(ConfigError, match="no (field|column) 'body'.*id, text.*set data.text_field"):

@@ -301,7 +301,7 @@ def tokenizer_vocab_size(cfg: DataConfig) -> int:
 
 def _check_vocab(cfg: RunConfig, have: int, what: str) -> None:
     if cfg.model.source == "builtin" and have > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {what} ({have} ids); "
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {what}, which has {have} ids; "
                           f"set model.vocab_size >= {have}")
 
 
@@ -342,7 +342,7 @@ def load_splits(cfg: RunConfig, *, progress: Progress | None = None) -> tuple[Co
     d, e = cfg.data, cfg.eval
     fmt = resolve_format(d)
     if fmt not in ("python", "tokens"):  # before any tokenizing: a vocabulary too small is known now
-        _check_vocab(cfg, tokenizer_vocab_size(d), f"data.tokenizer's vocabulary ({d.tokenizer})")
+        _check_vocab(cfg, tokenizer_vocab_size(d), f"the vocabulary of data.tokenizer={d.tokenizer!r}")
     train = load_corpus(d, progress=progress)
     _check_vocab(cfg, train.vocab_size, "the training data's vocabulary")
     if e.source:
@@ -350,7 +350,7 @@ def load_splits(cfg: RunConfig, *, progress: Progress | None = None) -> tuple[Co
             val = _load(dataclasses.replace(d, data_files=[e.source]), d.source, progress)
         else:
             val = _load(d, e.source, progress)
-        _check_vocab(cfg, val.vocab_size, f"eval.source's vocabulary ({e.source})")
+        _check_vocab(cfg, val.vocab_size, f"the vocabulary of eval.source={e.source!r}")
         if val.n_samples(d.seq_len) < 1:
             raise ConfigError(f"eval.source={e.source!r} holds {val.n_tokens} tokens, fewer than one sample of "
                               f"data.seq_len={d.seq_len} + 1")
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(done: int, total: int) -> None:
         if time.monotonic() - last[0] >= 2.0 or done >= total:
             last[0] = time.monotonic()
-            print(f"etrain: tokenizing {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB", flush=True)
+            print(f"etrain: tokenizing: {100 * done / max(total, 1):5.1f}%", flush=True)
 
     try:
         for d in prepare(load_config(args.config, args.set), progress):
