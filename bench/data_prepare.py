@@ -73,16 +73,16 @@ def raw_encode(tok_path: str, max_bytes: int) -> tuple[float, float, int, int]:
     files."""
     from tokenizers import Tokenizer
 
-    from trainer.tokenize import _BATCH_BYTES, _BATCH_PIECES
+    from trainer.tokenize import _BATCH_PIECES, batch_bytes
 
     tok = Tokenizer.from_file(tok_path)
     texts = [t.decode("utf-8", "replace") for t in stdlib_texts(max_bytes)]
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    batches, batch, size = [], [], 0
+    batches, batch, size, limit = [], [], 0, batch_bytes()
     for text in texts:
         batch.append(text)
         size += len(text)
-        if size >= _BATCH_BYTES or len(batch) >= _BATCH_PIECES:
+        if size >= limit or len(batch) >= _BATCH_PIECES:
             batches.append(batch)
             batch, size = [], 0
     batches += [batch] if batch else []

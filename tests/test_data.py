@@ -127,3 +127,19 @@ def test_held_out_documents_of_the_default_corpus():
     assert split_corpus(c, 0.25, seed=3, seq_len=16)[1].digest == val.digest != split_corpus(c, 0.25, 4, 16)[1].digest
     with pytest.raises(ConfigError, match="give eval.source"):
         split_corpus(load_corpus(DataConfig(max_bytes=100)), 0.5, seed=3, seq_len=16)
+
+
+@pytest.mark.parametrize("as_bytes", [True, False])
+def test_long_text_files_are_read_in_pieces_cut_after_newlines(monkeypatch, as_bytes):
+    import io
+
+    from trainer import data_sources
+
+    monkeypatch.setattr(data_sources, "_BLOCK", 4)
+    for data in [b"", b"ab", b"abcd", b"ab\ncd\nef", b"abcdefgh", b"a\nbcdefgh\n", "h\u00e9\u00e9\u00e9\n\u00e9".encode()]:
+        pieces = [(p if as_bytes else p.encode(), end) for p, end in data_sources._text_pieces(io.BytesIO(data),
+                                                                                               as_bytes)]
+        assert b"".join(p for p, _ in pieces) == data
+        assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True] * bool(data)
+        # Cut after a newline, or at a full block (less a character split there, which the next piece starts).
+        assert all(p.endswith(b"\n") or len(p) >= 4 - 3 * (not as_bytes) for p, end in pieces if not end)

@@ -31,7 +31,7 @@ from checkpointing.errors import ConfigError
 from .config import DataConfig
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "idlelib"}
-_BLOCK = 1 << 20  # text is read (and encoded) in pieces of about this many bytes
+_BLOCK = 256 << 10  # text is read (and encoded) in pieces of about this many bytes
 _EXT = {".bin": "tokens", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
@@ -156,21 +156,20 @@ Progress = Callable[[int, int], None]
 
 
 def _text_pieces(f, as_bytes: bool) -> Iterator[tuple[str | bytes, bool]]:
-    """One file as pieces of about ``_BLOCK`` bytes, cut after a newline where there is one."""
+    """One file as pieces of about ``_BLOCK`` bytes, cut after a newline where there is one (a file
+    shorter than that is one piece); an empty file is no document."""
     decoder = None if as_bytes else codecs.getincrementaldecoder("utf-8")("replace")
-    carry, empty = b"", True
-    while True:
-        block = f.read(_BLOCK)
+    carry, block = b"", f.read(_BLOCK)
+    while block:
+        following = f.read(_BLOCK)
         data = carry + block
-        if not block:
-            if not empty:  # an empty file is no document
-                yield (data if as_bytes else decoder.decode(data, final=True)), True
+        if not following:
+            yield (data if as_bytes else decoder.decode(data, final=True)), True
             return
-        empty = False
         cut = data.rfind(b"\n") + 1 or len(data)
         carry = data[cut:]
-        if cut:
-            yield (data[:cut] if as_bytes else decoder.decode(data[:cut])), False
+        yield (data[:cut] if as_bytes else decoder.decode(data[:cut])), False
+        block = following
 
 
 def _record_text(rec, field: str, where: str) -> str:

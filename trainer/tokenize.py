@@ -38,8 +38,14 @@ log = logging.getLogger("etrain")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]", "<|end|>")
 # Files of a tokenizer directory that make up the tokenizer (hashed into the cache key); weights are not.
 _TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "spiece", "config.json")
-_BATCH_BYTES = 8 << 20
 _BATCH_PIECES = 4096
+
+
+def batch_bytes() -> int:
+    """Text per encode call: enough pieces for every encoder thread, small enough that reading and writing
+    overlap encoding (2 MiB, or 512 KiB per thread)."""
+    threads = int(os.environ.get("RAYON_NUM_THREADS") or 0) or os.cpu_count() or 1
+    return max(2 << 20, threads * (512 << 10))
 
 
 class Tokenizer(Protocol):
@@ -214,12 +220,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def _batches(pieces: Iterable[tuple[str | bytes, bool]]) -> Iterator[tuple[list, list[bool], int]]:
-    texts, ends, size = [], [], 0
+    texts, ends, size, limit = [], [], 0, batch_bytes()
     for text, end in pieces:
         texts.append(text)
         ends.append(end)
         size += len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "replace"))
-        if size >= _BATCH_BYTES or len(texts) >= _BATCH_PIECES:
+        if size >= limit or len(texts) >= _BATCH_PIECES:
             yield texts, ends, size
             texts, ends, size = [], [], 0
     if texts:
