@@ -133,6 +133,9 @@ def test_python_factory_and_token_directories(tmp_path):
         (np.arange(100, dtype=np.uint16) + 100 * i).tofile(tmp_path / "bins" / f"shard{i}.bin")
     t = load_corpus(DataConfig(source=str(tmp_path / "bins")))  # a directory of .bin files is tokens
     assert t.kind == "tokens" and t.n_tokens == 300 and list(t.window(95, 10)) == list(range(95, 105))
+    (tmp_path / "bins" / "README.md").write_text("shards")
+    with pytest.raises(ConfigError, match=r"several formats \(.bin, .md\); set data.format"):
+        load_corpus(DataConfig(source=str(tmp_path / "bins")))
 
 
 def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_path):

@@ -90,7 +90,9 @@ class Corpus:
 
     @property
     def n_docs(self) -> int:
-        return sum(len(o) - 1 for o in self.doc_offsets) if self.doc_offsets is not None else len(self.parts)
+        if self.doc_offsets is not None:
+            return sum(len(o) - 1 for o in self.doc_offsets)
+        return self.info.get("documents", len(self.parts))
 
     def describe(self) -> dict:
         return {"kind": self.kind, "files": len(self.files), "tokens": self.n_tokens, "digest": self.digest,

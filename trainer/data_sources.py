@@ -94,7 +94,10 @@ def resolve_format(cfg: DataConfig, source: str | None = None) -> str:
     if not globmod.has_magic(source) and "://" not in source and os.path.isdir(source):
         exts = {os.path.splitext(_base(p))[1] for _, _, names in os.walk(source) for p in names}
     kinds = {_EXT.get(e, "text") for e in exts}
-    return kinds.pop() if len(kinds) == 1 else "text"
+    if len(kinds) > 1:
+        raise ConfigError(f"data.source={source!r} holds files of several formats ({', '.join(sorted(exts))}); "
+                          f"set data.format to one of {', '.join(sorted(kinds))}, or point data.source at a glob")
+    return kinds.pop() if kinds else "text"
 
 
 def _stamp(info: dict) -> str:
