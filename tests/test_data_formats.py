@@ -98,6 +98,26 @@ def test_same_text_same_digest_any_format(corpus_dir, tmp_path):
     assert bytes(as_bytes.window(0, 40).astype(np.uint8)) == (corpus_dir["docs"][0] + "\0").encode()[:40]
 
 
+def test_tokenizer_directories(corpus_dir, tmp_path):
+    """A directory with tokenizer.json (read with tokenizers alone), and one with only vocab.json and
+    merges.txt (AutoTokenizer, offline): the same ids as the file, EOS from tokenizer_config.json."""
+    from trainer.tokenize import load_tokenizer
+
+    tok = corpus_dir["tok"]
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": EOS, "bos_token": EOS, "unk_token": EOS}
+    (tmp_path / "fast").mkdir()
+    tok.save(str(tmp_path / "fast" / "tokenizer.json"))
+    (tmp_path / "slow").mkdir()
+    tok.model.save(str(tmp_path / "slow"))  # vocab.json, merges.txt
+    for d in ("fast", "slow"):
+        (tmp_path / d / "tokenizer_config.json").write_text(json.dumps(config))
+    want = [e.ids for e in tok.encode_batch(corpus_dir["docs"][:20], add_special_tokens=False)]
+    for form in ("fast", "slow"):
+        t = load_tokenizer(str(tmp_path / form))
+        assert [list(a) for a in t.encode_batch(corpus_dir["docs"][:20])] == want, form
+        assert (t.vocab_size, t.eos_id) == (tok.get_vocab_size(), tok.token_to_id(EOS)), form
+
+
 def test_val_fraction_holds_out_whole_documents(corpus_dir, tmp_path):
     base = ['data.tokenizer="%s"' % corpus_dir["tokenizer"], f'data.source="{corpus_dir["dir"]}/docs.jsonl"',
             f'data.cache_dir="{tmp_path}"', "model.vocab_size=512", "eval.val_fraction=0.1"]
