@@ -89,16 +89,25 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
         # Set by trainer.parallelize.apply_ac; recomputes this block in backward.
         self.checkpoint_activations = False
+        # Set by trainer.tensor_parallel.apply_tp under sequence parallelism: (tp rank, tp size); the
+        # residual stream then holds this rank's tp-th of the sequence.
+        self.seq_shard: tuple[int, int] | None = None
+
+    def _dropout(self, h: torch.Tensor) -> torch.Tensor:
+        """Dropout; a sequence shard takes its slice of the mask drawn for the whole sequence, so the
+        result does not depend on the tensor-parallel degree (on the CPU, where this is F.dropout's draw)."""
+        if not (self.dropout and self.training):
+            return h
+        if self.seq_shard is None:
+            return F.dropout(h, self.dropout)
+        rank, n = self.seq_shard
+        b, s, d = h.shape
+        keep = torch.empty((b, s * n, d), dtype=h.dtype, device=h.device).bernoulli_(1 - self.dropout)
+        return h * keep[:, rank * s : (rank + 1) * s].div_(1 - self.dropout)
 
     def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = self.attention(self.attention_norm(x), rope)
-        if self.dropout and self.training:
-            h = F.dropout(h, self.dropout)
-        x = x + h
-        h = self.feed_forward(self.ffn_norm(x))
-        if self.dropout and self.training:
-            h = F.dropout(h, self.dropout)
-        return x + h
+        x = x + self._dropout(self.attention(self.attention_norm(x), rope))
+        return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import ParallelConfig, RunConfig
 from .model import Transformer, cut_stage
 from .parallel_dims import ParallelDims, axis_group, resolve_precision, sub_mesh
-from .tensor_parallel import apply_tp, lm_loss
+from .tensor_parallel import apply_tp, grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
 
@@ -80,16 +80,21 @@ def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, me
 
     The order matters (module docstring): TP turns parameters into DTensors, AC only marks blocks,
     and FSDP2 must see the final module tree and the TP-sharded parameters. ZeRO 0-2 shard in the
-    optimizer (:mod:`trainer.optim`), not here. Rotary tables stay fp32 in every case.
+    optimizer (:mod:`trainer.optim`), not here; they read each gradient as its parameter's local
+    shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
+    Rotary tables stay fp32 in every case.
     """
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(pcfg, device)
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh)
+        apply_tp(model, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
     apply_ac(model, pcfg.activation_checkpoint, pcfg.ac_every_k)
     if use_fsdp:
         apply_fsdp(model, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), pcfg, device, pipelined=dims.pp > 1)
-    elif dtype != torch.float32:
-        model.to(dtype)
+    else:
+        if dtype != torch.float32:
+            model.to(dtype)
+        if tp_mesh is not None:
+            grads_as_placed(model)  # after the cast, which replaces DTensor parameters
     model.rope = model.rope.float()
 
 
