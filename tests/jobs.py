@@ -9,30 +9,64 @@ import torch
 from trainer.config_load import load_config
 from trainer.data import load_corpus
 from trainer.loop import Trainer
-from trainer.world import World, init_distributed, shutdown_distributed
+from trainer.world import World, forget_meshes, init_distributed, shutdown_distributed
 
 CPU = torch.device("cpu")
 
 
+def trainers(world: World, base: list[str], layouts: list):
+    """For each ``(name, overrides, *rest)`` of ``layouts``, one after another on one corpus: (name,
+    rest, a Trainer of ``base + overrides``)."""
+    corpus = load_corpus(load_config(None, base).data)
+    for name, overrides, *rest in layouts:
+        # DTensor's caches would hand the previous layout's meshes (equal by shape and names) to
+        # this one: right ranks, but collectives on old groups, which the meter cannot name.
+        forget_meshes()
+        yield name, rest, Trainer(load_config(None, base + overrides), world, corpus=corpus, device=CPU)
+        gc.collect()
+
+
 def train_layouts(payload: dict) -> dict:
-    """Train each layout for a few steps in this world; losses and memory per layout."""
+    """Train each layout for a few steps in this world: per layout its losses, memory (measured and
+    predicted) and the collectives of an average step after the first, by "kind/axis".
+
+    A layout is ``(name, overrides)`` (``payload["steps"]`` steps) or ``(name, overrides, steps)``.
+    With ``payload["params"]`` the trained parameters come back too (whole tensors: world 1 only)."""
+    from trainer.telemetry import comm_meter
+
+    meter = comm_meter()
     world = World.from_env()
     init_distributed(world, CPU)
     try:
-        base = payload["base"]
-        corpus = load_corpus(load_config(None, base).data)
         out = {}
-        for name, overrides in payload["layouts"]:
-            cfg = load_config(None, base + overrides)
-            trainer = Trainer(cfg, world, corpus=corpus, device=CPU)
-            losses = [trainer.train_step().loss for _ in range(payload["steps"])]
+        for name, rest, trainer in trainers(world, payload["base"], payload["layouts"]):
+            steps = rest[0] if rest else payload["steps"]
+            meter.name_axes(trainer.mesh)
+            losses = [trainer.train_step().loss]
+            before = meter.snapshot()
+            losses += [trainer.train_step().loss for _ in range(steps - 1)]
             out[name] = {"losses": losses, "memory": trainer.memory_measured,
-                         "predicted": trainer.memory_predicted()}
+                         "predicted": trainer.memory_predicted(), "comm": comm_per_step(meter, before, steps - 1)}
+            if payload.get("params"):
+                out[name]["params"] = {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}
             del trainer
-            gc.collect()
         return out
     finally:
         shutdown_distributed()
+
+
+def comm_per_step(meter, before: list[dict], steps: int) -> dict[str, dict]:
+    """The meter's figures since the snapshot ``before``, per step, keyed "kind/axis"."""
+    if steps < 1:
+        return {}
+    prior = {(c["kind"], c["axis"]): c for c in before}
+    out = {}
+    for c in meter.snapshot():
+        b = prior.get((c["kind"], c["axis"]), {"bytes": 0, "calls": 0, "seconds": 0.0, "bus_bytes": 0.0})
+        if c["calls"] > b["calls"]:
+            out[f"{c['kind']}/{c['axis']}"] = {k: (c[k] - b[k]) / steps for k in ("bytes", "calls", "seconds",
+                                                                                  "bus_bytes")}
+    return out
 
 
 def comm_volume(payload: dict) -> dict:
@@ -49,19 +83,94 @@ def comm_volume(payload: dict) -> dict:
         trainer = Trainer(cfg, world, device=CPU)
         meter.name_axes(trainer.mesh)
         trainer.train_step()  # warm-up (lazy init)
-        before = {(c["kind"], c["axis"]): c for c in meter.snapshot()}
+        before = meter.snapshot()
         steps = payload["steps"]
         for _ in range(steps):
             trainer.train_step()
-        out = {}
-        for c in meter.snapshot():
-            b = before.get((c["kind"], c["axis"]), {"bytes": 0, "calls": 0, "seconds": 0.0, "bus_bytes": 0.0})
-            out[f"{c['kind']}/{c['axis']}"] = {k: (c[k] - b[k]) / steps for k in ("bytes", "calls", "seconds",
-                                                                                   "bus_bytes")}
+        out = comm_per_step(meter, before, steps)
         model = trainer.parts.modules[0]
         blocks = list(model.layers.values())
         full = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731 (DTensor numel is global)
         return {"per_step": out, "param_bytes": full(model.parameters()),
                 "block_bytes": [full(b.parameters()) for b in blocks]}
+    finally:
+        shutdown_distributed()
+
+
+class LiveBytes:
+    """A dispatch mode that counts the bytes of tensor storages created inside it while they live,
+    and their peak: what a step allocates (activations, gradients, temporaries), on any device."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.live = self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer._count(out)
+                return out
+
+        self._mode = _Mode()
+
+    def _count(self, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if storage in self._seen:
+                continue
+            n = self._seen[storage] = storage.nbytes()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def ac_probe(payload: dict) -> dict:
+    """Activation checkpointing per mode (world 1): the losses of a few steps, then one micro-batch's
+    forward and backward with each block's attention counting its forward calls (a recomputed block
+    runs twice), the bytes forward leaves held for backward, and the peak over both."""
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        out = {}
+        for name, _, trainer in trainers(world, payload["base"], payload["modes"]):
+            losses = [trainer.train_step().loss for _ in range(payload["steps"])]
+            layers = trainer.parts.modules[0].layers
+            calls = dict.fromkeys(layers, 0)
+
+            def count(name):
+                return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+            hooks = [block.attention.register_forward_hook(count(n)) for n, block in layers.items()]
+            inputs, targets = trainer.batcher.tokens(trainer.batcher.local_positions(0))
+            mb = trainer.cfg.train.micro_batch
+            with LiveBytes() as live:
+                loss = trainer.parts.loss(trainer.parts.forward(inputs[:mb]), targets[:mb])
+                held = live.live
+                loss.backward()
+            for h in hooks:
+                h.remove()
+            out[name] = {"losses": losses, "calls": calls, "held": held, "peak": live.peak}
+            del trainer, loss
+        return out
     finally:
         shutdown_distributed()

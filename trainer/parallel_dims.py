@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from checkpointing.errors import ConfigError
 
-from .config import ParallelConfig, RunConfig, _divisors, _fmt_list
+from .config import ParallelConfig, RunConfig, _divisors, _fmt_list, _or_join
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -56,6 +56,7 @@ class ParallelDims:
             )
         dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp)
         dims.check_batch(cfg)
+        dims.check_features(cfg)
         return dims
 
     @property
@@ -115,6 +116,25 @@ class ParallelDims:
                     f"to be a multiple of pp={self.pp}"
                 )
             del stages
+
+    def check_features(self, cfg: RunConfig) -> None:
+        """Options that need something of the layout: refused here, before any process group starts."""
+        p, seq = cfg.parallel, cfg.data.seq_len
+        if p.sequence_parallel and seq % self.tp:
+            near = [v for v in (seq - seq % self.tp, seq - seq % self.tp + self.tp) if v >= max(2, self.tp)]
+            if cfg.model.source == "builtin":
+                near = [v for v in near if v <= cfg.model.max_seq_len] or near
+            raise ConfigError(
+                f"parallel.sequence_parallel=true splits every sample's data.seq_len={seq} positions evenly "
+                f"across parallel.tp={self.tp} ranks; use data.seq_len={_or_join(near)}, or sequence_parallel=false"
+            )
+        if p.offload == "cpu" and self.dp == 1:
+            fixed = p.dp_replicate * p.tp * p.pp
+            raise ConfigError(
+                f'parallel.offload="cpu" offloads what FSDP2 shards across data-parallel ranks, and this layout '
+                f"has a data-parallel size of 1 at world size {self.world_size} (tp={self.tp} x pp={self.pp}); "
+                f"run on {2 * fixed} processes with parallel.dp_shard=-1, or set parallel.offload=\"none\""
+            )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """A named mesh over the axes of size > 1 (None on a single process).
