@@ -205,8 +205,11 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
         if use_fsdp:
             shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device,
                          pipelined=dims.pp > 1)
-        elif dtype != torch.float32:
-            models.cast_parameters(model, dtype)
+        else:
+            if dtype != torch.float32:
+                models.cast_parameters(model, dtype)
+            if tp_mesh is not None:
+                grads_as_placed(model)  # ZeRO 0-2 read gradients as the parameters' local shards
         modules.append(model)
     pipeline = None
     if dims.pp > 1:
