@@ -1,7 +1,7 @@
 """Data-parallel gradient reduction and AdamW, by ZeRO stage.
 
-    opt = build_optimizer(parts, cfg, dims, mesh)
-    ...loss.backward(); opt.after_backward(final=last_micro_batch)
+    opt = build_optimizer(parts, cfg, dims, mesh, rank)
+    for each micro-batch: opt.before_backward(final=last); loss.backward(); opt.after_backward(final=last)
     norm_sq = opt.local_norm_sq()            # all-reduced over the world by the caller
     opt.step(lr, clip_coef); opt.zero_grad()
 
@@ -10,10 +10,13 @@ data-parallel rank and differ in what they shard:
 
 * 0: nothing (DDP semantics). Gradients live in one flat buffer (``p.grad`` are
   views into it, so autograd accumulates in place); one all-reduce per step.
-* 1: the optimizer state. Same all-reduced full gradients; each rank updates
-  its chunk of every parameter, then the chunks are all-gathered.
-* 2: + gradients. Each backward's gradients are reduce-scattered at once and
-  only this rank's chunk is kept.
+* 1: the optimizer state. Same flat buffer; after the last micro-batch it is
+  reduce-scattered in fp32, bucket by bucket, each rank updates its chunk of
+  every parameter, and the chunks are all-gathered, bucket by bucket.
+* 2: + gradients. Gradient hooks reduce-scatter them bucket by bucket
+  (``parallel.bucket_mb``) while backward runs, adding this rank's chunks into
+  an fp32 shard and dropping the whole gradients, so at most a bucket or two
+  of them exist at once; every micro-batch accumulates into the shard.
 
 Chunks follow DTensor's ``Shard`` rule (``torch.chunk`` along one dim: the
 first dim that tensor parallelism does not already shard), so a chunk of the
@@ -24,18 +27,22 @@ state are DTensors sharded by ``fully_shard``.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
 
 from .config import RunConfig, TrainConfig
 from .parallel_dims import ParallelDims, axis_group, sub_mesh
 from .parallelize import ModelParts
+
+log = logging.getLogger("etrain")
 
 
 def chunk_bounds(size: int, n: int, r: int) -> tuple[int, int]:
@@ -135,6 +142,7 @@ class _Slot:
     replicas: int  # identical copies of this rank's gradient chunk, world-wide
     decay: bool
     master: nn.Parameter | None = None  # what AdamW updates (a view of ``chunk`` in fp32)
+    arrived: bool = False  # stage 2: its gradient waits in ``param.grad`` for the rest of its bucket
 
     def chunk(self, r: int) -> torch.Tensor:
         return self.local.narrow(self.dim, self.starts[r], self.lengths[r])
@@ -143,6 +151,51 @@ class _Slot:
         s = list(self.local.shape)
         s[self.dim] = self.lengths[r]
         return torch.Size(s)
+
+
+@dataclass
+class _Bucket:
+    """Consecutive slots whose gradients are reduced, and parameters gathered, by one collective."""
+
+    slots: list[_Slot]
+    lo: int  # its range in a rank's section
+    hi: int
+    ready: int = 0  # stage 2: slots whose gradient arrived since the bucket was last reduced
+    reduced: bool = False  # stage 2: reduced into the shard at least once this step
+
+    def region(self, row: torch.Tensor, s: _Slot, r: int) -> torch.Tensor:
+        """Chunk ``r`` of slot ``s`` inside one ``hi - lo`` row of a bucket buffer, in the chunk's shape."""
+        k = s.offset - self.lo
+        return row[k : k + s.lengths[r] * s.inner].view(s.chunk_shape(r))
+
+
+def make_buckets(slots: list[_Slot], n: int, limit_bytes: float) -> list[_Bucket]:
+    """Cut ``slots`` into runs of at most ``limit_bytes`` of packed fp32 gradient (``n`` chunks each).
+
+    Runs are taken from the last parameter backwards, roughly the order in which backward
+    produces gradients; a parameter larger than the limit is a bucket of its own."""
+    runs: list[list[_Slot]] = []
+    size = 0.0
+    for s in reversed(slots):
+        nbytes = 4 * n * s.width
+        if not runs or size + nbytes > limit_bytes:
+            runs.append([])
+            size = 0.0
+        runs[-1].append(s)
+        size += nbytes
+    return [_Bucket(run[::-1], run[-1].offset, run[0].offset + run[0].width) for run in runs]
+
+
+def _local_grad(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The local tensor of gradient ``g``, laid out like the local tensor of its parameter ``p``.
+
+    Under tensor parallelism a gradient can come back with other placements than its parameter
+    (the vocabulary-sharded embedding's is replicated at the full shape); it is redistributed to
+    the parameter's (Replicate -> Shard is a local slice)."""
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        with torch.no_grad():
+            g = g.redistribute(p.device_mesh, p.placements)
+    return local_tensor(g)
 
 
 class ZeroOptimizer:
@@ -157,7 +210,10 @@ class ZeroOptimizer:
         self.replicate_group = axis_group(mesh, dims, "dp_replicate") if self.stage > 0 else None
         self.n = dims.dp_shard if self.stage > 0 else 1
         self.r = dims.coords(rank)["dp_shard"] if self.stage > 0 else 0
-        self.grad_accumulated = False
+        if cfg.parallel.reduce_every_microbatch and dims.dp > 1 and rank == 0:
+            log.warning("parallel.reduce_every_microbatch has no effect with zero_stage=%d: stages 0 and 1 keep "
+                        "whole gradients and reduce them once per step, stage 2 reduce-scatters every "
+                        "micro-batch into its shard during backward", self.stage)
         params = list(parts.named_parameters())
         self.dtype = params[0][1].dtype if params else torch.float32
         self.slots: list[_Slot] = []
@@ -176,11 +232,18 @@ class ZeroOptimizer:
             offset += width
             flat += local.numel()
         self.section = offset
-        self._reduced: torch.Tensor | None = None  # stages 0/1: all-reduced fp32 gradients
+        self.buckets = make_buckets(self.slots, self.n, cfg.parallel.bucket_mb * 2**20) if self.stage else []
+        # What one bucketed collective adds at most: the largest bucket's packed fp32 gradients.
+        self.bucket_bytes = max((4 * self.n * (b.hi - b.lo) for b in self.buckets), default=0)
+        self._reduced: torch.Tensor | None = None  # stage 0, fp32 stage 1: reduced gradients, whole
         self.flat_grad: torch.Tensor | None = None  # stages 0/1: the full gradients
-        self.grad_shard: torch.Tensor | None = None  # stage 2: this rank's chunk of them
+        self.grad_shard: torch.Tensor | None = None  # stage 2, bf16 stage 1: this rank's chunks in fp32
         if self.stage < 2:
             self._attach_flat_grads()
+        else:
+            for b in self.buckets:
+                for s in b.slots:
+                    s.param.register_post_accumulate_grad_hook(lambda p, s=s, b=b: self._grad_arrived(s, b))
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for s in self.slots:
             mine = s.chunk(self.r)
@@ -232,15 +295,14 @@ class ZeroOptimizer:
         for s in self.slots:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
-        if self.stage > 0 and self.n > 1:
-            self._all_gather_params()
+        for b in self.buckets if self.n > 1 else []:
+            self._all_gather_bucket(b)
 
     # --- gradients -----------------------------------------------------------
 
     def _attach_flat_grads(self) -> None:
         numel = sum(s.local.numel() for s in self.slots)
-        device = self.slots[0].local.device if self.slots else torch.device("cpu")
-        self.flat_grad = torch.zeros(numel, dtype=self.dtype, device=device)
+        self.flat_grad = torch.zeros(numel, dtype=self.dtype, device=self._device())
         self._grad_views = [self._flat_view(self.flat_grad, s) for s in self.slots]
         self._point_grads_at_views()
 
@@ -260,69 +322,123 @@ class ZeroOptimizer:
     def _adopt_stray_grads(self) -> None:
         """Autograd normally accumulates into our views; copy in any grad it replaced."""
         for s, view in zip(self.slots, self._grad_views):
-            g = s.param.grad
-            if g is None:
+            if s.param.grad is None:
                 continue
-            lg = local_tensor(g)
+            lg = _local_grad(s.param, s.param.grad)
             if lg.data_ptr() != view.data_ptr():
                 view.copy_(lg)
         self._point_grads_at_views()
 
     def before_backward(self, final: bool) -> None:
-        """Call before each micro-batch's forward; ``final`` before the step's last one."""
+        """Call before each micro-batch's forward; ``final`` before the step's last one. Nothing to
+        do here: stages 0/1 accumulate into the flat buffer, stage 2 reduces from gradient hooks."""
 
     def after_backward(self, final: bool) -> None:
         """Call after each backward; ``final`` after the last micro-batch of the step."""
         if self.stage == 2:
-            self._reduce_scatter_grads()
-            if final and self.replicate_group is not None:
-                dist.all_reduce(self.grad_shard, group=self.replicate_group)
-            if final:
+            # The hooks reduced every complete bucket; the rest had parameters without a gradient.
+            for b in self.buckets:
+                if b.ready or (final and not b.reduced):
+                    self._reduce_into_shard(b)
+            if final and self.grad_shard is not None:
+                if self.replicate_group is not None:
+                    dist.all_reduce(self.grad_shard, group=self.replicate_group)
                 self.grad_shard.div_(self.dims.dp)
         elif final:
             self._adopt_stray_grads()
-            reduced = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
-            if self.dp_group is not None:
-                dist.all_reduce(reduced, group=self.dp_group)
-            reduced.div_(self.dims.dp)
-            self._reduced = reduced
+            if self.stage == 0:
+                self._all_reduce_grads()
+            else:
+                self._reduce_scatter_grads()
         if final:
             self._set_master_grads()
 
-    def _reduce_scatter_grads(self) -> None:
-        slots = self.slots
-        device = slots[0].local.device
-        packed = torch.zeros(self.n, self.section, dtype=torch.float32, device=device)
-        for s in slots:
-            g = s.param.grad
+    def _grad_arrived(self, s: _Slot, b: _Bucket) -> None:
+        """Stage 2's hook, once autograd has accumulated ``s``'s gradient: reduce its bucket when complete."""
+        if not s.arrived:
+            s.arrived = True
+            b.ready += 1
+        if b.ready == len(b.slots):
+            self._reduce_into_shard(b)
+
+    def _reduce_into_shard(self, b: _Bucket) -> None:
+        """Stage 2: reduce-scatter one bucket's gradients (then dropped) and add this rank's chunks to the shard."""
+        grads = [None if s.param.grad is None else _local_grad(s.param, s.param.grad) for s in b.slots]
+        for s in b.slots:
+            s.param.grad, s.arrived = None, False
+        packed = self._pack(b, grads)
+        del grads
+        if self.grad_shard is None:
+            self.grad_shard = torch.empty(self.section, dtype=torch.float32, device=self._device())
+        dest = self.grad_shard[b.lo : b.hi]
+        out = torch.empty_like(dest) if b.reduced else dest
+        self._reduce_scatter(out, packed)
+        del packed
+        if b.reduced:
+            dest.add_(out)
+        b.reduced, b.ready = True, 0
+
+    def _pack(self, b: _Bucket, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """``[n, hi - lo]`` fp32: row r holds chunk r of each of the bucket's gradients (zeros for None)."""
+        packed = torch.zeros(self.n, b.hi - b.lo, dtype=torch.float32, device=self._device())
+        for s, g in zip(b.slots, grads):
             if g is None:
                 continue
-            g = local_tensor(g)
             for r in range(self.n):
                 if s.lengths[r]:
-                    n = s.lengths[r] * s.inner
-                    packed[r, s.offset : s.offset + n] = g.narrow(s.dim, s.starts[r], s.lengths[r]).reshape(-1)
-            s.param.grad = None
-        out = torch.empty(self.section, dtype=torch.float32, device=device)
+                    b.region(packed[r], s, r).copy_(g.narrow(s.dim, s.starts[r], s.lengths[r]))
+        return packed
+
+    def _reduce_scatter(self, out: torch.Tensor, packed: torch.Tensor) -> None:
         if self.shard_group is not None:
             dist.reduce_scatter_single(out, packed.view(-1), group=self.shard_group)
         else:
             out.copy_(packed.view(-1))
-        if self.grad_shard is None:
-            self.grad_shard = out
-        else:
-            self.grad_shard.add_(out)
+
+    def _all_reduce_grads(self) -> None:
+        """Stage 0: all-reduce the whole gradients, in fp32 (in place when they are fp32)."""
+        reduced = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
+        if self.dp_group is not None:
+            dist.all_reduce(reduced, group=self.dp_group)
+        reduced.div_(self.dims.dp)
+        self._reduced = reduced
+
+    def _reduce_scatter_grads(self) -> None:
+        """Stage 1, after the last micro-batch: reduce-scatter the accumulated gradients in fp32, bucket by
+        bucket. This rank's reduced chunks go back into the flat buffer (fp32) or into an fp32 shard (bf16)."""
+        in_place = self.dtype == torch.float32
+        if not in_place:
+            self.grad_shard = torch.empty(self.section, dtype=torch.float32, device=self._device())
+        for b in self.buckets:
+            self._reduce_scatter_bucket(b, in_place)
+        self._reduced = self.flat_grad if in_place else None
+
+    def _reduce_scatter_bucket(self, b: _Bucket, in_place: bool) -> None:
+        packed = self._pack(b, [self._flat_view(self.flat_grad, s) for s in b.slots])
+        out = torch.empty(b.hi - b.lo, dtype=torch.float32, device=packed.device) if in_place \
+            else self.grad_shard[b.lo : b.hi]
+        self._reduce_scatter(out, packed)
+        del packed
+        if self.replicate_group is not None:
+            dist.all_reduce(out, group=self.replicate_group)
+        out.div_(self.dims.dp)
+        if in_place:
+            for s in b.slots:
+                if s.lengths[self.r]:
+                    self._my_chunk(self.flat_grad, s).copy_(b.region(out, s, self.r))
+
+    def _my_chunk(self, flat: torch.Tensor, s: _Slot) -> torch.Tensor:
+        return self._flat_view(flat, s).narrow(s.dim, s.starts[self.r], s.lengths[self.r])
 
     def _set_master_grads(self) -> None:
         for s in self.slots:
             if s.master is None:
                 continue
-            if self.stage == 2:
+            if self._reduced is not None:
+                s.master.grad = self._my_chunk(self._reduced, s)
+            else:
                 n = s.master.numel()
                 s.master.grad = self.grad_shard[s.offset : s.offset + n].view(s.chunk_shape(self.r))
-            else:
-                full = self._flat_view(self._reduced, s)
-                s.master.grad = full.narrow(s.dim, s.starts[self.r], s.lengths[self.r])
 
     def local_norm_sq(self) -> torch.Tensor:
         """Sum of squared gradient entries this rank owns, each divided by its replica count."""
@@ -348,42 +464,37 @@ class ZeroOptimizer:
         for s in self.slots:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
-        if self.stage > 0 and self.n > 1:
-            self._all_gather_params()
+        for b in self.buckets if self.n > 1 else []:
+            self._all_gather_bucket(b)
 
-    def _all_gather_params(self) -> None:
-        device = self._device()
-        mine = torch.zeros(self.section, dtype=self.dtype, device=device)
-        for s in self.slots:
+    def _all_gather_bucket(self, b: _Bucket) -> None:
+        """Every rank's updated chunks of one bucket to every rank."""
+        mine = torch.zeros(b.hi - b.lo, dtype=self.dtype, device=self._device())
+        for s in b.slots:
             if s.lengths[self.r]:
-                c = s.chunk(self.r)
-                mine[s.offset : s.offset + c.numel()] = c.reshape(-1)
-        full = torch.empty(self.n * self.section, dtype=self.dtype, device=device)
-        dist.all_gather_single(full, mine, group=self.shard_group)
-        full = full.view(self.n, self.section)
-        with torch.no_grad():
-            for s in self.slots:
-                for r in range(self.n):
-                    if r == self.r or not s.lengths[r]:
-                        continue
-                    shape = s.chunk_shape(r)
-                    s.chunk(r).copy_(full[r, s.offset : s.offset + shape.numel()].view(shape))
+                b.region(mine, s, self.r).copy_(s.chunk(self.r))
+        full = torch.empty(self.n, b.hi - b.lo, dtype=self.dtype, device=mine.device)
+        dist.all_gather_single(full.view(-1), mine, group=self.shard_group)
+        for s in b.slots:
+            for r in range(self.n):
+                if r != self.r and s.lengths[r]:
+                    s.chunk(r).copy_(b.region(full[r], s, r))
 
     def zero_grad(self) -> None:
         for s in self.slots:
             if s.master is not None:
                 s.master.grad = None
-        self._reduced = None
-        if self.stage == 2:
-            self.grad_shard = None
-        else:
+        self._reduced = self.grad_shard = None
+        for b in self.buckets:
+            b.reduced = False
+        if self.stage < 2:
             self.flat_grad.zero_()
             self._point_grads_at_views()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         params = _storage_bytes(s.local for s in self.slots)
-        held = [self.flat_grad, self.grad_shard] + [s.param.grad for s in self.slots if self.stage == 2]
+        held = [self.flat_grad, self.grad_shard, self._reduced] + [s.param.grad for s in self.slots if self.stage == 2]
         grads = _storage_bytes(held)
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
         masters = [s.master for s in self.slots if s.master is not None
@@ -394,9 +505,15 @@ class ZeroOptimizer:
 class FSDPOptimizer:
     """ZeRO stage 3: AdamW over FSDP2's sharded DTensor parameters."""
 
-    def __init__(self, parts: ModelParts, cfg: RunConfig, dims: ParallelDims):
+    def __init__(self, parts: ModelParts, cfg: RunConfig, dims: ParallelDims, rank: int = 0):
         self.cfg = cfg.train
         self.dims = dims
+        self.modules = [m for m in parts.modules if isinstance(m, FSDPModule)]
+        # A pipeline schedule turns FSDP's gradient sync off and on itself (PipelineStage).
+        self.sync_each = None if parts.pipeline is not None else cfg.parallel.reduce_every_microbatch
+        if parts.pipeline is not None and cfg.parallel.reduce_every_microbatch and rank == 0:
+            log.warning("parallel.reduce_every_microbatch has no effect under pipeline parallelism: the "
+                        "schedule reduce-scatters once, after the last micro-batch")
         self.params = [p for _, p in parts.named_parameters()]
         self.fqns = [fqn for fqn, _ in parts.named_parameters()]
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
@@ -415,7 +532,12 @@ class FSDPOptimizer:
         """Nothing to do: DCP loaded straight into the sharded parameters and state."""
 
     def before_backward(self, final: bool) -> None:
-        """Call before each micro-batch's forward; ``final`` before the step's last one."""
+        """Before each micro-batch: FSDP reduce-scatters in that backward only for the last micro-batch
+        (gradients accumulate unsharded until then), or for every one with
+        ``parallel.reduce_every_microbatch`` (sharded accumulation: less memory, more traffic)."""
+        if self.sync_each is not None:
+            for m in self.modules:
+                m.set_requires_gradient_sync(final or self.sync_each)
 
     def after_backward(self, final: bool) -> None:
         """FSDP reduce-scatters inside backward; nothing to do here."""
@@ -469,5 +591,5 @@ class FSDPOptimizer:
 
 def build_optimizer(parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int):
     if parts.uses_fsdp:
-        return FSDPOptimizer(parts, cfg, dims)
+        return FSDPOptimizer(parts, cfg, dims, rank)
     return ZeroOptimizer(parts, cfg, dims, mesh, rank)
