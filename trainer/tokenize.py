@@ -15,14 +15,17 @@ which is what ``model.vocab_size`` must hold.
 
 ``encode_stream`` encodes with ``encode_batch_fast``: the Rust side spreads a
 batch over ``RAYON_NUM_THREADS`` threads (default: every core) with the GIL
-released, and the next batch is encoded while the previous one is written.
+released; two batches are in flight at once, and the finished one is written
+while the next is encoded.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -232,19 +235,20 @@ def _batches(pieces: Iterable[tuple[str | bytes, bool]]) -> Iterator[tuple[list,
         yield texts, ends, size
 
 
-def encode_stream(tok: Tokenizer, pieces: Iterable[tuple[str | bytes, bool]]) -> Iterator[tuple[list[np.ndarray],
-                                                                                                list[bool], int]]:
-    """Encode ``(text, ends_document)`` pieces in batches; yields (ids per piece, ends, text size).
+def encode_stream(tok: Tokenizer, pieces: Iterable[tuple[str | bytes, bool]], *,
+                  depth: int = 2) -> Iterator[tuple[list[np.ndarray], list[bool], int]]:
+    """Encode ``(text, ends_document)`` pieces in batches; yields (ids per piece, ends, text bytes) in order.
 
-    While the caller handles one batch, the next is encoded on a second thread (the Rust encoder
-    releases the GIL), so reading, encoding and writing overlap."""
+    ``depth`` batches are encoded at once on threads of their own (the Rust encoder releases the GIL and
+    its thread pool takes work from both), so one batch's last pieces never leave encoder threads idle,
+    and reading and writing overlap encoding."""
     batches = _batches(pieces)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="etrain-encode") as pool:
-        nxt = next(batches, None)
-        pending = pool.submit(tok.encode_batch, nxt[0]) if nxt else None
-        while pending is not None:
-            cur = nxt
+    with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="etrain-encode") as pool:
+        pending = deque((pool.submit(tok.encode_batch, b[0]), b) for b in itertools.islice(batches, depth))
+        while pending:
+            future, (_, ends, size) = pending.popleft()
+            ids = future.result()
             nxt = next(batches, None)
-            ids = pending.result()
-            pending = pool.submit(tok.encode_batch, nxt[0]) if nxt else None
-            yield ids, cur[1], cur[2]
+            if nxt is not None:
+                pending.append((pool.submit(tok.encode_batch, nxt[0]), nxt))
+            yield ids, ends, size
