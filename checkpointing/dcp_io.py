@@ -11,9 +11,12 @@ are not copied (a sync save keeps training waiting until they are written; an
 async save writes from its own snapshot, which nothing touches until the save
 ends); only device or non-contiguous tensors are copied into reused host
 buffers. :meth:`EtrainWriter.upload` (no collectives) waits for the files,
-several in flight, each checksummed as it is written. Tensors are stored as
-raw bytes (no pickling), so a reader can slice any sub-block of a saved shard,
-which is what resharding needs.
+several in flight, each checksummed as it is written. Items are stored the
+way stock DCP stores them (:mod:`checkpointing.dcp_format`): a tensor is the
+``torch.save`` archive of that tensor, whose bytes etrain writes straight from
+the tensor's memory between an envelope made once per dtype and shape, so
+stock DCP readers load the checkpoint, and etrain's reader slices any
+sub-block of a saved shard in place, which is what resharding needs.
 
 Every file of a save attempt is named by that attempt (:func:`file_name`:
 the epoch, the rank, the file's number and a random token per rank and
@@ -45,6 +48,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
+from .dcp_format import CorruptCheckpointError, StorageInfo, envelope  # noqa: F401  (CorruptCheckpointError: re-exported)
 from .errors import CheckpointError
 from .manifest import FILE_SIZE, FileEntry
 from .storage import Storage
@@ -52,23 +56,16 @@ from .storage import Storage
 _ALIGN = 64
 
 
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint file is missing, truncated or fails its checksum."""
-
-
 @dataclass(frozen=True)
 class ItemLocation:
-    """Where one saved item lives: a byte range of one file, and how to read it back."""
+    """Where one saved item lived in checkpoint formats 1 and 2 (raw tensor bytes): a byte range of one
+    file, and how to read it back. Kept so that their DCP metadata still unpickles; never written."""
 
     path: str
     offset: int
     length: int
     dtype: str | None = None  # tensors: "float32", ...
     shape: tuple[int, ...] | None = None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class StagingPool:
@@ -204,15 +201,14 @@ def same_results(a: list[WriteResult], b: list[WriteResult]) -> bool:
     """Whether two saves laid their items out the same way, whatever their file tokens."""
     def key(r: WriteResult):
         loc = r.storage_data
-        head = _NAME_RE.match(loc.path)
-        return r.index, r.size_in_bytes, head["head"] if head else loc.path, loc.offset, loc.length, loc.dtype, \
-            loc.shape
+        head = _NAME_RE.match(loc.relative_path)
+        return r.index, r.size_in_bytes, head["head"] if head else loc.relative_path, loc.offset, loc.length
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
 
 
 def retoken_metadata(metadata: Metadata, tokens: dict[str, str]) -> Metadata:
     """``metadata`` with every item's file renamed from an old attempt's token to the new one's."""
-    storage = {idx: dataclasses.replace(loc, path=_retoken(loc.path, tokens))
+    storage = {idx: dataclasses.replace(loc, relative_path=_retoken(loc.relative_path, tokens))
                for idx, loc in metadata.storage_data.items()}
     return dataclasses.replace(metadata, storage_data=storage)
 
@@ -279,7 +275,8 @@ class EtrainWriter(StorageWriter):
         self.timings["write_data"] = time.monotonic()
         self.plan = plan
         prefix = plan.storage_data
-        # Resolve and size every item, then lay the items out in files of ~file_size.
+        # Resolve and size every item, then lay the items out in files of ~file_size. A tensor
+        # goes between the envelope that makes it the torch.save archive stock DCP reads.
         items = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -288,7 +285,7 @@ class EtrainWriter(StorageWriter):
                 items.append((item, raw, len(raw)))
             else:
                 t = data.detach()
-                items.append((item, t, t.numel() * t.element_size()))
+                items.append((item, t, envelope(t.dtype, tuple(t.shape)).size(t.numel() * t.element_size())))
         files = _split(items, self.file_size, upload_threads(self.storage))
         results = []
         if self._executor is None:
@@ -299,12 +296,8 @@ class EtrainWriter(StorageWriter):
             name = file_name(prefix, k, self.token)
             staged = self._lay_out(name, group)
             off = 0
-            for item, data, n in group:
-                if isinstance(data, bytes):
-                    loc = ItemLocation(name, off, n)
-                else:
-                    loc = ItemLocation(name, off, n, _dtype_name(data.dtype), tuple(data.shape))
-                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=loc))
+            for item, _, n in group:
+                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=StorageInfo(name, off, n)))
                 off += _padded(n)
             self.staged.append(staged)
             if self.overlap:
@@ -323,14 +316,16 @@ class EtrainWriter(StorageWriter):
         for _, data, n in group:
             if isinstance(data, bytes):
                 views.append(memoryview(data))
-            elif n:
-                view = _host_bytes(data)
-                if view is None:
-                    copies.append((len(views), data))
-                keep.append(data)
-                views.append(view)
             else:
-                views.append(memoryview(b""))
+                env = envelope(data.dtype, tuple(data.shape))
+                views.append(memoryview(env.prefix))
+                if data.numel():
+                    view = _host_bytes(data)
+                    if view is None:
+                        copies.append((len(views), data))
+                    keep.append(data)
+                    views.append(view)
+                views.append(memoryview(env.suffix))
             if _padded(n) > n:
                 views.append(memoryview(_ZEROS)[: _padded(n) - n])
         if copies:

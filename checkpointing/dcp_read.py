@@ -6,7 +6,10 @@
 
 The reader fetches whole files, checks each against the manifest's size and
 crc32c before any byte is used, and copies the requested sub-blocks into the
-destination tensors (DTensor shards included). A mismatch raises
+destination tensors (DTensor shards included). Items are located the way
+stock DCP locates them (``_StorageInfo``, format 3, see
+:mod:`checkpointing.dcp_format`); the raw items of formats 1 and 2
+(``ItemLocation``) are read as well. A mismatch raises
 :class:`CorruptCheckpointError` naming the file; DCP turns an error on any
 rank into an error on every rank, so all ranks fall back together.
 
@@ -32,10 +35,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
-from .dcp_io import CorruptCheckpointError, ItemLocation
-from .manifest import METADATA_RE, FileEntry, checksum
+from .dcp_format import CorruptCheckpointError, StorageInfo, chunk_of, item_tensor
+from .dcp_io import ItemLocation
+from .manifest import METADATA_RE, SHARD_RE, FileEntry, checksum
 from .storage import MiB, Storage
 
+# Exactly what DCP metadata pickles name: stock DCP's metadata classes and item location
+# (``_StorageInfo``), etrain's item location of formats 1 and 2, torch.Size, the layout
+# (strided) and, from stock writers, the checkpoint directory as a PosixPath. Dtypes too.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
                                               "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
@@ -44,8 +51,7 @@ _METADATA_CLASSES = {
     "checkpointing.dcp_io": {"ItemLocation"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath"},
 }
 
 
@@ -73,15 +79,41 @@ def load_metadata(blob: bytes, where: str) -> Metadata:
     return md
 
 
-def _check_location(loc, files: dict[str, FileEntry], where: str) -> None:
-    """An item's location is a byte range of a listed file, with a real dtype and a matching shape."""
-    if not isinstance(loc, ItemLocation):
-        raise CorruptCheckpointError(f"{where}: an item location is a {type(loc).__name__}, not an etrain one")
-    entry = files.get(loc.path) if isinstance(loc.path, str) else None
+def check_locations(md: Metadata, files: dict[str, FileEntry], where: str) -> None:
+    """Every item of ``md`` lies in a listed file (:func:`check_location`); every chunk the metadata
+    describes has an item."""
+    for index, loc in md.storage_data.items():
+        check_location(md, index, loc, files, where)
+    for fqn, entry in md.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        wanted = [MetadataIndex(fqn)] if chunks is None else [MetadataIndex(fqn, c.offsets) for c in chunks]
+        for index in wanted:
+            if index not in md.storage_data:
+                raise CorruptCheckpointError(f"{where}: {str(fqn)[:80]!r} has no stored item "
+                                             f"{'' if index.offset is None else tuple(index.offset)}")
+
+
+def check_location(md: Metadata, index, loc, files: dict[str, FileEntry], where: str) -> None:
+    """An item's location is a byte range of a listed shard file, long enough for what the metadata
+    says it holds; a format-2 location also has a real dtype and a shape that matches its length."""
+    path = _path(loc)
+    if path is None:
+        raise CorruptCheckpointError(f"{where}: an item location is a {type(loc).__name__}, not a DCP one")
+    entry = files.get(path) if isinstance(path, str) and SHARD_RE.fullmatch(path) else None
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (loc.offset, loc.length))
     if entry is None or not ints or loc.offset + loc.length > entry.size:
-        raise CorruptCheckpointError(f"{where}: an item lies outside the files the manifest lists "
-                                     f"({str(loc.path)[:60]!r} at {loc.offset!r:.20}+{loc.length!r:.20})")
+        raise CorruptCheckpointError(f"{where}: an item lies outside the files of the checkpoint "
+                                     f"({str(path)[:60]!r} at {loc.offset!r:.20}+{loc.length!r:.20})")
+    if isinstance(loc, StorageInfo):
+        if loc.transform_descriptors:
+            raise CorruptCheckpointError(f"{where}: {str(getattr(index, 'fqn', '?'))[:80]!r} is stored through "
+                                         f"stream transforms {str(loc.transform_descriptors)[:60]}, which etrain "
+                                         "does not read (save without DCP extensions)")
+        chunk = chunk_of(md, index)
+        if chunk is not None and loc.length < math.prod(chunk[1]) * chunk[0].itemsize:
+            raise CorruptCheckpointError(f"{where}: {index.fqn[:80]!r} is stored in {loc.length} bytes, too few "
+                                         f"for {chunk[0]} {chunk[1]}")
+        return
     if loc.dtype is None:
         return
     dtype = getattr(torch, loc.dtype, None) if isinstance(loc.dtype, str) else None
@@ -90,6 +122,15 @@ def _check_location(loc, files: dict[str, FileEntry], where: str) -> None:
             math.prod(loc.shape) * dtype.itemsize != loc.length:
         raise CorruptCheckpointError(f"{where}: an item has an invalid dtype or shape "
                                      f"({str(loc.dtype)[:20]!r}, {str(loc.shape)[:40]})")
+
+
+def _path(loc) -> str | None:
+    """The file an item location names (stock DCP's or a format-2 one); None for anything else."""
+    if isinstance(loc, StorageInfo):
+        return loc.relative_path
+    if isinstance(loc, ItemLocation):
+        return loc.path
+    return None
 
 
 class EtrainReader(StorageReader):
@@ -102,11 +143,13 @@ class EtrainReader(StorageReader):
         self.step_rel = step_rel
         self.files = files
         self.max_batch_bytes = max_batch_bytes
-        self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.storage_data: dict[MetadataIndex, StorageInfo | ItemLocation] = {}
         self._metadata: Metadata | None = None
+        self._chunks: dict = {}  # MetadataIndex -> (dtype, shape) of each tensor item
 
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}
+        self._chunks = {}
 
     def _fetch(self, paths: list[str]) -> dict[str, bytes]:
         for p in paths:
@@ -142,12 +185,12 @@ class EtrainReader(StorageReader):
                                          "not one")
         where = f"{self.step_rel}/{names[0]}"
         md = load_metadata(self._fetch(names)[names[0]], where)
-        for loc in md.storage_data.values():
-            _check_location(loc, self.files, where)
+        check_locations(md, self.files, where)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.storage_data = metadata.storage_data
+        self._metadata = self._metadata or metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -158,7 +201,7 @@ class EtrainReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list] = {}
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].path, []).append(req)
+            per_file.setdefault(_path(self.storage_data[req.storage_index]), []).append(req)
         batch: list[str] = []
         size = 0
         for path in sorted(per_file):
@@ -175,32 +218,41 @@ class EtrainReader(StorageReader):
 
     def _apply(self, blobs: dict[str, bytes], per_file: dict[str, list], planner: LoadPlanner) -> None:
         for path, data in blobs.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only buffer: we only copy out of it
-                whole = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
             for req in per_file[path]:
                 loc = self.storage_data[req.storage_index]
-                raw = whole[loc.offset : loc.offset + loc.length]
+                where = f"{self.step_rel}/{path}: {req.storage_index.fqn}"
                 if req.type == LoadItemType.BYTE_IO:
-                    blob = raw.numpy().tobytes()
+                    blob = data[loc.offset : loc.offset + loc.length]
                     try:  # data, never code: only what the weights-only unpickler accepts
                         torch.load(io.BytesIO(blob), weights_only=True)
                     except Exception as e:
-                        raise CorruptCheckpointError(f"{self.step_rel}/{path}: {req.storage_index.fqn} is not "
-                                                     f"plain data ({str(e)[:120]})") from None
+                        raise CorruptCheckpointError(f"{where} is not plain data ({str(e)[:120]})") from None
                     planner.load_bytes(req, io.BytesIO(blob))
                     continue
-                dtype = getattr(torch, loc.dtype)
-                src = raw.view(dtype).view(loc.shape) if loc.length else torch.empty(loc.shape, dtype=dtype)
+                src = self._tensor(data, loc, req.storage_index, where)
                 for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                     src = src.narrow(dim, start, length)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != src.size():
                     raise CorruptCheckpointError(
-                        f"{self.step_rel}/{path}: {req.storage_index.fqn} has shape {tuple(src.size())}, "
-                        f"expected {tuple(target.size())}")
+                        f"{where} has shape {tuple(src.size())}, expected {tuple(target.size())}")
                 target.copy_(src)
                 planner.commit_tensor(req, target)
+
+    def _tensor(self, data: bytes, loc, index: MetadataIndex, where: str) -> torch.Tensor:
+        """The saved chunk ``loc`` holds, as a tensor (a view of ``data`` where the format allows)."""
+        if isinstance(loc, ItemLocation):  # formats 1 and 2: the raw bytes
+            dtype = getattr(torch, loc.dtype)
+            if not loc.length:
+                return torch.empty(loc.shape, dtype=dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: we only copy out of it
+                raw = torch.frombuffer(data, dtype=torch.uint8, offset=loc.offset, count=loc.length)
+            return raw.view(dtype).view(loc.shape)
+        if index not in self._chunks:
+            self._chunks[index] = chunk_of(self._metadata, index)
+        dtype, shape = self._chunks[index]
+        return item_tensor(data, loc, dtype, shape, where)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

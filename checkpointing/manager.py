@@ -3,7 +3,7 @@ before a run starts.
 
     ckpt = CheckpointManager("s3://bucket/runs", "run-1", rank=r, world_size=w)
     ckpt.probe(); ckpt.check_fresh_start(); ckpt.take_writer_lock()   # rank 0, before training
-    ckpt.save(step, state_dict, layout=..., config_hash=..., trainer_state=...)   # blocks for staging only
+    ckpt.save(step, state_dict, layout=..., config_hash=..., trainer_state=..., config=cfg.to_dict())
     for result in ckpt.poll(): ...              # finished saves: committed, failed, skipped or exists
     manifest = ckpt.load(state_dict)            # newest valid checkpoint, resharded in place
     ckpt.wait(); ckpt.close()                   # before exit
@@ -54,6 +54,7 @@ from .manifest import (
     checksum,
     parse_step_dir,
 )
+from .names import redact_config
 from .retry import describe
 from .storage import Storage
 from .transaction import (  # noqa: F401  (SaveResult, group_rank_errors: callers import them from here)
@@ -241,8 +242,11 @@ class CheckpointManager(SaveTransaction):
         return snap + max(files, pooled)
 
     def save(self, step: int, state_dict: dict[str, Any], *, layout: dict, config_hash: str,
-             trainer_state: dict, extra: dict | None = None) -> SaveResult | None:
+             trainer_state: dict, extra: dict | None = None, config: dict | None = None) -> SaveResult | None:
         """Save ``state_dict`` as ``step``. Collective: every rank calls it.
+
+        ``config``: the run's resolved config, recorded in the manifest beside its hash (any URL
+        in it that carries credentials is redacted first).
 
         Sync: the whole save runs here. Async: only a snapshot of every
         tensor into reused host buffers blocks the caller; DCP planning (on a
@@ -265,7 +269,7 @@ class CheckpointManager(SaveTransaction):
         if busy is not None:
             self.wait()
         job = dict(step=step, layout=layout, config_hash=config_hash, trainer_state=trainer_state,
-                   extra=extra or {}, t0=t0)
+                   extra=extra or {}, config=redact_config(config) if config and self.rank == 0 else {}, t0=t0)
         if not self.async_save:
             return self._save_now(job, state_dict, self.process_group)
         group = self._checkpoint_group()

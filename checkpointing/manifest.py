@@ -22,16 +22,17 @@ import crc32c as _crc32c
 from .errors import CheckpointError
 
 FORMAT = "etrain-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = "MANIFEST.json"
 METADATA_NAME = ".metadata"
 STEP_RE = re.compile(r"^step_(\d{9})$")
 # The only names a manifest may list: shard files and one DCP metadata file, bare
 # names in the step directory (format 1 named the metadata "e<epoch>.metadata").
+# Format 3 locates items as stock DCP does (dcp_format); 1 and 2 wrote raw bytes.
 SHARD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\.distcp$")
 METADATA_RE = re.compile(r"^(?:e\d{1,12})?\.metadata$")
 CRC_RE = re.compile(r"^[0-9a-f]{8}$")
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 # Shard files are cut at this size: each goes up as one request, many in flight,
 # which on local disks and object stores alike beats one big file per rank.
 FILE_SIZE = 32 << 20
@@ -66,7 +67,7 @@ class Checksum:
 
 def is_listable_name(name: str) -> bool:
     """Whether ``name`` may appear in a manifest: a shard file or the DCP metadata, never a path."""
-    return isinstance(name, str) and bool(SHARD_RE.match(name) or METADATA_RE.match(name))
+    return isinstance(name, str) and bool(SHARD_RE.fullmatch(name) or METADATA_RE.fullmatch(name))
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _files(raw) -> list[FileEntry]:
 
 
 _FIELDS = {"run_id", "step", "epoch", "world_size", "layout", "config_hash", "trainer_state", "files",
-           "created_unix", "format", "format_version", "extra", "total_bytes"}
+           "created_unix", "format", "format_version", "extra", "total_bytes", "config"}
 
 
 @dataclass
@@ -136,6 +137,9 @@ class Manifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # The run's resolved config (every section, model included; URLs without credentials), from
+    # format 3; {} in older checkpoints and in adopted ones.
+    config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -176,7 +180,8 @@ class Manifest:
                     config_hash=_of(d, "config_hash", str, "a string"),
                     trainer_state=_of(d, "trainer_state", dict, "a table"), files=_files(d.get("files")),
                     created_unix=_finite(d.get("created_unix", 0.0), "created_unix"), format_version=version,
-                    extra=_of(d, "extra", dict, "a table") if "extra" in d else {})
+                    extra=_of(d, "extra", dict, "a table") if "extra" in d else {},
+                    config=_of(d, "config", dict, "a table") if "config" in d else {})
             ts = m.trainer_state
             for key in ("step", "samples_consumed"):
                 v = ts.get(key, 0)
@@ -196,6 +201,28 @@ class Manifest:
 
     def file_table(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
+
+
+def config_changes(saved: dict, current: dict, sections: tuple[str, ...],
+                   ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """The fields of ``sections`` whose value differs between a checkpoint's recorded config and the
+    current one, as (``section.field``, saved, current), in order. Fields one side lacks (added
+    or removed since) are not compared."""
+    out = []
+
+    def walk(a, b, path: str) -> None:
+        if path in ignore:
+            return
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) & set(b)):
+                walk(a[k], b[k], f"{path}.{k}" if path else k)
+        elif a != b:
+            out.append((path, a, b))
+
+    for section in sections:
+        if section in saved and section in current:
+            walk(saved[section], current[section], section)
+    return out
 
 
 def _finite(v, key: str) -> float:

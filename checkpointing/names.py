@@ -2,6 +2,7 @@
 
     validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
     check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
+    redact_config(cfg.to_dict())                 # a JSON-clean copy, any URL with a secret redacted
 
 A run id becomes a path component of every object a run writes
 (``<root>/<run_id>/...``), in the checkpoint storage and in the run stores,
@@ -14,6 +15,7 @@ the message never repeats the secret.
 from __future__ import annotations
 
 import re
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError
@@ -68,3 +70,22 @@ def check_url(url: str, field: str) -> str:
         raise ConfigError(f"{field}={redact(url)} carries credentials in the URL; remove them and "
                           f"{CREDENTIAL_CHAINS}")
     return url
+
+
+def redact_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-clean copy of a run config (tuples become lists, anything else not JSON its ``str``) in
+    which every string that is a URL carrying credentials is :func:`redact`-ed: what a manifest
+    may record. (etrain refuses such URLs in its config anyway; this is the second lock.)"""
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, str):
+            return redact(v) if "://" in v and has_credentials(v) else v
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        return clean(str(v))
+
+    return clean(config)

@@ -433,7 +433,7 @@ class SaveTransaction:
                             layout=job["layout"], config_hash=job["config_hash"],
                             trainer_state=job["trainer_state"],
                             files=[FileEntry(**files[k]) for k in sorted(files)], created_unix=time.time(),
-                            extra=job["extra"])
+                            extra=job["extra"], config=job.get("config") or {})
         job["manifest_attempted"] = True
         try:
             self.storage.put(f"{rel}/{MANIFEST_NAME}", manifest.to_json(), exclusive=True)

@@ -10,7 +10,7 @@ from checkpointing.cli import parse_url
 from checkpointing.errors import CheckpointError, EtrainError, StorageError
 from checkpointing.faults import StorageFaults
 from checkpointing.manager import group_rank_errors, retained_steps
-from checkpointing.manifest import FileEntry, Manifest, checksum, parse_step_dir, step_dir
+from checkpointing.manifest import FORMAT_VERSION, FileEntry, Manifest, checksum, parse_step_dir, step_dir
 from checkpointing.retry import RetryPolicy, TransientStorageError, describe, is_transient
 from checkpointing.storage import MiB, Storage
 
@@ -36,7 +36,7 @@ def test_manifest_round_trip_and_rejections():
         Manifest.from_json(b'{"format": "etrain-che')
     with pytest.raises(CheckpointError, match="not an etrain manifest"):
         Manifest.from_json(b'{"hello": 1}')
-    bad_version = m.to_json().replace(b'"format_version": 2', b'"format_version": 99')
+    bad_version = m.to_json().replace(f'"format_version": {FORMAT_VERSION}'.encode(), b'"format_version": 99')
     with pytest.raises(CheckpointError, match="format version 99"):
         Manifest.from_json(bad_version)
     assert step_dir(42) == "step_000000042" and parse_step_dir("step_000000042") == 42

@@ -153,7 +153,8 @@ class Trainer:
     def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
         """Checkpoint the current step (collective). Blocks only for staging when the manager is async."""
         return manager.save(self.step, self.optimizer.checkpoint_state(), layout=self.layout(),
-                            config_hash=self.cfg.config_hash(), trainer_state=self.train_state())
+                            config_hash=self.cfg.config_hash(), trainer_state=self.train_state(),
+                            config=self.cfg.to_dict())
 
     def load_checkpoint(self, manager: CheckpointManager, step: int | None = None) -> Manifest | None:
         """Restore the newest valid checkpoint (or ``step``), resharded to this layout (collective)."""
@@ -162,7 +163,28 @@ class Trainer:
             return None
         self.optimizer.after_load()
         self.load_train_state(manifest.trainer_state)
-        if manifest.config_hash != self.cfg.config_hash():
+        from checkpointing.manifest import config_changes
+        from checkpointing.names import redact_config
+
+        # What the training math depends on (the config hash's sections); a layout change is a reshard.
+        changed = config_changes(manifest.config, redact_config(self.cfg.to_dict()), ("model", "data", "train"),
+                                 ignore=("train.log_every",))
+        if changed:
+            what = ", ".join(f"{k} {str(old)[:40]} -> {str(new)[:40]}" for k, old, new in changed)
+            lr = {k[6:]: v for k, v, _ in changed if k in ("train.steps", "train.warmup_steps", "train.lr",
+                                                            "train.min_lr_ratio")}
+            if lr:
+                what += f"; the learning-rate schedule moves ({', '.join('train.' + k for k in lr)})"
+                if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lr.values()):
+                    was = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, **lr))
+                    what += f": step {self.step} trains at lr {lr_at(self.cfg, self.step):.4g}, " \
+                            f"not {lr_at(was, self.step):.4g}"
+            log.warning("checkpoint step %d was written with a different config: %s; resuming with the current one",
+                        manifest.step, what)
+        elif not manifest.config_hash:
+            log.warning("checkpoint step %d records no config (adopted): resuming with the current one, whose "
+                        "model must match it", manifest.step)
+        elif manifest.config_hash != self.cfg.config_hash():
             log.warning("checkpoint step %d was written with a different config (hash %s, now %s); "
                         "resuming with the current one", manifest.step, manifest.config_hash, self.cfg.config_hash())
         if manifest.trainer_state.get("corpus_digest") not in (None, self.corpus.digest):
