@@ -1,13 +1,16 @@
-"""``etrain ckpt``: list, inspect and verify checkpoints from any machine that reaches the storage.
+"""``etrain ckpt``: list, inspect, verify and adopt checkpoints from any machine that reaches the storage.
 
     etrain ckpt ls s3://bucket/runs/my-run
     etrain ckpt inspect s3://bucket/runs/my-run/checkpoints/step_000001000
     etrain ckpt verify s3://bucket/runs/my-run [--step 1000]
+    etrain ckpt adopt s3://bucket/runs/my-run/checkpoints/step_000001000 --samples-consumed 8000
 
 A URL names a run directory (``<root>/<run_id>``), its ``checkpoints``
 directory, or one ``step_<NNNNNNNNN>`` directory. ``verify`` reads every
 listed file and checks its size and crc32c; it exits 1 on any problem, naming
-the file, and 0 when every checked checkpoint is sound.
+the file, and 0 when every checked checkpoint is sound. ``adopt`` commits a
+checkpoint written by stock DCP (:mod:`checkpointing.adopt`); it exits 2
+naming what is wrong when it is not one. Only ``adopt`` imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import sys
 import time
 
-from .errors import EtrainError
+from .errors import ConfigError, EtrainError
 from .manager import CheckpointManager
 from .manifest import parse_step_dir
 
@@ -88,7 +91,10 @@ def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
     print(f"checkpoint  {mgr.storage.join(mgr.step_rel(step))}")
     print(f"run         {m.run_id}   step {m.step}   epoch {m.epoch}")
     print(f"saved at    world {m.world_size}, layout {json.dumps(m.layout, sort_keys=True)}")
-    print(f"config      hash {m.config_hash}")
+    recorded = f", resolved config recorded ({', '.join(sorted(m.config))}; --json shows it)" if m.config else ""
+    print(f"config      hash {m.config_hash or '(none: adopted)'}{recorded}")
+    if m.extra.get("adopted_from"):
+        print(f"adopted     from {str(m.extra['adopted_from'])[:200]}")
     print(f"data cursor {json.dumps(m.trainer_state, sort_keys=True)}")
     print(f"files       {len(m.files)}, {_size(m.total_bytes)} (crc32c each)")
     for f in m.files:
@@ -113,8 +119,25 @@ def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
     return 1 if bad else 0
 
 
+def cmd_adopt(args: argparse.Namespace) -> int:
+    """Exit 0 once committed; 2 when refused (not an adoptable DCP checkpoint, a bad flag, a live
+    writer); 1 when storage failed."""
+    from .adopt import AdoptRefused, adopt
+    from .lock import WriterLockHeld
+
+    try:
+        adopt(args.url, samples_consumed=args.samples_consumed, into=args.into, step=args.step)
+        return 0
+    except (AdoptRefused, WriterLockHeld, ConfigError) as e:
+        print(f"etrain ckpt adopt: {e}", file=sys.stderr)
+        return 2
+    except EtrainError as e:
+        print(f"etrain ckpt adopt: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="etrain ckpt", description="List, inspect and verify checkpoints.")
+    ap = argparse.ArgumentParser(prog="etrain ckpt", description="List, inspect, verify and adopt checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("ls", help="every checkpoint of a run, committed or not")
     p.add_argument("url")
@@ -126,7 +149,15 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("verify", help="check every file's size and checksum")
     p.add_argument("url")
     p.add_argument("--step", type=int)
+    p = sub.add_parser("adopt", help="commit a checkpoint written by stock DCP (FileSystemWriter, FsspecWriter)")
+    p.add_argument("url", help="the DCP checkpoint directory: <root>/<run_id>/checkpoints/step_<N>, or any with --into")
+    p.add_argument("--samples-consumed", type=int, required=True, metavar="N",
+                   help="the data cursor: samples the run has trained on (step x train.global_batch)")
+    p.add_argument("--into", metavar="RUN_URL", help="copy it into this run (<root>/<run_id>) first")
+    p.add_argument("--step", type=int, help="the step it is of (with --into)")
     args = ap.parse_args(argv)
+    if args.cmd == "adopt":
+        return cmd_adopt(args)
     try:
         root, run_id, step = parse_url(args.url)
         step = args.step if getattr(args, "step", None) is not None else step
