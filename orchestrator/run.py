@@ -79,6 +79,10 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
         from trainer.models import model_preflight  # torch and transformers: only for such models
 
         model_preflight(cfg)
+    if cfg.data.tokenizer != "bytes" or cfg.data.source == "python":
+        from trainer.data import prepare  # tokenize once here, not in every worker's start-up
+
+        prepare(cfg)
     url = store_url_for(store, ecfg, cfg.checkpoint.url)
     st = open_store(url)
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,

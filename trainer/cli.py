@@ -35,7 +35,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
 from .config_load import load_config
-from .data import load_splits
+from .data import load_splits, tokenizer_vocab_size
 from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
 from .models import model_preflight
 from .parallel_dims import ParallelDims, resolve_device
@@ -170,6 +170,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
+        if cfg.data.tokenizer != "bytes":  # before tokenizing a corpus: the model must hold the tokenizer's ids
+            check_vocab(cfg, tokenizer_vocab_size(cfg.data))
         corpus, val_corpus = load_splits(cfg)
         check_vocab(cfg, corpus.vocab_size)
         log = _open_log(args.log_file, world)

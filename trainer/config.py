@@ -187,8 +187,8 @@ class DataConfig:
     data_files: list[str] = field(default_factory=list)
     # source "python": "package.module:function"(data table) -> map-style dataset of token ids.
     factory: str = ""
-    # Where tokenized text is cached ("" = <checkpoint url's directory>/token-cache when local,
-    # else ~/.cache/etrain/tokens).
+    # Where tokenized text is cached ("" = $ETRAIN_CACHE_DIR, else ~/.cache/etrain/tokens); a local
+    # filesystem, since ranks memory-map it.
     cache_dir: str = ""
 
     def __post_init__(self) -> None:
@@ -518,6 +518,7 @@ class RunConfig:
         d.pop("eval")
         d.pop("run_id")
         d["train"].pop("log_every")
+        d["data"].pop("cache_dir")  # where the tokens are cached does not change them
         # Fields added after the first format count only when set, so older checkpoints keep their hash.
         for section, cls in (("model", ModelConfig), ("data", DataConfig)):
             defaults = dataclasses.asdict(cls())
@@ -530,7 +531,7 @@ class RunConfig:
 
 _HASHED_WHEN_SET = {
     "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args"),
-    "data": ("tokenizer", "text_field", "data_files", "factory", "cache_dir"),
+    "data": ("tokenizer", "text_field", "data_files", "factory"),
 }
 
 _SECTIONS: dict[str, type] = {
