@@ -170,10 +170,8 @@ class _Bucket:
 
 
 def make_buckets(slots: list[_Slot], n: int, limit_bytes: float) -> list[_Bucket]:
-    """Cut ``slots`` into runs of at most ``limit_bytes`` of packed fp32 gradient (``n`` chunks each).
-
-    Runs are taken from the last parameter backwards, roughly the order in which backward
-    produces gradients; a parameter larger than the limit is a bucket of its own."""
+    """Cut ``slots`` into runs of at most ``limit_bytes`` of packed fp32 gradient (``n`` chunks each), from
+    the last backwards (about backward's order); a parameter larger than the limit is a bucket alone."""
     runs: list[list[_Slot]] = []
     size = 0.0
     for s in reversed(slots):
@@ -187,11 +185,8 @@ def make_buckets(slots: list[_Slot], n: int, limit_bytes: float) -> list[_Bucket
 
 
 def _local_grad(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The local tensor of gradient ``g``, laid out like the local tensor of its parameter ``p``.
-
-    Under tensor parallelism a gradient can come back with other placements than its parameter
-    (the vocabulary-sharded embedding's is replicated at the full shape); it is redistributed to
-    the parameter's (Replicate -> Shard is a local slice)."""
+    """The local tensor of gradient ``g`` in the placements of its parameter ``p`` (under TP the
+    vocabulary-sharded embedding's can come back replicated at the full shape)."""
     if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
         with torch.no_grad():
             g = g.redistribute(p.device_mesh, p.placements)
@@ -233,8 +228,9 @@ class ZeroOptimizer:
             flat += local.numel()
         self.section = offset
         self.buckets = make_buckets(self.slots, self.n, cfg.parallel.bucket_mb * 2**20) if self.stage else []
-        # What one bucketed collective adds at most: the largest bucket's packed fp32 gradients.
-        self.bucket_bytes = max((4 * self.n * (b.hi - b.lo) for b in self.buckets), default=0)
+        # The bucketed collectives' scratch: the largest bucket's packed fp32 gradients and one more row.
+        self.bucket_bytes = max((4 * (self.n + 1) * (b.hi - b.lo) for b in self.buckets), default=0)
+        self._scratch: torch.Tensor | None = None  # see _bucket_buffers
         self._reduced: torch.Tensor | None = None  # stage 0, fp32 stage 1: reduced gradients, whole
         self.flat_grad: torch.Tensor | None = None  # stages 0/1: the full gradients
         self.grad_shard: torch.Tensor | None = None  # stage 2, bf16 stage 1: this rank's chunks in fp32
@@ -295,8 +291,7 @@ class ZeroOptimizer:
         for s in self.slots:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
-        for b in self.buckets if self.n > 1 else []:
-            self._all_gather_bucket(b)
+        self._all_gather_params()
 
     # --- gradients -----------------------------------------------------------
 
@@ -330,8 +325,8 @@ class ZeroOptimizer:
         self._point_grads_at_views()
 
     def before_backward(self, final: bool) -> None:
-        """Call before each micro-batch's forward; ``final`` before the step's last one. Nothing to
-        do here: stages 0/1 accumulate into the flat buffer, stage 2 reduces from gradient hooks."""
+        """Before each micro-batch's forward. Nothing to do: stages 0/1 accumulate in the flat buffer,
+        stage 2 reduces from its gradient hooks."""
 
     def after_backward(self, final: bool) -> None:
         """Call after each backward; ``final`` after the last micro-batch of the step."""
@@ -350,6 +345,7 @@ class ZeroOptimizer:
                 self._all_reduce_grads()
             else:
                 self._reduce_scatter_grads()
+        self._scratch = None
         if final:
             self._set_master_grads()
 
@@ -366,28 +362,39 @@ class ZeroOptimizer:
         grads = [None if s.param.grad is None else _local_grad(s.param, s.param.grad) for s in b.slots]
         for s in b.slots:
             s.param.grad, s.arrived = None, False
-        packed = self._pack(b, grads)
+        packed, extra = self._pack(b, grads)
         del grads
         if self.grad_shard is None:
             self.grad_shard = torch.empty(self.section, dtype=torch.float32, device=self._device())
         dest = self.grad_shard[b.lo : b.hi]
-        out = torch.empty_like(dest) if b.reduced else dest
+        out = extra if b.reduced else dest
         self._reduce_scatter(out, packed)
-        del packed
         if b.reduced:
             dest.add_(out)
         b.reduced, b.ready = True, 0
 
-    def _pack(self, b: _Bucket, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``[n, hi - lo]`` fp32: row r holds chunk r of each of the bucket's gradients (zeros for None)."""
-        packed = torch.zeros(self.n, b.hi - b.lo, dtype=torch.float32, device=self._device())
+    def _bucket_buffers(self, b: _Bucket, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` rows of ``hi - lo`` and one more, views of one scratch buffer sized for the largest bucket
+        and reused bucket after bucket until the phase ends (gloo lets go of a collective's tensors from
+        its worker thread, later: fresh buffers per bucket could pile up)."""
+        if self._scratch is None or self._scratch.dtype != dtype:
+            width = max(c.hi - c.lo for c in self.buckets)
+            self._scratch = torch.empty((self.n + 1) * width, dtype=dtype, device=self._device())
+        w = b.hi - b.lo
+        return self._scratch[: self.n * w].view(self.n, w), self._scratch[self.n * w : (self.n + 1) * w]
+
+    def _pack(self, b: _Bucket, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, hi - lo]`` fp32: row r holds chunk r of each of the bucket's gradients (zeros for None);
+        and a spare ``hi - lo`` row."""
+        packed, extra = self._bucket_buffers(b, torch.float32)
+        packed.zero_()
         for s, g in zip(b.slots, grads):
             if g is None:
                 continue
             for r in range(self.n):
                 if s.lengths[r]:
                     b.region(packed[r], s, r).copy_(g.narrow(s.dim, s.starts[r], s.lengths[r]))
-        return packed
+        return packed, extra
 
     def _reduce_scatter(self, out: torch.Tensor, packed: torch.Tensor) -> None:
         if self.shard_group is not None:
@@ -410,22 +417,16 @@ class ZeroOptimizer:
         if not in_place:
             self.grad_shard = torch.empty(self.section, dtype=torch.float32, device=self._device())
         for b in self.buckets:
-            self._reduce_scatter_bucket(b, in_place)
-        self._reduced = self.flat_grad if in_place else None
-
-    def _reduce_scatter_bucket(self, b: _Bucket, in_place: bool) -> None:
-        packed = self._pack(b, [self._flat_view(self.flat_grad, s) for s in b.slots])
-        out = torch.empty(b.hi - b.lo, dtype=torch.float32, device=packed.device) if in_place \
-            else self.grad_shard[b.lo : b.hi]
-        self._reduce_scatter(out, packed)
-        del packed
-        if self.replicate_group is not None:
-            dist.all_reduce(out, group=self.replicate_group)
-        out.div_(self.dims.dp)
-        if in_place:
-            for s in b.slots:
+            packed, extra = self._pack(b, [self._flat_view(self.flat_grad, s) for s in b.slots])
+            out = extra if in_place else self.grad_shard[b.lo : b.hi]
+            self._reduce_scatter(out, packed)
+            if self.replicate_group is not None:
+                dist.all_reduce(out, group=self.replicate_group)
+            out.div_(self.dims.dp)
+            for s in b.slots if in_place else []:
                 if s.lengths[self.r]:
                     self._my_chunk(self.flat_grad, s).copy_(b.region(out, s, self.r))
+        self._reduced = self.flat_grad if in_place else None
 
     def _my_chunk(self, flat: torch.Tensor, s: _Slot) -> torch.Tensor:
         return self._flat_view(flat, s).narrow(s.dim, s.starts[self.r], s.lengths[self.r])
@@ -464,21 +465,22 @@ class ZeroOptimizer:
         for s in self.slots:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
-        for b in self.buckets if self.n > 1 else []:
-            self._all_gather_bucket(b)
+        self._all_gather_params()
 
-    def _all_gather_bucket(self, b: _Bucket) -> None:
-        """Every rank's updated chunks of one bucket to every rank."""
-        mine = torch.zeros(b.hi - b.lo, dtype=self.dtype, device=self._device())
-        for s in b.slots:
-            if s.lengths[self.r]:
-                b.region(mine, s, self.r).copy_(s.chunk(self.r))
-        full = torch.empty(self.n, b.hi - b.lo, dtype=self.dtype, device=mine.device)
-        dist.all_gather_single(full.view(-1), mine, group=self.shard_group)
-        for s in b.slots:
-            for r in range(self.n):
-                if r != self.r and s.lengths[r]:
-                    s.chunk(r).copy_(b.region(full[r], s, r))
+    def _all_gather_params(self) -> None:
+        """Every rank's updated chunks to every rank, bucket by bucket (stages 1-2)."""
+        for b in self.buckets if self.n > 1 else []:
+            full, mine = self._bucket_buffers(b, self.dtype)
+            mine.zero_()
+            for s in b.slots:
+                if s.lengths[self.r]:
+                    b.region(mine, s, self.r).copy_(s.chunk(self.r))
+            dist.all_gather_single(full.view(-1), mine, group=self.shard_group)
+            for s in b.slots:
+                for r in range(self.n):
+                    if r != self.r and s.lengths[r]:
+                        s.chunk(r).copy_(b.region(full[r], s, r))
+        self._scratch = None
 
     def zero_grad(self) -> None:
         for s in self.slots:
@@ -582,11 +584,8 @@ class FSDPOptimizer:
 
     def memory_bytes(self) -> dict[str, int]:
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-        return {
-            "params": _storage_bytes(self.params),
-            "grads": _storage_bytes(p.grad for p in self.params),
-            "optimizer": _storage_bytes(state),
-        }
+        return {"params": _storage_bytes(self.params), "grads": _storage_bytes(p.grad for p in self.params),
+                "optimizer": _storage_bytes(state)}
 
 
 def build_optimizer(parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int):
