@@ -171,7 +171,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
         if cfg.data.tokenizer != "bytes":  # before tokenizing a corpus: the model must hold the tokenizer's ids
-            check_vocab(cfg, tokenizer_vocab_size(cfg.data))
+            check_vocab(cfg, tokenizer_vocab_size(cfg.data), f"the vocabulary of data.tokenizer={cfg.data.tokenizer!r}")
         corpus, val_corpus = load_splits(cfg)
         check_vocab(cfg, corpus.vocab_size)
         log = _open_log(args.log_file, world)

@@ -331,9 +331,9 @@ class Trainer:
         return norm_sq, loss / self.dims.dp, votes
 
 
-def check_vocab(cfg: RunConfig, data_vocab: int) -> None:
-    """ConfigError unless the data's token ids (``data_vocab`` = largest id + 1, or the tokenizer's size)
-    fit the model's vocabulary."""
+def check_vocab(cfg: RunConfig, data_vocab: int, what: str = "the data's vocabulary") -> None:
+    """ConfigError unless the data's token ids (``data_vocab`` = largest id + 1, or the tokenizer's size;
+    ``what`` names it) fit the model's vocabulary."""
     if cfg.model.source == "hf":
         from .models import model_vocab_size
 
@@ -341,9 +341,8 @@ def check_vocab(cfg: RunConfig, data_vocab: int) -> None:
     else:
         vocab, field = cfg.model.vocab_size, f"model.vocab_size={cfg.model.vocab_size}"
     if data_vocab > vocab:
-        raise ConfigError(f"{field} is smaller than the data's vocabulary ({data_vocab} token ids: the tokenizer's "
-                          f"size or the largest id + 1); use a model vocabulary >= {data_vocab} or another "
-                          "data.tokenizer")
+        raise ConfigError(f"{field} is smaller than {what} ({data_vocab} ids); use a model vocabulary >= "
+                          f"{data_vocab} or another data.tokenizer")
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
