@@ -144,10 +144,19 @@ class Run:
         self._start(spec, st)
         return self
 
-    def wait(self, timeout: float = 3600.0) -> dict:
-        """Block until the run reaches a terminal phase (FINISHED, SUSPENDED, FAILED); its final status."""
+    def wait(self, timeout: float = 3600.0, *, until_step: int | None = None) -> dict:
+        """Block until the run reaches a terminal phase (FINISHED, SUSPENDED, FAILED), or with ``until_step``
+        until it has completed that step (or ended); its status then."""
         from orchestrator.phase import TERMINAL, Phase
 
+        if until_step is not None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                st = self.status()
+                if (st.get("step") or 0) >= until_step or Phase.of(st) in TERMINAL:
+                    return st
+                time.sleep(0.2)
+            raise TimeoutError(f"run {self.run_id!r} did not reach step {until_step} within {timeout:.0f} s")
         if self._bg is not None:
             self._bg.join(timeout)
             return self._bg.result

@@ -45,7 +45,9 @@ def main() -> None:
     run = etrain.submit({**config, "run_id": "api-example-ray", "train": {**config["train"], "steps": 60}},
                         workers=2, min_workers=1, max_workers=2, store=f"file://{work}/ckpt")
     print("submitted:", run)
-    run.resize(1)
+    run.wait(until_step=10)
+    run.resize(1)                      # at the next step boundary
+    run.wait(until_step=20)
     run.suspend()
     print("suspended at step", run.wait()["step"])
     final = run.resume(workers=2).wait()
