@@ -65,6 +65,8 @@ MATRIX.update({
     "dp4_zero3_ac_fp32": (['parallel.activation_checkpoint="full"'], STEPS),
     "tp2_sp_dp2_ac_every2_fp32": (["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=4",
                                    'parallel.activation_checkpoint="every_k"', "parallel.ac_every_k=2"], SHORT),
+    # Accepted at dp > 1 (refused at dp 1); on the CPU it has nothing to move and says so.
+    "dp4_zero3_offload_fp32": (['parallel.offload="cpu"'], SHORT),
     # Cross-entropy on gathered logits, for the loss-parallel traffic comparison.
     "tp2_dp2_no_loss_parallel_fp32": (["parallel.tp=2", "train.micro_batch=4", "parallel.loss_parallel=false"],
                                       SHORT),
