@@ -11,7 +11,9 @@ the run's config parsed once by the driver (``trainer.config.RunConfig``,
 pickled through Ray) and hands it on to the controller and to every worker.
 When ``[metrics]`` is enabled it serves the run's Prometheus endpoint, fed
 by a :class:`orchestrator.observers.MetricsObserver`; the controller does not
-know whether there is one.
+know whether there is one. The experiment trackers of ``[logging]`` are fed the
+same way (:class:`orchestrator.observers.TrackerObserver`), and each held-out
+evaluation becomes an ``eval`` event (:class:`orchestrator.observers.EvalEvents`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 from trainer.config import RunConfig
 
 from .controller import Controller, ControllerOptions
-from .observers import ControllerObserver, MetricsObserver
+from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
 from .store import RunSpec, open_store
 
 log = logging.getLogger("etrain")
@@ -39,6 +41,7 @@ class ControllerActor:
         group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources,
                                env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
         self.endpoint, observers = start_metrics(spec.run_id, config)
+        observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config)]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers)
 
     def run(self) -> dict:
@@ -83,3 +86,12 @@ def start_metrics(run_id: str, config: RunConfig) -> tuple[object | None, list[C
         log.error("metrics: cannot listen on %s:%d (%s); set metrics.port to a free port or 0", m.addr, m.port, e)
         return None, []
     return endpoint, [MetricsObserver(metrics, url=endpoint.url, file_sd=endpoint.file_sd_path)]
+
+
+def start_trackers(run_id: str, config: RunConfig) -> list[ControllerObserver]:
+    """The observer that feeds the trackers ``[logging]`` asks for (docs/metrics.md#trackers); [] for none."""
+    from trainer.trackers import open_trackers, wanted
+
+    if not wanted(config):
+        return []
+    return [TrackerObserver(open_trackers(config, run_id))]

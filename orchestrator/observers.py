@@ -265,3 +265,64 @@ class MetricsObserver(ControllerObserver):
 
     def status_fields(self, ctl):
         return {"metrics_url": self.url}
+
+
+class EvalEvents(ControllerObserver):
+    """An ``eval`` event (``step``, ``loss``) for each held-out evaluation rank 0 reports, so that the run store
+    keeps the eval loss beside the step history (``etrain plot``). Polled: two evaluations between two polls
+    keep only the newer."""
+
+    def __init__(self):
+        self.last_step: int | None = None
+
+    def on_step(self, ctl, progress):
+        step, loss = progress.get("eval_step"), progress.get("eval_loss")
+        if step is not None and loss is not None and step != self.last_step:
+            self.last_step = step
+            ctl.event("eval", step=step, loss=loss)
+
+
+# Run events as the trackers name them (trainer.trackers).
+TRACKED_EVENTS = {"failure": "failure", "recovered": "recovery", "resized": "resize", "suspended": "suspend",
+                  "checkpoint_failed": "checkpoint_failed", "finished": "finished", "failed": "failed"}
+
+
+class TrackerObserver(ControllerObserver):
+    """The run's experiment trackers (``trainer.trackers``, per ``[logging]``) fed from the controller.
+
+    Every step of rank 0's history gives loss, world size and step seconds; the steps the controller polls
+    add lr, throughput and eval loss (steps between two polls have none of those); failures, recoveries,
+    resizes, suspends and resumes (a controller starting on a run that has trained) are events at their step."""
+
+    def __init__(self, trackers):
+        self.trackers = trackers
+        self.eval_step: int | None = None
+
+    def on_start(self, ctl):
+        history = ctl.status.history  # a resumed run's steps so far (the status observer, called before)
+        if history:
+            self.trackers.log_event(HistoryRow.of(history[-1]).step, "resume", {"workers": ctl.spec.workers})
+
+    def on_history(self, ctl, rows):
+        for r in rows:
+            h = HistoryRow.of(r)
+            self.trackers.log_step(h.step, {"train/loss": float(h.loss), "train/world_size": float(h.world_size),
+                                            "train/step_seconds": float(h.step_s)})
+
+    def on_step(self, ctl, progress):
+        values = {k: float(progress[p]) for k, p in (("train/lr", "lr"), ("train/tokens_per_s", "tokens_per_s"))
+                  if isinstance(progress.get(p), (int, float))}
+        if progress.get("eval_loss") is not None and progress.get("eval_step") != self.eval_step:
+            self.eval_step = progress.get("eval_step")
+            self.trackers.log_step(int(self.eval_step or progress["step"]), {"eval/loss": float(progress["eval_loss"])})
+        self.trackers.log_step(int(progress["step"]), values)
+
+    def on_event(self, ctl, event):
+        kind = TRACKED_EVENTS.get(event.get("kind"))
+        if kind is None:
+            return
+        step = event.get("step") if isinstance(event.get("step"), int) else ctl.last_completed_step()
+        self.trackers.log_event(step, kind, {k: v for k, v in event.items() if k not in ("kind", "time", "step")})
+
+    def on_end(self, ctl, state):
+        self.trackers.close()

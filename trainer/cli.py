@@ -40,6 +40,7 @@ from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoin
 from .models import model_preflight
 from .parallel_dims import ParallelDims, resolve_device
 from .telemetry import comm_meter
+from .trackers import Trackers, memory_values, open_trackers, step_values
 from .world import World, init_distributed, shutdown_distributed
 
 
@@ -137,6 +138,18 @@ def _agree_on(verdict: str, world: World) -> str:
     return box[0]
 
 
+def _track_resume(trackers, manifest, world: World) -> None:
+    """A restart that resumed from a checkpoint, for the trackers: a recovery when torchrun restarted the
+    job, a resize when the world size changed since the save."""
+    if not trackers or manifest is None:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts:
+        trackers.log_event(manifest.step, "recovery", {"restored_step": manifest.step, "restarts": restarts})
+    if manifest.world_size != world.size:
+        trackers.log_event(manifest.step, "resize", {"from_workers": manifest.world_size, "to_workers": world.size})
+
+
 @dataclass
 class Outcome:
     """How a run of :func:`train_config` ended: ``exit_code`` 0 done, 2 invalid config, 1 anything else."""
@@ -197,12 +210,15 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     meter.enabled = cfg.metrics.enabled and cfg.metrics.comm
     init_distributed(world, device)
     metrics = None
+    trackers = Trackers([])
     try:
         trainer = Trainer(cfg, world, corpus=corpus, val_corpus=val_corpus, device=device)
         meter.name_axes(trainer.mesh)
         metrics = start_metrics(cfg, world)
+        trackers = open_trackers(cfg, cfg.run_id) if world.is_main else trackers
         if ckpt is not None and cfg.checkpoint.resume:
             manifest = trainer.load_checkpoint(ckpt)
+            _track_resume(trackers, manifest, world)
             if world.is_main:
                 print(f"etrain: resumed from step {manifest.step} (saved at world {manifest.world_size})"
                       if manifest else "etrain: no checkpoint to resume from; starting at step 0", flush=True)
@@ -224,6 +240,9 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             if log:
                 log.write(json.dumps({**s.to_dict(), "time": time.time()}) + "\n")
                 log.flush()
+            if trackers:
+                trackers.log_step(s.step, step_values(s) | (memory_values(trainer.memory_measured) if first is s
+                                                            else {}))
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
                 print(format_step(s, total), flush=True)
@@ -272,6 +291,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: error: {e}", file=sys.stderr)
         return Outcome(1, str(e))
     finally:
+        trackers.close()
         if metrics is not None:
             metrics.close()
         if log:

@@ -5,7 +5,7 @@
     # from a TOML file: trainer.config_load.load_config("examples/tiny.toml", ["parallel.tp=2"])
 
 A whole run is one TOML file with the sections ``[model]``, ``[data]``,
-``[train]``, ``[parallel]``, ``[checkpoint]`` and ``[metrics]``; ``--set section.field=value``
+``[train]``, ``[parallel]``, ``[checkpoint]``, ``[metrics]`` and ``[logging]``; ``--set section.field=value``
 overrides any field (:mod:`trainer.config_load` reads the file and builds these).
 Each section validates itself in ``__post_init__``; checks that span sections
 run in :class:`RunConfig`; checks that need the world size run in
@@ -440,6 +440,29 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class LoggingConfig:
+    """Experiment trackers (docs/metrics.md#trackers), each optional (``pip install etrain[trackers]``).
+    Rank 0 logs to them under torchrun, the controller on Ray; a tracker that fails is disabled, never the run."""
+
+    tensorboard_dir: str = ""  # TensorBoard event files under <dir>/<run_id>
+    wandb_project: str = ""  # Weights & Biases project; wandb_mode "offline" needs no network
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_dir: str = ""  # where W&B keeps its run directories ("" = its default, ./wandb)
+    mlflow_uri: str = ""  # MLflow tracking URI: file:///…/mlruns, sqlite:///…, http://host:5000
+    experiment: str = ""  # the MLflow experiment ("" = "etrain")
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f'logging.wandb_mode={self.wandb_mode!r} must be "offline", "online" or "disabled"')
+        import importlib.util
+
+        for fld, module in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb"), ("mlflow_uri", "mlflow")):
+            if getattr(self, fld) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"logging.{fld} is set but {module} is not installed; install the extra "
+                                  f"(pip install 'etrain[trackers]') or unset logging.{fld}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """One training run. Cross-section checks live here."""
 
@@ -450,6 +473,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
@@ -515,6 +539,7 @@ class RunConfig:
         d.pop("parallel")
         d.pop("checkpoint")
         d.pop("metrics")
+        d.pop("logging")
         d.pop("eval")
         d.pop("run_id")
         d["train"].pop("log_every")
@@ -541,6 +566,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
+    "logging": LoggingConfig,
     "eval": EvalConfig,
 }
 _TOP_LEVEL = {"run_id": str}
