@@ -7,16 +7,21 @@
     etrain resize RUN --workers N         etrain stop RUN
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
-    etrain train --config CONFIG.toml     (one rank of a run under torchrun; same as python -m trainer)
+    etrain train CONFIG.toml              (one rank of a run under torchrun; same as python -m trainer)
     etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
     etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
 
+``run`` and ``train`` also take the config as ``--config CONFIG.toml``;
+``etrain --version`` prints the installed version.
+
 ``run`` starts a run on the Ray cluster at ``--address`` / ``$RAY_ADDRESS``
 (under ``ray job submit`` that is the job's cluster), or on a local Ray on
 127.0.0.1 when there is none, and follows it to the end. The control
-commands talk only to the run store (``--store``, ``$ETRAIN_STORE``, or
-``file://$PWD/runs``), so they work from any machine that reaches it: they
+commands talk only to the run store (``--store``, ``$ETRAIN_STORE``, the
+store ``etrain run`` recorded for the run in the run registry
+``$ETRAIN_HOME/runs`` (default ``~/.etrain/runs``, :mod:`orchestrator.registry`),
+or ``file://$PWD/runs``), so they work from any machine that reaches it: they
 write the desired state and the run's controller carries it out.
 
 Exit status: 0 when the run FINISHED or was SUSPENDED, 1 when it FAILED,
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -49,25 +55,30 @@ def _run_id(field: str):
 
 
 def _add_run(p: argparse.ArgumentParser, **kw) -> None:
-    p.add_argument("run", type=_run_id("RUN"), **kw)
+    kw.setdefault("help", "run id (found through --store, $ETRAIN_STORE, the run registry ~/.etrain/runs, ./runs)")
+    p.add_argument("run", type=_run_id("RUN"), metavar="RUN", **kw)
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="run store: etcd://host:port[/prefix] or the runs' storage URL "
-                                                 "(default: $ETRAIN_STORE, else file://$PWD/runs)")
+                                                 "(default: $ETRAIN_STORE, else the run's entry in the run "
+                                                 "registry ~/.etrain/runs, else file://$PWD/runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant, elastic training on Ray.")
+    ap.add_argument("--version", action="version", version=f"etrain {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="one rank of a run, under torchrun or alone (same as python -m trainer)",
+    sub.add_parser("train", help="one rank of a run, under torchrun or alone: etrain train CONFIG "
+                                 "(same as python -m trainer)",
                    add_help=False)
     sub.add_parser("ckpt", help="list, inspect and verify checkpoints", add_help=False)
     sub.add_parser("demo", help="a local run with a killed worker, a resize, a suspend and a resume",
                    add_help=False)
 
     p = sub.add_parser("run", help="start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it")
-    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("config", nargs="?", metavar="CONFIG", help="run config (TOML)")
+    p.add_argument("--config", dest="config_opt", metavar="CONFIG", help="the same as CONFIG")
     p.add_argument("--workers", type=int, help="group size to run at (default [elastic].workers, 2)")
     p.add_argument("--min-workers", type=int, help="smallest size to keep training at after failures")
     p.add_argument("--max-workers", type=int, help="largest size to grow to")
@@ -78,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(p)
 
     p = sub.add_parser("status", help="a run's status, or every run in the store")
-    _add_run(p, nargs="?")
-    p.add_argument("--json", action="store_true")
+    _add_run(p, nargs="?", help="run id (default: every run in the store)")
+    p.add_argument("--json", action="store_true", help="the status document(s) as JSON")
     _add_store(p)
 
     p = sub.add_parser("events", help="a run's failures, recoveries and resizes, with their timings")
     _add_run(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="every event as JSON, all fields")
     _add_store(p)
 
     for name, what in (("suspend", "stop at the next step boundary, commit a checkpoint, release every worker"),
@@ -97,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("resume", help="continue a suspended or interrupted run, on any valid size")
     _add_run(p)
-    p.add_argument("--workers", type=int)
+    p.add_argument("--workers", type=int, help="group size to continue at (default: the size it had)")
     p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
     p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
     _add_store(p)
 
     p = sub.add_parser("top", help="a live view of a run's metrics: loss, throughput, communication, memory, "
@@ -131,9 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
     _add_run(p)
-    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True, help="the new group size (a valid size for the run)")
     _add_store(p)
     return ap
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("etrain")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,13 +167,24 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "train":
             from trainer.cli import main as train_main
 
-            return train_main(argv[1:])
+            return train_main(argv[1:], prog="etrain train")
         from checkpointing.cli import main as ckpt_main
 
         return ckpt_main(argv[1:])
     args = ap.parse_args(argv)
+    if args.command == "run":
+        if args.config and args.config_opt and args.config != args.config_opt:
+            ap.error(f"two configs given: {args.config} and --config {args.config_opt}; give one")
+        args.config = args.config or args.config_opt
+        if not args.config:
+            ap.error("etrain run needs a CONFIG (a TOML file), e.g. etrain run examples/tiny.toml")
+    from .store import UnknownRun
+
     try:
         return COMMANDS[args.command](args)
+    except UnknownRun as e:
+        print(f"etrain: {e}\n  {_looked_where(args)}", file=sys.stderr)
+        return EXIT_USAGE
     except EtrainError as e:
         print(f"etrain: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -166,11 +197,40 @@ def main(argv: list[str] | None = None) -> int:
 # --- commands --------------------------------------------------------------------
 
 
-def _store(args):
+def _store_url(args) -> str:
+    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs."""
     from .run import store_url_for
+
+    if not args.store and not os.environ.get("ETRAIN_STORE") and getattr(args, "run", None):
+        from checkpointing.names import check_url
+
+        from . import registry
+
+        found = registry.lookup(args.run)
+        if found:
+            return check_url(found, f"the run registry entry {registry.runs_dir()}/{args.run}.json")
+    return store_url_for(args.store)
+
+
+def _looked_where(args) -> str:
+    """Where a control command looked for a run, and how to point it elsewhere (for UnknownRun)."""
+    from . import registry
+
+    if args.store:
+        where = "--store"
+    elif os.environ.get("ETRAIN_STORE"):
+        where = "$ETRAIN_STORE"
+    else:
+        where = (f"the run registry {registry.runs_dir()} (no entry for it) and then ./runs of this directory"
+                 if getattr(args, "run", None) else "./runs of this directory")
+    return (f"looked in {where}; name the run's store with --store URL or $ETRAIN_STORE "
+            "(the URL `etrain run` printed, or the run's checkpoint root)")
+
+
+def _store(args):
     from .store import open_store
 
-    return open_store(store_url_for(args.store))
+    return open_store(_store_url(args))
 
 
 def cmd_run(args) -> int:
@@ -194,9 +254,9 @@ def _report(final: dict) -> int:
 
 
 def cmd_resume(args) -> int:
-    from .run import launch, prepare_resume, store_url_for
+    from .run import launch, prepare_resume
 
-    url = store_url_for(args.store)
+    url = _store_url(args)
     if args.submit:
         from .store import open_store
 

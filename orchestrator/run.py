@@ -33,6 +33,7 @@ from checkpointing.names import check_url, validate_run_id
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict, load_raw
 
+from . import registry
 from .config import ElasticConfig, check_sizes, elastic_from_raw
 from .controller import ControllerOptions
 from .controller_actor import ControllerActor
@@ -94,6 +95,7 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
 
         checkpoint_preflight(cfg, resume=False, fix="they were written by another run of that id")
     st.create_run(spec)
+    registry.record(cfg.run_id, url)  # control commands from any directory find it (orchestrator.registry)
     return spec, st
 
 

@@ -30,30 +30,65 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
 from .config_load import load_config
-from .data import load_splits, tokenizer_vocab_size
-from .loop import StepStats, Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
-from .models import model_preflight
-from .parallel_dims import ParallelDims, resolve_device
-from .telemetry import comm_meter
-from .trackers import Trackers, memory_values, open_trackers, step_values
-from .world import World, init_distributed, shutdown_distributed
+
+if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
+    from .loop import StepStats
+    from .world import World
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m trainer", description="Train one etrain run config.")
-    ap.add_argument("--config", help="run config (TOML); the built-in defaults if omitted")
+def parse_args(argv: list[str] | None, prog: str = "python -m trainer") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description="Train one etrain run config, as one rank of a run "
+                                 "under torchrun (or any launcher that sets RANK/WORLD_SIZE), or alone.")
+    ap.add_argument("config", nargs="?", metavar="CONFIG", help="run config (TOML); the built-in defaults if omitted")
+    ap.add_argument("--config", dest="config_opt", metavar="CONFIG", help="the same as CONFIG (the torchrun habit)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set parallel.tp=2 (repeatable)")
     ap.add_argument("--log-file", help="write one JSON line per step here (rank 0)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest committed checkpoint under checkpoint.url (any world size)")
     ap.add_argument("--quiet", action="store_true", help="print only the summary")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.config and args.config_opt and args.config != args.config_opt:
+        ap.error(f"two configs given: {args.config} and --config {args.config_opt}; give one")
+    args.config = args.config or args.config_opt
+    return args
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup (v2) CPU quota."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def pick_threads(quiet: bool = False) -> int | None:
+    """Set OMP_NUM_THREADS when no launcher did (torchrun and Ray do): the cores per local process,
+    less one left for the Python thread, checkpoint persistence and communication. Says so on rank 0.
+    Returns the count chosen, or None when the environment already set one."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = usable_cpus()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    n = max(1, cores // local - 1)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:  # too late for the variable alone
+        sys.modules["torch"].set_num_threads(n)
+    if not quiet and os.environ.get("RANK", "0") == "0":
+        print(f"etrain: {n} compute thread{'s' if n > 1 else ''} per process ({cores} cores, {local} local "
+              f"process{'es' if local > 1 else ''}); set OMP_NUM_THREADS to choose", flush=True)
+    return n
 
 
 def format_step(s: StepStats, total: int) -> str:
@@ -163,8 +198,9 @@ class Outcome:
     seconds: float = 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m trainer") -> int:
+    args = parse_args(argv, prog)
+    pick_threads(args.quiet)
     overrides = args.set + (["checkpoint.resume=true"] if args.resume else [])
     return train_config(lambda: load_config(args.config, overrides), log_file=args.log_file,
                         quiet=args.quiet).exit_code
@@ -172,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, quiet: bool = False) -> Outcome:
     """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
+    from .data import load_splits, tokenizer_vocab_size
+    from .loop import Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
+    from .models import model_preflight
+    from .parallel_dims import ParallelDims, resolve_device
+    from .telemetry import comm_meter
+    from .trackers import Trackers, memory_values, open_trackers, step_values
+    from .world import World, init_distributed, shutdown_distributed
+
     args = argparse.Namespace(log_file=log_file, quiet=quiet)
     world = None
     ckpt = None
