@@ -47,10 +47,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     """Tensor parallelism with DTensor plans, in place; see the module docstring for the layouts.
 
     A block has two regions (attention, feed-forward). Plain TP all-reduces each region's output in
-    forward and its input gradients in backward (DTensor reduces those of q, k and v, and of the gate
-    and up projections, one by one). Sequence parallelism opens each region with an all-gather and
-    closes it with a reduce-scatter, mirrored in backward; its norms' weights become replicated
-    DTensors whose gradients are summed over ``tp``.
+    forward and its input's gradient in backward. Sequence parallelism opens each region with an
+    all-gather and closes it with a reduce-scatter, mirrored in backward; its norms' weights become
+    replicated DTensors whose gradients are summed over ``tp``.
     """
     # Layout of the residual stream between regions: the whole sequence, or a tp-th of it.
     between = Shard(1) if sequence_parallel else Replicate()
@@ -74,14 +73,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
     }
+    # Each region's input enters as one replicated DTensor: in backward the gradients that q, k and v
+    # (the gate and up projections) send it are summed locally and reduced once, where plain local
+    # inputs would have each all-reduced on its own. Under sequence parallelism that reduction is the
+    # reduce-scatter back to the sequence shard, and the forward an all-gather (the rotary table
+    # passes untouched).
+    block_plan.update({
+        "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+    })
     if sequence_parallel:
-        block_plan.update({
-            "attention_norm": SequenceParallel(),
-            # Gather the sequence at the region's start (the rotary table passes untouched).
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
         if sequence_parallel:
