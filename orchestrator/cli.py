@@ -7,6 +7,7 @@
     etrain resize RUN --workers N         etrain stop RUN
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
+    etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
     etrain train CONFIG.toml              (one rank of a run under torchrun; same as python -m trainer)
     etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
@@ -143,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
     _add_run(p)
     p.add_argument("--workers", type=int, required=True, help="the new group size (a valid size for the run)")
+    _add_store(p)
+
+    p = sub.add_parser("plot", help="draw a run, live or finished: loss, eval loss, throughput and world size over "
+                                    "steps and time, every failure, recovery, resize, suspend and resume marked")
+    p.add_argument("run", nargs="?", type=_run_id("RUN"), metavar="RUN",
+                   help="run id (its store found as `etrain status` finds it)")
+    p.add_argument("-o", "--output", metavar="FILE.png", help="where to write the picture (default RUN.png)")
+    p.add_argument("--log-file", metavar="STEPS.jsonl", help="draw a torchrun run's step log (--log-file) instead")
     _add_store(p)
     return ap
 
@@ -416,9 +425,40 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from .plot import draw, log_series, run_series
+
+    if bool(args.run) == bool(args.log_file):
+        print("etrain: plot needs a RUN or --log-file STEPS.jsonl (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.log_file:
+        try:
+            with open(args.log_file) as f:
+                series = log_series([json.loads(line) for line in f if line.strip()])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EtrainError(f"--log-file {args.log_file!r} is not a readable step log: {e}") from None
+        title = f"step log {args.log_file}"
+    else:
+        store = _store(args)
+        spec = store.get_spec(args.run)
+        seq_len = (spec.config.get("data") or {}).get("seq_len")
+        try:
+            series = run_series(store.get_history(args.run), store.events(args.run),
+                                seq_len=seq_len if isinstance(seq_len, int) else None)
+        except ValueError as e:
+            raise EtrainError(f"run {args.run!r}: {e}") from None
+        title = f"run {args.run}"
+    out = args.output or (f"{args.run}.png" if args.run else args.log_file.rsplit(".", 1)[0] + ".png")
+    draw(out, series, title=title)
+    marks = ", ".join(f"{n} {k}" for k in ("failure", "recovery", "resize", "suspend", "resume")
+                      if (n := sum(m["kind"] == k for m in series["marks"])))
+    print(f"etrain: wrote {out}: {len(series['step'])} steps" + (f"; {marks}" if marks else ""))
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
-            "chaos": cmd_chaos, "data": cmd_data}
+            "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot}
 
 
 if __name__ == "__main__":

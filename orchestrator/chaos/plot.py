@@ -4,12 +4,14 @@
 
 Two panels sharing the time axis (seconds since the run's first step): the loss of every step row (a
 step redone after a restore shows twice) with the reference's loss at the same steps dashed, and the
-world size. Each fault is a red line labelled with its kind, each recovery a dotted green one.
+world size (integer ticks). Each fault is a red line labelled with its kind, each recovery a dotted green one.
+``etrain plot RUN`` (``orchestrator.plot``) draws any run, with resizes, suspends and resumes marked too.
 matplotlib is imported only here and only when plotting, with the Agg backend: no display needed.
 """
 
 from __future__ import annotations
 
+from ..plot import integer_ticks
 from ..store import HistoryRow
 from .oracle import final_trajectory
 
@@ -42,6 +44,7 @@ def plot(path: str, history: list, rows: list[dict], ref_history: list | None = 
                      va="top", color="red")
     ax1.set_ylabel("loss")
     ax2.set_ylabel("world size")
+    integer_ticks(ax2)
     ax2.set_xlabel("seconds since the first step")
     ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title(title or "chaos run: faults (red), recoveries (green)")

@@ -1,0 +1,144 @@
+"""``etrain plot RUN [-o run.png]``: a run as a picture, live or finished.
+
+    series = run_series(store.get_history(run_id), store.events(run_id), seq_len=64)   # what is drawn
+    series = log_series([json.loads(line) for line in open("steps.jsonl")])           # a torchrun step log
+    draw("run.png", series, title="run tiny")
+
+Loss (and eval loss), throughput and world size, each over steps (left) and
+over time (right, seconds since the first step), with every failure,
+recovery, resize, suspend and resume marked by a vertical line of its own
+colour. The world-size axis has integer ticks. :func:`run_series` and
+:func:`log_series` return the plotted data, so that a test can check it
+without reading pixels. Under Ray the data is the run store's step history
+(written by the controller every 30 s while the run goes on, so a live run
+shows up to that write) and its events (held-out evaluations are ``eval``
+events); under torchrun it is the step log (``--log-file``), where a step
+going back is a restart from a checkpoint and a new world size a resize.
+matplotlib is imported only when drawing, with the Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+from .store import HistoryRow
+
+# What each mark is drawn as: colour and line style.
+MARKS = {"failure": ("red", "-"), "recovery": ("green", ":"), "resize": ("purple", "--"),
+         "suspend": ("gray", "-."), "resume": ("tab:blue", "-.")}
+# Run events (orchestrator.controller, orchestrator.states) as marks; a second "started" is a resume.
+_EVENT_MARKS = {"failure": "failure", "failed": "failure", "recovered": "recovery", "resized": "resize",
+                "suspended": "suspend"}
+
+
+def _throughput(rows: list[HistoryRow], seq_len: int | None) -> list[float | None]:
+    """Samples (or tokens, given ``seq_len``) per second of each row: the samples it consumed over its time."""
+    out: list[float | None] = []
+    prev = None
+    for h in rows:
+        if prev is not None and h.step == prev.step + 1 and h.samples_consumed >= prev.samples_consumed:
+            samples = h.samples_consumed - prev.samples_consumed
+        else:  # the first row, or one after a restore: the run's mean batch
+            samples = h.samples_consumed / h.step if h.step else 0
+        out.append(samples * (seq_len or 1) / h.step_s if h.step_s > 0 and samples else None)
+        prev = h
+    return out
+
+
+def _step_at(rows: list[HistoryRow], unix: float) -> int:
+    """The step the run had completed at ``unix`` (the last row that ended by then)."""
+    done = [h.step for h in rows if h.unix <= unix]
+    return done[-1] if done else (rows[0].step if rows else 0)
+
+
+def run_series(history: list, events: list[dict], *, seq_len: int | None = None) -> dict:
+    """What ``etrain plot`` draws of a run in the run store: per history row ``step``, ``time`` (seconds since
+    the first step), ``loss``, ``world_size``, ``throughput`` (tokens/s given ``seq_len``, else samples/s);
+    ``eval`` as (step, time, loss); ``marks`` as dicts of ``kind``, ``step``, ``time``."""
+    rows = [HistoryRow.of(h) for h in history]
+    if not rows:
+        raise ValueError("the run has no step history to plot yet (the controller writes it every 30 s)")
+    t0 = min(h.unix for h in rows)
+    evals, marks = [], []
+    for e in sorted(events, key=lambda e: e.get("time", 0)):
+        kind, when = e.get("kind"), float(e.get("time", t0))
+        if kind == "eval" and isinstance(e.get("loss"), (int, float)):
+            step = int(e.get("step") or _step_at(rows, when))
+            at = next((h.unix for h in rows if h.step == step), when)
+            evals.append((step, at - t0, float(e["loss"])))
+            continue
+        if kind == "started":
+            if when <= t0:  # the run's own start, before its first step
+                continue
+            kind = "resume"
+        else:
+            kind = _EVENT_MARKS.get(kind)
+        if kind is None:
+            continue
+        step = e.get("step") if isinstance(e.get("step"), int) else _step_at(rows, when)
+        marks.append({"kind": kind, "step": step, "time": when - t0})
+    return {"step": [h.step for h in rows], "time": [h.unix - t0 for h in rows], "loss": [h.loss for h in rows],
+            "world_size": [h.world_size for h in rows], "throughput": _throughput(rows, seq_len),
+            "throughput_unit": "tokens/s" if seq_len else "samples/s", "eval": evals, "marks": marks}
+
+
+def log_series(records: list[dict]) -> dict:
+    """The same, from a torchrun step log (``python -m trainer --log-file``; ``StepStats`` and ``time``):
+    a step at or below the one before is a restart from a checkpoint (a recovery), a new world size a resize."""
+    if not records:
+        raise ValueError("the step log is empty")
+    t0 = min(r["time"] for r in records)
+    marks, prev = [], None
+    for r in records:
+        if prev is not None and r["step"] <= prev["step"]:
+            marks.append({"kind": "recovery", "step": r["step"], "time": r["time"] - t0})
+        if prev is not None and r["world_size"] != prev["world_size"]:
+            marks.append({"kind": "resize", "step": r["step"], "time": r["time"] - t0})
+        prev = r
+    return {"step": [r["step"] for r in records], "time": [r["time"] - t0 for r in records],
+            "loss": [r["loss"] for r in records], "world_size": [r["world_size"] for r in records],
+            "throughput": [r.get("tokens_per_s") for r in records], "throughput_unit": "tokens/s",
+            "eval": [(r["step"], r["time"] - t0, r["eval_loss"]) for r in records if r.get("eval_loss") is not None],
+            "marks": marks}
+
+
+def integer_ticks(ax) -> None:
+    """Integer ticks only (a world size of 2.5 does not exist)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def draw(path: str, series: dict, title: str = "") -> None:
+    """Loss and eval loss, throughput and world size, over steps (left) and time (right), events marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, sharex="col", figsize=(13, 8))
+    for col, x in enumerate(("step", "time")):
+        xs = series[x]
+        loss_ax, tput_ax, world_ax = axes[:, col]
+        loss_ax.plot(xs, series["loss"], ".-", ms=2, lw=1, label="loss")
+        if series["eval"]:
+            loss_ax.plot([e[col] for e in series["eval"]], [e[2] for e in series["eval"]], "o-", ms=4,
+                         label="eval loss")
+        points = [(a, b) for a, b in zip(xs, series["throughput"]) if b is not None]
+        tput_ax.plot([a for a, _ in points], [b for _, b in points], ".", ms=2)
+        world_ax.step(xs, series["world_size"], where="post")
+        integer_ticks(world_ax)
+        seen = set()
+        for m in series["marks"]:
+            colour, style = MARKS[m["kind"]]
+            for ax in axes[:, col]:
+                ax.axvline(m[x], color=colour, ls=style, lw=1, alpha=0.8,
+                           label=m["kind"] if ax is loss_ax and m["kind"] not in seen else None)
+            seen.add(m["kind"])
+        loss_ax.legend(loc="upper right", fontsize=7)
+        world_ax.set_xlabel("step" if col == 0 else "seconds since the first step")
+    axes[0, 0].set_ylabel("loss")
+    axes[1, 0].set_ylabel(series["throughput_unit"])
+    axes[2, 0].set_ylabel("world size")
+    fig.suptitle(title or "run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""``etrain plot``: a finished run with a failure, a recovery, a resize, a suspend and a resume, drawn from its
+run store (written here through orchestrator.store, no Ray), and a torchrun step log. The data drawn is checked,
+not the pixels."""
+
+import json
+
+from orchestrator.cli import main
+from orchestrator.plot import log_series, run_series
+from orchestrator.store import HistoryRow, RunSpec, open_store
+
+T0 = 1_800_000_000.0
+
+
+def finished_run(url: str) -> None:
+    """Steps 1-6 on 2 workers; a failure at step 6, restored from step 4 on 1 worker (steps 5-8 again);
+    a resize to 2 at step 8; suspended at step 10, resumed for steps 11-12. Eval at steps 4 and 12."""
+    store = open_store(url)
+    store.create_run(RunSpec(run_id="r1", config={"run_id": "r1", "data": {"seq_len": 64}}, workers=2,
+                             min_workers=1, max_workers=2))
+    rows, t = [], T0
+    for step, world in [*((s, 2) for s in range(1, 7)), *((s, 1) for s in range(5, 9)),
+                        *((s, 2) for s in range(9, 13))]:
+        t += 1.0
+        if step == 5 and world == 1:
+            t += 5.0  # the recovery
+        if step == 11:
+            t += 100.0  # suspended
+        rows.append(HistoryRow(step, 5.0 / step, world, step * 12, t, 0.5))
+    store.put_history("r1", rows)
+    at = {r.step: r.unix for r in rows}  # the last row of each step
+    for e in [{"kind": "started", "time": T0 - 10},
+              {"kind": "eval", "time": T0 + 4.1, "step": 4, "loss": 1.5},
+              {"kind": "failure", "time": T0 + 6.5, "step": 6, "failure_kind": "worker_lost"},
+              {"kind": "recovered", "time": at[5] + 0.1, "time_to_recover_s": 5.0, "steps_lost": 2},
+              {"kind": "resized", "time": at[9] + 0.1, "step": 9, "from_workers": 1, "to_workers": 2},
+              {"kind": "suspended", "time": at[10] + 0.1, "step": 10},
+              {"kind": "started", "time": at[11] - 1},
+              {"kind": "eval", "time": at[12] + 0.1, "step": 12, "loss": 0.9},
+              {"kind": "finished", "time": at[12] + 0.2, "step": 12}]:
+        store.add_event("r1", e)
+
+
+def test_plot_a_finished_run_from_its_store(tmp_path, capsys):
+    url = f"file://{tmp_path}/runs"
+    finished_run(url)
+    png = tmp_path / "r1.png"
+    assert main(["plot", "r1", "--store", url, "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1 failure, 1 recovery, 1 resize, 1 suspend, 1 resume" in capsys.readouterr().out
+
+    store = open_store(url)
+    s = run_series(store.get_history("r1"), store.events("r1"), seq_len=64)
+    assert s["step"] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11, 12]  # steps 5-6 redone after the restore
+    assert s["world_size"] == [2] * 6 + [1] * 4 + [2] * 4
+    assert s["loss"][0] == 5.0 and s["time"][0] == 0.0
+    assert s["time"] == sorted(s["time"])
+    assert s["throughput_unit"] == "tokens/s" and s["throughput"][1] == 12 * 64 / 0.5
+    assert [(step, loss) for step, _, loss in s["eval"]] == [(4, 1.5), (12, 0.9)]
+    assert [(m["kind"], m["step"]) for m in s["marks"]] == [("failure", 6), ("recovery", 5), ("resize", 9),
+                                                            ("suspend", 10), ("resume", 10)]
+    assert s["marks"][3]["time"] < s["marks"][4]["time"]
+
+
+def test_plot_a_torchrun_step_log(tmp_path):
+    """A torchrun job restarted from step 2 on a smaller world: a recovery and a resize."""
+    log = tmp_path / "steps.jsonl"
+    recs = [{"step": st, "loss": 3.0 / st, "world_size": w, "tokens_per_s": 1000.0, "time": T0 + i,
+             "eval_loss": 2.0 if st == 2 else None} for i, (st, w) in enumerate([(1, 2), (2, 2), (3, 2), (3, 1)])]
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["plot", "--log-file", str(log)]) == 0
+    assert (tmp_path / "steps.png").exists()
+    s = log_series(recs)
+    assert [(m["kind"], m["step"]) for m in s["marks"]] == [("recovery", 3), ("resize", 3)]
+    assert s["eval"] == [(2, 1.0, 2.0)] and s["world_size"] == [2, 2, 2, 1]
+
+
+def test_plot_needs_a_run_with_steps(tmp_path, capsys):
+    url = f"file://{tmp_path}/runs"
+    open_store(url).create_run(RunSpec(run_id="empty", config={}, workers=1, min_workers=1, max_workers=1))
+    assert main(["plot", "empty", "--store", url, "-o", str(tmp_path / "x.png")]) == 2
+    assert "no step history to plot yet" in capsys.readouterr().err
+    assert main(["plot"]) == 2
+
+
+def test_world_size_ticks_are_integers():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from orchestrator.plot import integer_ticks
+
+    fig, ax = plt.subplots()
+    ax.step([0, 1, 2], [2, 3, 2])
+    integer_ticks(ax)
+    fig.canvas.draw()
+    ticks = ax.get_yticks()
+    plt.close(fig)
+    assert len(ticks) and all(float(t).is_integer() for t in ticks)
+
