@@ -1,14 +1,18 @@
 """``etrain ckpt``: list, inspect, verify and adopt checkpoints from any machine that reaches the storage.
 
     etrain ckpt ls s3://bucket/runs/my-run
+    etrain ckpt ls s3://bucket/runs --run my-run        (the URL the config's checkpoint.url names)
     etrain ckpt inspect s3://bucket/runs/my-run/checkpoints/step_000001000
     etrain ckpt verify s3://bucket/runs/my-run [--step 1000]
     etrain ckpt adopt s3://bucket/runs/my-run/checkpoints/step_000001000 --samples-consumed 8000
 
 A URL names a run directory (``<root>/<run_id>``), its ``checkpoints``
-directory, or one ``step_<NNNNNNNNN>`` directory. ``verify`` reads every
+directory, or one ``step_<NNNNNNNNN>`` directory; or, with ``--run RUN``, the
+root the run config's ``checkpoint.url`` names. ``verify`` reads every
 listed file and checks its size and crc32c; it exits 1 on any problem, naming
-the file, and 0 when every checked checkpoint is sound. ``adopt`` commits a
+the file, and 0 when every checked checkpoint is sound. ``ls``, ``inspect``
+and ``verify`` exit 1 alike when the URL does not exist, holds no checkpoint
+or is a checkpoint root without ``--run`` (naming the runs it holds). ``adopt`` commits a
 checkpoint written by stock DCP (:mod:`checkpointing.adopt`); it exits 2
 naming what is wrong when it is not one. Only ``adopt`` imports torch.
 """
@@ -23,6 +27,8 @@ import time
 from .errors import ConfigError, EtrainError
 from .manager import CheckpointManager
 from .manifest import parse_step_dir
+
+_URL_HELP = "the run's directory <checkpoint.url>/<run_id>[/checkpoints[/step_N]], or checkpoint.url with --run RUN"
 
 
 def parse_url(url: str) -> tuple[str, str, int | None]:
@@ -61,10 +67,10 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
                      "samples_consumed": m.trainer_state.get("samples_consumed")})
     if as_json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return 0 if rows else 1
     if not rows:
-        print(f"no checkpoints under {mgr.storage.join(mgr.prefix)}")
-        return 0
+        print(f"no checkpoints under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+        return 1
     print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  created")
     for r in rows:
         if not r["committed"]:
@@ -119,6 +125,20 @@ def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
     return 1 if bad else 0
 
 
+def _refuse_a_root(mgr: CheckpointManager, args: argparse.Namespace) -> None:
+    """EtrainError when the URL holds no checkpoints: it does not exist, or it is a checkpoint root
+    (``checkpoint.url``) whose runs are named (``--run RUN`` picks one)."""
+    children = mgr.storage.list_dir(mgr.run_id)
+    if not children:
+        raise EtrainError(f"nothing at {args.url}; give the run's directory <checkpoint.url>/<run_id>, or "
+                          "checkpoint.url with --run RUN")
+    runs = sorted(n for n, size in children.items() if size is None and "checkpoints" in mgr.storage.list_dir(
+        f"{mgr.run_id}/{n}"))
+    if runs:
+        raise EtrainError(f"{args.url} is a checkpoint root holding the runs {', '.join(runs)}; name one: "
+                          f"etrain ckpt {args.cmd} {args.url} --run {runs[0]}")
+
+
 def cmd_adopt(args: argparse.Namespace) -> int:
     """Exit 0 once committed; 2 when refused (not an adoptable DCP checkpoint, a bad flag, a live
     writer); 1 when storage failed."""
@@ -140,28 +160,34 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="etrain ckpt", description="List, inspect, verify and adopt checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("ls", help="every checkpoint of a run, committed or not")
-    p.add_argument("url")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("url", help=_URL_HELP)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("inspect", help="one checkpoint's manifest (the newest if no step is named)")
-    p.add_argument("url")
-    p.add_argument("--step", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("url", help=_URL_HELP)
+    p.add_argument("--step", type=int, help="the step to show (default: the newest committed)")
+    p.add_argument("--json", action="store_true", help="the manifest as JSON")
     p = sub.add_parser("verify", help="check every file's size and checksum")
-    p.add_argument("url")
-    p.add_argument("--step", type=int)
+    p.add_argument("url", help=_URL_HELP)
+    p.add_argument("--step", type=int, help="the step to check (default: every committed one)")
     p = sub.add_parser("adopt", help="commit a checkpoint written by stock DCP (FileSystemWriter, FsspecWriter)")
     p.add_argument("url", help="the DCP checkpoint directory: <root>/<run_id>/checkpoints/step_<N>, or any with --into")
     p.add_argument("--samples-consumed", type=int, required=True, metavar="N",
                    help="the data cursor: samples the run has trained on (step x train.global_batch)")
     p.add_argument("--into", metavar="RUN_URL", help="copy it into this run (<root>/<run_id>) first")
     p.add_argument("--step", type=int, help="the step it is of (with --into)")
+    for name in ("ls", "inspect", "verify"):
+        p = sub.choices[name]
+        p.add_argument("--run", metavar="RUN", help="the run under URL, when URL is the checkpoint root "
+                                                    "(checkpoint.url of the run's config)")
     args = ap.parse_args(argv)
     if args.cmd == "adopt":
         return cmd_adopt(args)
     try:
-        root, run_id, step = parse_url(args.url)
+        root, run_id, step = (args.url.rstrip("/"), args.run, None) if args.run else parse_url(args.url)
         step = args.step if getattr(args, "step", None) is not None else step
         mgr = CheckpointManager(root, run_id)
+        if not args.run and not mgr.steps():
+            _refuse_a_root(mgr, args)
         if args.cmd == "ls":
             return cmd_ls(mgr, args.json)
         if args.cmd == "inspect":

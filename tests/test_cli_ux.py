@@ -40,12 +40,32 @@ def test_trainer_alone_sets_threads_and_says_so(tmp_path):
     assert r.stdout.split()[0::2][:2] == ["None", "3"], r.stdout
 
 
-def test_python_m_trainer_reports_threads(tmp_path):
+def test_python_m_trainer_reports_threads_and_checkpoint_urls_that_etrain_ckpt_takes(tmp_path, capsys):
+    root = f"file://{tmp_path}/ck"  # checkpoint.url, as a config names it
     r = subprocess.run([PY, "-m", "trainer", "examples/tiny.toml", "--set", "train.steps=2", "--set",
-                        "metrics.enabled=false"], cwd=ROOT, env=_env(ETRAIN_HOME=str(tmp_path)),
-                       capture_output=True, text=True, timeout=300)
+                        "metrics.enabled=false", "--set", f"checkpoint.url={root!r}"], cwd=ROOT,
+                       env=_env(ETRAIN_HOME=str(tmp_path)), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "compute thread" in r.stdout.splitlines()[0]
+    step_url = f"{root}/tiny/checkpoints/step_000000002"
+    assert f"etrain: checkpoint step 2 committed: {step_url} (" in r.stdout
+    # 3. etrain ckpt takes checkpoint.url with --run, the run's directory, or the printed URL.
+    for argv in (["ls", root, "--run", "tiny"], ["ls", f"{root}/tiny"], ["verify", root, "--run", "tiny"],
+                 ["inspect", step_url]):
+        assert etrain(["ckpt", *argv]) == 0, argv
+    assert "step_000000002" in capsys.readouterr().out
+    # The root alone names its runs; a missing path and an empty run are exit 1 everywhere.
+    for cmd in ("ls", "inspect", "verify"):
+        assert etrain(["ckpt", cmd, root]) == 1
+        assert f"checkpoint root holding the runs tiny; name one: etrain ckpt {cmd} {root} --run tiny" in \
+            capsys.readouterr().err
+    (tmp_path / "ck" / "empty" / "checkpoints").mkdir(parents=True)
+    for cmd in ("ls", "inspect", "verify"):
+        for url in (f"{root}/nope", f"{tmp_path}/nowhere/r"):
+            assert etrain(["ckpt", cmd, url]) == 1 and "nothing at" in capsys.readouterr().err
+        assert etrain(["ckpt", cmd, root, "--run", "empty"]) == 1
+        assert "no " in capsys.readouterr().err
+    assert etrain(["ckpt", "ls", root, "--run", "empty", "--json"]) == 1
 
 
 # --- 2. a run is found from another directory ---------------------------------------------

@@ -112,8 +112,8 @@ def report_saves(ckpt, world: World) -> list[dict]:
     done = ckpt.poll()
     for r in done:
         if world.is_main and r.ok:
-            print(f"etrain: checkpoint step {r.step} committed: {r.bytes / 2**20:.1f} MiB, "
-                  f"blocked {r.blocking_s * 1e3:.0f} ms, persisted in {r.persist_s:.2f} s", flush=True)
+            print(f"etrain: checkpoint step {r.step} committed: {ckpt.url_of(r.step)} ({r.bytes / 2**20:.1f} MiB, "
+                  f"blocked {r.blocking_s * 1e3:.0f} ms, persisted in {r.persist_s:.2f} s)", flush=True)
     return [r.to_dict() for r in done]
 
 
