@@ -157,8 +157,52 @@ def test_a_tracker_without_its_library_is_a_config_error(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"logging.wandb_project is set but wandb is not installed.*etrain\[trackers\]"):
+    with pytest.raises(ConfigError, match=r"wandb_project is set but wandb is not installed.*etrain\[trackers\]"):
         LoggingConfig(wandb_project="p")
     LoggingConfig(tensorboard_dir="/tmp/tb")  # the others are there
     with pytest.raises(ConfigError, match="logging.wandb_mode"):
         LoggingConfig(wandb_mode="sometimes")
+
+
+def test_controller_logs_a_failure_a_recovery_and_a_resize_to_tensorboard(tmp_path):
+    """The controller (fake worker group, no Ray) with a real TensorBoard tracker: a worker dies at step 7,
+    the run recovers from step 5, grows to 4 workers at step 12; each is in the event file at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from orchestrator.controller import Controller
+    from orchestrator.observers import EvalEvents
+    from orchestrator.store import RunSpec, open_store
+    from tests.fake_group import FakeClock, FakeGroup, Fault
+    from tests.test_controller import INTERVAL, RUN, options, run_config
+    from trainer.config_load import config_from_dict
+    from trainer.trackers import open_trackers
+
+    raw = {**run_config(tmp_path), "logging": {"tensorboard_dir": str(tmp_path / "tb")}}
+    clock, store = FakeClock(), open_store(f"file://{tmp_path}/runs")
+    spec = RunSpec(run_id=RUN, config=raw, workers=2, min_workers=1, max_workers=4)
+    store.create_run(spec)
+    group = FakeGroup(clock, interval=INTERVAL, faults=[Fault(rank=1, step=7, kind="die")], step_seconds=0.1)
+    cfg = config_from_dict(raw)
+    ctl = Controller(spec, store, group, options(), config=cfg, clock=clock, controller_id="ctl-test",
+                     sleep=clock.advance, observers=[EvalEvents(), TrackerObserver(open_trackers(cfg, RUN))])
+    try:
+        for _ in range(3000):
+            if ctl.state.terminal:
+                break
+            if ctl.state.name == "RUNNING" and ctl.last_completed_step() >= 12 and spec.workers == 2:
+                spec = store.update_spec(RUN, workers=4)
+            ctl.step()
+    finally:
+        ctl._stop_keeper.set()
+    assert ctl.state.name == "FINISHED"
+
+    acc = EventAccumulator(str(tmp_path / "tb" / RUN))
+    acc.Reload()
+    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert steps["events/failure"] == [7]
+    assert len(steps["events/recovery"]) == 1 and steps["events/recovery/steps_lost"] == steps["events/recovery"]
+    assert [e.value for e in acc.Scalars("events/recovery/steps_lost")] == [2.0]
+    assert len(steps["events/resize"]) == 1 and steps["events/resize"][0] >= 12
+    assert [e.value for e in acc.Scalars("events/resize/to_workers")] == [4.0]
+    assert steps["events/finished"] == [20]
+    assert steps["train/lr"] and max(steps["train/lr"]) == 20  # the polled steps
