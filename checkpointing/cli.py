@@ -5,6 +5,7 @@
     etrain ckpt inspect s3://bucket/runs/my-run/checkpoints/step_000001000
     etrain ckpt verify s3://bucket/runs/my-run [--step 1000]
     etrain ckpt adopt s3://bucket/runs/my-run/checkpoints/step_000001000 --samples-consumed 8000
+    etrain ckpt export s3://bucket/runs/my-run/checkpoints/step_000001000 ./my-run-hf --format hf
 
 A URL names a run directory (``<root>/<run_id>``), its ``checkpoints``
 directory, or one ``step_<NNNNNNNNN>`` directory; or, with ``--run RUN``, the
@@ -179,7 +180,13 @@ def main(argv: list[str]) -> int:
         p = sub.choices[name]
         p.add_argument("--run", metavar="RUN", help="the run under URL, when URL is the checkpoint root "
                                                     "(checkpoint.url of the run's config)")
+    sub.add_parser("export", help="the model as a transformers directory, safetensors or torch file "
+                                  "(etrain ckpt export --help; needs the trainer)", add_help=False)
     args = ap.parse_args(argv)
+    if args.cmd == "export":
+        print("etrain ckpt export: run it as `etrain ckpt export URL OUT` (it needs the trainer's model config)",
+              file=sys.stderr)
+        return 2
     if args.cmd == "adopt":
         return cmd_adopt(args)
     try:

@@ -11,6 +11,7 @@
     etrain train CONFIG.toml              (one rank of a run under torchrun; same as python -m trainer)
     etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
+    etrain ckpt export URL[/step] OUT [--format hf|safetensors|torch] [--dtype fp32|bf16]
     etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
 
 ``run`` and ``train`` also take the config as ``--config CONFIG.toml``;
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.cli import main as train_main
 
             return train_main(argv[1:], prog="etrain train")
+        if argv[1:2] == ["export"]:  # needs the model's config: lives in the trainer
+            from trainer.export import main as export_main
+
+            return export_main(argv[2:])
         from checkpointing.cli import main as ckpt_main
 
         return ckpt_main(argv[1:])

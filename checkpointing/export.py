@@ -1,0 +1,222 @@
+"""Read a committed checkpoint's model weights one full tensor at a time, and write them as a
+consolidated ``safetensors`` file (sharded with an index above a size) or a ``torch.save`` file.
+
+    src = ModelSource.open("file:///ckpt/runs/tiny/checkpoints/step_000000100")   # a run URL: its newest
+    specs = src.specs()                          # {fqn: (dtype, shape)} of the model, from the DCP metadata
+    t = src.read("layers.0.attention.wq.weight") # the full tensor, assembled from its chunks
+    write_safetensors("/out/model.safetensors", plan, read)   # streamed: one tensor in memory at a time
+
+Whatever layout saved the checkpoint (ZeRO-3, TP, PP, HSDP, any world size), each parameter is
+stored as a global tensor of its full shape cut into chunks, located by the DCP metadata; a tensor
+is assembled from its chunks and the files holding them are fetched, checked against the
+manifest's size and crc32c, and kept in a small cache bounded in bytes. The model's weights are
+the checkpoint's ``model.<fqn>`` items; optimizer state is not read.
+
+Writers take a list of ``(name, dtype, shape)`` and a function returning each tensor, so the
+layout of the output is known before any tensor is read and nothing more than one tensor (plus
+the file cache) is held in memory. This module knows nothing of models: the trainer's own
+export (``trainer.export``) renames and converts tensors on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from .dcp_format import chunk_of, item_tensor
+from .dcp_read import EtrainReader, _path
+from .errors import CheckpointError, ConfigError
+from .manager import CheckpointManager
+from .manifest import Manifest
+from .storage import MiB
+
+MODEL_PREFIX = "model."
+SHARD_BYTES = 5 * 1024**3  # hf: one model.safetensors up to this size, else shards and an index
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+class ModelSource:
+    """The model weights of one committed checkpoint step."""
+
+    def __init__(self, mgr: CheckpointManager, step: int, manifest: Manifest, reader: EtrainReader, *,
+                 cache_bytes: int = 512 * MiB):
+        self.mgr, self.step, self.manifest, self.reader = mgr, step, manifest, reader
+        self.md = reader.read_metadata()
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
+
+    @classmethod
+    def open(cls, url: str, **kw) -> ModelSource:
+        """The step a URL names (``<root>/<run>[/checkpoints[/step_N]]``; the newest committed without a step).
+        ConfigError (exit 2) when it is not committed or its manifest or metadata are corrupt."""
+        from .cli import parse_url
+
+        try:
+            root, run_id, step = parse_url(url)
+            mgr = CheckpointManager(root, run_id)
+            if step is None:
+                step = mgr.latest_committed()
+                if step is None:
+                    raise CheckpointError(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}")
+            manifest = mgr.read_manifest(step)
+            reader = EtrainReader(mgr.storage, mgr.step_rel(step), manifest.file_table())
+            return cls(mgr, step, manifest, reader, **kw)
+        except CheckpointError as e:
+            raise ConfigError(f"{url}: {e}") from None
+
+    @property
+    def url(self) -> str:
+        return self.mgr.url_of(self.step)
+
+    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{fqn: (dtype, full shape)} of every model tensor, in the metadata's order."""
+        out = {}
+        for key, entry in self.md.state_dict_metadata.items():
+            if key.startswith(MODEL_PREFIX) and hasattr(entry, "chunks"):
+                out[key[len(MODEL_PREFIX):]] = (entry.properties.dtype, tuple(entry.size))
+        if not out:
+            raise ConfigError(f"{self.url} holds no model tensors (no 'model.*' items)")
+        return out
+
+    def _file(self, path: str) -> bytes:
+        data = self._cache.pop(path, None)
+        if data is None:
+            data = self.reader._fetch([path])[path]
+            while self._cache and sum(map(len, self._cache.values())) + len(data) > self.cache_bytes:
+                self._cache.popitem(last=False)
+        self._cache[path] = data
+        return data
+
+    def read(self, fqn: str) -> torch.Tensor:
+        """The full tensor ``fqn`` (a model fqn, without the ``model.`` prefix), assembled from its chunks."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        key = MODEL_PREFIX + fqn
+        entry = self.md.state_dict_metadata[key]
+        out = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for chunk in entry.chunks:
+            index = MetadataIndex(key, chunk.offsets)
+            loc = self.md.storage_data[index]
+            dtype, shape = chunk_of(self.md, index)
+            path = _path(loc)
+            src = item_tensor(self._file(path), loc, dtype, shape, f"{self.reader.step_rel}/{path}: {key}")
+            dst = out
+            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                dst = dst.narrow(dim, off, size)
+            dst.copy_(src)
+        return out
+
+
+# --- writers ----------------------------------------------------------------------------------
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_safetensors(path: str, specs: list[Spec], get: Callable[[str], torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write ``specs`` as one safetensors file, each tensor ``get(name)`` streamed in order; its size."""
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in _ST_DTYPES:
+            raise ConfigError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+        n = _nbytes(dtype, shape)
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape in specs:
+            t = get(name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise CheckpointError(f"{name}: got {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+            f.write(_raw(t))
+    return 8 + len(blob) + offset
+
+
+def write_hf_weights(out_dir: str, specs: list[Spec], get: Callable[[str], torch.Tensor], *,
+                     shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most ``shard_bytes``
+    (a larger tensor alone) and ``model.safetensors.index.json`` as ``transformers`` writes them."""
+    groups: list[list[Spec]] = [[]]
+    size = 0
+    for spec in specs:
+        n = _nbytes(spec[1], spec[2])
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += n
+    if len(groups) == 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, get)
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, name), group, get)
+        names.append(name)
+        weight_map.update({spec[0]: name for spec in group})
+    total = sum(_nbytes(s[1], s[2]) for s in specs)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names + ["model.safetensors.index.json"]
+
+
+def write_torch(path: str, specs: list[Spec], get: Callable[[str], torch.Tensor]) -> None:
+    """A ``torch.save`` file of ``{name: tensor}`` (``torch.load(path, weights_only=True)`` reads it),
+    written without holding the tensors together: the archive is laid out by ``torch.save`` under
+    ``skip_data`` and each tensor's bytes are then written into its record."""
+    skeleton = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in specs}
+    with torch.serialization.skip_data():
+        torch.save(skeleton, path)
+    del skeleton
+    with zipfile.ZipFile(path) as z:
+        records = {i.filename.rsplit("/data/", 1)[1]: i for i in z.infolist() if "/data/" in i.filename}
+    with open(path, "r+b") as f:
+        for key, (name, dtype, shape) in enumerate(specs):
+            n = _nbytes(dtype, shape)
+            if not n:
+                continue
+            info = records.get(str(key))
+            if info is None or info.file_size != n:
+                raise CheckpointError(f"torch.save laid out {name} unexpectedly (record {key})")
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            t = get(name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise CheckpointError(f"{name}: got {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+            f.seek(info.header_offset + 30 + name_len + extra_len)
+            f.write(_raw(t))
+
+
+def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
+    """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; make its directory."""
+    if os.path.exists(out):
+        busy = os.path.isfile(out) or bool(os.listdir(out))
+        if busy and not overwrite:
+            raise ConfigError(f"{out} exists and is not empty; choose another output or pass --overwrite")
+        if directory and os.path.isfile(out):
+            raise ConfigError(f"{out} is a file; the export is a directory")
+    if directory:
+        os.makedirs(out, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -1,0 +1,111 @@
+"""The model out and in: ``etrain ckpt export``, ``[model] init_from`` and ``etrain generate``.
+
+One world-2 job trains a built-in ``tiny`` run under ZeRO-3 and saves step 2, then reloads that
+step under tensor and pipeline parallelism and saves it again as two other runs. ``transformers``
+loads the ``hf`` export as ``LlamaForCausalLM`` and its logits equal etrain's own forward; the
+exports of the three layouts are bitwise equal; bad input exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpointing.manifest import MANIFEST_NAME
+from orchestrator.cli import main as etrain
+from tests.harness import run_ranks
+from trainer.export import export, model_config
+
+BASE = ["data.max_bytes=60000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
+        "train.warmup_steps=1", "train.steps=20", "metrics.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Checkpoint root with step 2 of runs "z3" (ZeRO-3, world 2), "tp" (tp=2) and "pp" (pp=2), all the
+    same weights."""
+    root = tmp_path_factory.mktemp("export")
+    url = f"file://{root}/ck"
+    res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": BASE + [f'checkpoint.url="{url}"'], "actions": [
+        {"layout": ["parallel.zero_stage=3"], "train": 2, "save": "z3", "state": False},
+        {"layout": ["parallel.tp=2"], "load": "z3", "save": "tp", "state": False},
+        {"layout": ["parallel.pp=2"], "load": "z3", "save": "pp", "state": False},
+    ]}, timeout=600)
+    for r in res[0]:
+        assert r["saves"] == [(2, "committed", "")], r
+    return root, url
+
+
+def step_url(url: str, run: str) -> str:
+    return f"{url}/{run}/checkpoints/step_000000002"
+
+
+def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import Transformer
+
+    root, url = runs
+    out = str(root / "z3-hf")
+    assert etrain(["ckpt", "export", step_url(url, "z3"), out, "--format", "hf"]) == 0
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    summary = export(step_url(url, "z3"), str(root / "z3.safetensors"), "safetensors")
+    cfg = json.loads((root / "ck" / "z3" / "checkpoints" / "step_000000002" / MANIFEST_NAME).read_text())["config"]
+    model = Transformer(model_config(cfg)).eval()
+    model.load_state_dict(load_file(str(root / "z3.safetensors")))
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(input_ids=tokens).logits
+    assert summary["tensors"] == len(model.state_dict())
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_exports_of_every_layout_are_bitwise_equal(runs):
+    root, url = runs
+    got = {}
+    for run in ("z3", "tp", "pp"):
+        path = str(root / f"{run}-all.safetensors")
+        export(step_url(url, run), path, "safetensors")
+        got[run] = load_file(path)
+    assert got["z3"].keys() == got["tp"].keys() == got["pp"].keys()
+    for k, v in got["z3"].items():
+        assert torch.equal(v, got["tp"][k]) and torch.equal(v, got["pp"][k]), k
+    # torch format and bf16 hold the same values
+    export(step_url(url, "tp"), str(root / "tp.pt"), "torch")
+    pt = torch.load(str(root / "tp.pt"), weights_only=True)
+    assert all(torch.equal(pt[k], v) for k, v in got["z3"].items()) and pt.keys() == got["z3"].keys()
+    export(step_url(url, "pp"), str(root / "pp-bf16"), "hf", "bf16", shard_bytes=400_000)
+    index = json.loads((root / "pp-bf16" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert load_file(str(root / "pp-bf16" / "model-00001-of-" f"{len(set(index['weight_map'].values())):05d}"
+                         ".safetensors"))["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_bad_export_input_exits_2(runs, capsys):
+    root, url = runs
+    bad = root / "copy" / "z3" / "checkpoints"
+    shutil.copytree(root / "ck" / "z3" / "checkpoints" / "step_000000002", bad / "step_000000002")
+    burl = f"file://{root}/copy/z3/checkpoints/step_000000002"
+    out = str(root / "bad-out")
+    assert etrain(["ckpt", "export", step_url(url, "z3"), out, "--format", "onnx"]) == 2
+    assert "unknown" in capsys.readouterr().err
+    os.makedirs(out)
+    open(os.path.join(out, "x"), "w").close()
+    assert etrain(["ckpt", "export", step_url(url, "z3"), out]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    shard = sorted(p for p in os.listdir(bad / "step_000000002") if p.endswith(".distcp"))[0]
+    with open(bad / "step_000000002" / shard, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    assert etrain(["ckpt", "export", burl, str(root / "o1.safetensors"), "--format", "safetensors"]) == 2
+    assert "checksum" in capsys.readouterr().err
+    os.remove(bad / "step_000000002" / MANIFEST_NAME)
+    assert etrain(["ckpt", "export", burl, str(root / "o2.safetensors"), "--format", "safetensors"]) == 2
+    assert "never committed" in capsys.readouterr().err

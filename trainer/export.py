@@ -1,0 +1,249 @@
+"""``etrain ckpt export``: a committed checkpoint's model as a ``transformers`` directory, one
+``safetensors`` file or one ``torch.save`` file.
+
+    etrain ckpt export s3://bucket/runs/tiny/checkpoints/step_000001000 ./tiny-hf --format hf
+    etrain ckpt export file:///ckpt/runs/tiny ./tiny.safetensors --format safetensors --dtype bf16
+
+Any layout consolidates (the checkpoint stores each parameter as a global tensor; see
+:mod:`checkpointing.export`), one tensor at a time. ``hf`` writes ``config.json``, the weights
+(``model.safetensors``, sharded with an index above 5 GB) and the run's tokenizer files; the
+built-in decoder is written as ``LlamaForCausalLM``: its names are mapped and the rows of ``wq``
+and ``wk`` permuted per head from interleaved rotary pairs (``trainer.model.apply_rope``) to the
+halves that ``transformers``' ``rotate_half`` pairs, so the logits match. A ``transformers``
+model keeps its own names and its own ``config.json``. ``safetensors`` and ``torch`` write the
+model's own state dict (etrain names). The run config comes from the manifest.
+
+:func:`to_hf` / :func:`from_hf` are the name and layout conversion, used by ``init_from`` as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
+from checkpointing.export import ModelSource, prepare_out, write_hf_weights, write_safetensors, write_torch
+
+from .config import ModelConfig
+from .config_load import build_section
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FORMATS = ("hf", "safetensors", "torch")
+# built-in name -> LlamaForCausalLM name (per block: the part after "layers.<i>.")
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
+_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
+
+
+def run_config(src: ModelSource) -> dict:
+    """The resolved run config the checkpoint's manifest records; ConfigError for an adopted one."""
+    cfg = src.manifest.config
+    if not cfg or "model" not in cfg:
+        raise ConfigError(f"{src.url} records no run config (adopted from stock DCP): it cannot say what model "
+                          "it holds; export it with the torch format or read it with PyTorch (docs/checkpoint-format.md)")
+    return cfg
+
+
+def model_config(cfg: dict) -> ModelConfig:
+    return build_section("model", ModelConfig, dict(cfg["model"]))
+
+
+# --- built-in <-> LlamaForCausalLM --------------------------------------------------------------
+
+
+def hf_name(fqn: str) -> str:
+    """The LlamaForCausalLM name of a built-in parameter."""
+    if fqn in _TOP:
+        return _TOP[fqn]
+    m = _LAYER.match(fqn)
+    if m is None or m.group(3) not in _BLOCK:
+        raise ConfigError(f"{fqn!r} is not a parameter of the built-in decoder")
+    return f"model.layers.{m.group(2)}.{_BLOCK[m.group(3)]}"
+
+
+def builtin_name(name: str) -> str:
+    """The built-in name of a LlamaForCausalLM parameter (the inverse of :func:`hf_name`)."""
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    m = _LAYER.match(name)
+    if m is None or not m.group(1) or m.group(3) not in _BLOCK_BACK:
+        raise ConfigError(f"{name!r} is not a parameter of a Llama model that the built-in decoder has")
+    return f"layers.{m.group(2)}.{_BLOCK_BACK[m.group(3)]}"
+
+
+def _rope_permute(t: torch.Tensor, head_dim: int, to_hf: bool) -> torch.Tensor:
+    """Rows of a q/k projection per head: interleaved pairs (2j, 2j+1) <-> halves (j, j + head_dim/2)."""
+    rows, cols = t.shape
+    if to_hf:
+        return t.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return t.reshape(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf(fqn: str, t: torch.Tensor, mcfg: ModelConfig) -> torch.Tensor:
+    """A built-in tensor in LlamaForCausalLM's layout (q/k rows permuted; everything else as is)."""
+    if fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
+        return _rope_permute(t, mcfg.head_dim, to_hf=True)
+    return t
+
+
+def from_hf(fqn: str, t: torch.Tensor, mcfg: ModelConfig) -> torch.Tensor:
+    """The inverse of :func:`to_hf` (``fqn`` is the built-in name)."""
+    if fqn.endswith(("attention.wq.weight", "attention.wk.weight")) and t.dim() == 2 and t.shape[0] % mcfg.head_dim == 0:
+        return _rope_permute(t, mcfg.head_dim, to_hf=False)
+    return t
+
+
+def llama_config(mcfg: ModelConfig, tokenizer: str = "bytes") -> dict:
+    """The ``config.json`` of the built-in decoder as a LlamaForCausalLM."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_hidden,
+                      num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
+                      num_key_value_heads=mcfg.n_kv_heads, head_dim=mcfg.head_dim, rms_norm_eps=mcfg.norm_eps,
+                      rope_theta=mcfg.rope_theta, max_position_embeddings=mcfg.max_seq_len,
+                      tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                      torch_dtype="float32", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.architectures = ["LlamaForCausalLM"]
+    out = cfg.to_dict()
+    out["etrain_tokenizer"] = tokenizer  # what `etrain generate` encodes with when no tokenizer files are here
+    return out
+
+
+# --- the export -------------------------------------------------------------------------------
+
+
+def plan(src: ModelSource, fmt: str, dtype: torch.dtype):
+    """(specs, get, config): what to write, a function returning each output tensor, the run config."""
+    cfg = run_config(src)
+    mcfg = model_config(cfg)
+    specs_in = src.specs()
+    convert = fmt == "hf" and mcfg.source == "builtin"
+    back: dict[str, str] = {}
+    specs = []
+    for fqn, (dt, shape) in specs_in.items():
+        name = hf_name(fqn) if convert else fqn
+        back[name] = fqn
+        out_dt = dtype if dt.is_floating_point else dt
+        specs.append((name, out_dt, shape))
+
+    def get(name: str) -> torch.Tensor:
+        fqn = back[name]
+        t = src.read(fqn)
+        if convert:
+            t = to_hf(fqn, t, mcfg)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return specs, get, cfg
+
+
+def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrite: bool = False,
+           shard_bytes: int | None = None) -> dict:
+    """Export the checkpoint ``url`` names to ``out``; a summary. ConfigError (exit 2) on bad input."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    src = ModelSource.open(url)
+    specs, get, cfg = plan(src, fmt, DTYPES[dtype])
+    prepare_out(out, directory=fmt == "hf", overwrite=overwrite)
+    if fmt == "safetensors":
+        write_safetensors(out, specs, get, {"etrain_source": src.url})
+        files = [out]
+    elif fmt == "torch":
+        write_torch(out, specs, get)
+        files = [out]
+    else:
+        kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+        files = write_hf_weights(out, specs, get, **kw)
+        files += write_hf_extras(out, cfg)
+    return {"source": src.url, "step": src.step, "format": fmt, "dtype": dtype, "tensors": len(specs),
+            "bytes": sum(_nbytes(s) for s in specs), "files": files}
+
+
+def _nbytes(spec) -> int:
+    n = spec[1].itemsize
+    for d in spec[2]:
+        n *= d
+    return n
+
+
+def write_hf_extras(out: str, cfg: dict) -> list[str]:
+    """config.json (and generation_config.json from an hf source) and the run's tokenizer files."""
+    mcfg = model_config(cfg)
+    tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
+    written = ["config.json"]
+    if mcfg.source == "builtin":
+        config = llama_config(mcfg, tokenizer if tokenizer == "bytes" else "files")
+    elif mcfg.source == "hf":
+        path = os.path.expanduser(mcfg.hf_config)
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(path):
+            raise ConfigError(f"the run's model.hf_config={mcfg.hf_config!r} is not on this machine; export where it "
+                              "is, or use --format safetensors")
+        with open(path) as f:
+            config = json.load(f)
+        config.setdefault("etrain_tokenizer", tokenizer if tokenizer == "bytes" else "files")
+    else:
+        raise ConfigError("--format hf needs a built-in or a transformers model (model.source=\"python\" has no "
+                          "transformers config); use --format safetensors or torch")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    written += copy_tokenizer(tokenizer, out)
+    return written
+
+
+def copy_tokenizer(spec: str, out: str) -> list[str]:
+    """Copy the tokenizer files of ``data.tokenizer`` into ``out`` (none for "bytes")."""
+    from .tokenize import _tokenizer_files
+
+    if spec == "bytes" or "://" in spec:
+        return []
+    if os.path.isfile(spec):
+        shutil.copyfile(spec, os.path.join(out, "tokenizer.json"))
+        return ["tokenizer.json"]
+    if not os.path.isdir(spec):
+        raise ConfigError(f"the run's data.tokenizer={spec!r} is not on this machine; export where it is")
+    names = []
+    for path in _tokenizer_files(spec):
+        shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
+        names.append(os.path.basename(path))
+    return names
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="etrain ckpt export",
+                                 description="Write a checkpoint's model as a transformers directory, a safetensors "
+                                             "file or a torch.save file (any layout; one tensor at a time).")
+    ap.add_argument("url", help="<root>/<run_id>[/checkpoints/step_N] (no step: the newest committed)")
+    ap.add_argument("out", help="output: a directory (hf) or a file")
+    ap.add_argument("--format", default="hf", help="hf (default), safetensors or torch")
+    ap.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    ap.add_argument("--overwrite", action="store_true", help="write into an OUT that exists and is not empty")
+    args = ap.parse_args(argv)
+    try:
+        summary = export(args.url, args.out, args.format, args.dtype, overwrite=args.overwrite)
+    except (ConfigError, CheckpointError) as e:  # bad input: not committed, corrupt, an unknown format
+        if isinstance(e, StorageError):
+            print(f"etrain ckpt export: {e}", file=sys.stderr)
+            return 1
+        print(f"etrain ckpt export: {e}", file=sys.stderr)
+        return 2
+    except EtrainError as e:
+        print(f"etrain ckpt export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {summary['step']} ({summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB, "
+          f"{summary['dtype']}) to {args.out}: {', '.join(os.path.basename(f) for f in summary['files'])}")
+    return 0
