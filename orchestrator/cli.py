@@ -261,9 +261,11 @@ def cmd_run(args) -> int:
 def _report(final: dict) -> int:
     from .run import exit_code
 
+    loss = final.get("loss")
     print(f"etrain: run {final.get('run_id')!r} {final.get('phase')} at step {final.get('step')}/"
           f"{final.get('total_steps')}: {final.get('reason', '')}; {final.get('recoveries', 0)} recoveries, "
-          f"{final.get('steps_lost', 0)} steps lost, final loss {final.get('loss')}", flush=True)
+          f"{final.get('steps_lost', 0)} steps lost, final loss "
+          f"{f'{loss:.4f}' if isinstance(loss, float) else loss}", flush=True)
     return exit_code(final)
 
 
@@ -330,7 +332,7 @@ def cmd_top(args) -> int:
 
 
 def cmd_events(args) -> int:
-    from .progress import describe_event
+    from .progress import event_line
 
     store = _store(args)
     store.get_spec(args.run)
@@ -340,9 +342,7 @@ def cmd_events(args) -> int:
         return 0
     for e in events:
         when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        line = describe_event(e) or f"[{e.get('kind')}] " + ", ".join(
-            f"{k}={v}" for k, v in sorted(e.items()) if k not in ("kind", "time"))
-        print(f"{when}  {line}")
+        print(f"{when}  {event_line(e)}")
     return 0
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from trainer.cli import clock, human
 
 
 def describe_event(e: dict) -> str | None:
@@ -40,6 +42,21 @@ def describe_event(e: dict) -> str | None:
     return None
 
 
+def short_ids(v):
+    """Ray's 56-hex-digit node ids (and lists of them) cut to their first 8 digits, as ``ray status`` shows them."""
+    if isinstance(v, list):
+        return [short_ids(x) for x in v]
+    if isinstance(v, str) and len(v) == 56 and all(c in "0123456789abcdef" for c in v):
+        return v[:8]
+    return v
+
+
+def event_line(e: dict) -> str:
+    """Any event as one line: :func:`describe_event`'s, else its fields (node ids shortened)."""
+    return describe_event(e) or f"[{e.get('kind')}] " + ", ".join(
+        f"{k}={short_ids(v)}" for k, v in sorted(e.items()) if k not in ("kind", "time"))
+
+
 class Follower:
     def __init__(self, run_id: str, total_steps: int | None, live: bool = True, console: Console | None = None,
                  every_s: float = 5.0):
@@ -51,9 +68,10 @@ class Follower:
         self._last_line = 0.0
         self._last_phase = None
         self.progress = Progress(TextColumn("[bold]{task.fields[run]}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
-                                 transient=False) if self.live else None
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), console=self.console, transient=False) if self.live else None
         self.task = None
+        self._rate_from: tuple[float, int] | None = None  # (time, step) of the first step seen, for the ETA
 
     def __enter__(self) -> Follower:
         if self.progress is not None:
@@ -77,10 +95,23 @@ class Follower:
             self.progress.update(self.task, completed=snap.get("step") or 0, info=info)
             return
         now = time.monotonic()
+        step = snap.get("step") or 0
+        if self._rate_from is None and step:
+            self._rate_from = (now, step)
         if snap.get("phase") != self._last_phase or now - self._last_line >= self.every_s:
             self._last_phase, self._last_line = snap.get("phase"), now
-            self.console.print(f"{self.run_id} step {snap.get('step')}/{snap.get('total_steps')} {info}",
+            self.console.print(f"{self.run_id} step {step}/{snap.get('total_steps')}  {info}{self._eta(now, snap)}",
                                markup=False, highlight=False)
+
+    def _eta(self, now: float, snap: dict) -> str:
+        """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included), or ""."""
+        if self._rate_from is None or not snap.get("total_steps"):
+            return ""
+        t, s = self._rate_from
+        rate = ((snap.get("step") or 0) - s) / (now - t) if now > t else 0.0
+        if rate <= 0:
+            return ""
+        return f"  {rate:.2f} steps/s  ETA {clock((snap['total_steps'] - snap['step']) / rate)}"
 
 
 def info_line(snap: dict) -> str:
@@ -89,7 +120,7 @@ def info_line(snap: dict) -> str:
     ev = snap.get("eval_loss")
     return (f"loss {loss:.4f}  " if loss is not None else "") + \
            (f"eval {ev:.4f}  " if ev is not None else "") + \
-           (f"{tps:,.0f} tok/s  " if tps else "") + f"world {snap.get('world_size')}  {snap.get('phase')}"
+           (f"{human(tps, 'tok/s')}  " if tps else "") + f"world {snap.get('world_size')}  {snap.get('phase')}"
 
 
 def status_table(rows: list[dict]) -> Table:

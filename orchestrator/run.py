@@ -171,6 +171,9 @@ def connect(address: str | None, num_cpus: int) -> bool:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY] != "0"  # in case Ray was imported earlier
+    # Ray turns token authentication on for a new local cluster and warns about it on every start; this
+    # one listens on loopback only, so the warning is noise in etrain's output (docs/operations.md).
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     # address="local": a new instance, even when another Ray runs on this machine (ray.init() would join it).
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
              namespace="etrain", log_to_driver=False, logging_level="warning")

@@ -157,3 +157,43 @@ def test_help_does_not_import_torch(argv):
     assert "usage: " in r.stdout and "TORCH False" in r.stderr, r.stderr
     if argv == ["train", "--help"]:
         assert "usage: etrain train" in r.stdout and "[CONFIG]" in r.stdout
+
+
+# --- 5. output --------------------------------------------------------------------------------
+
+
+def test_progress_and_summary_lines_are_readable():
+    from trainer.cli import clock, describe_corpus, format_step, human, summary_line
+    from trainer.loop import StepStats
+
+    assert [human(n, "tok/s") for n in (0, 42, 850, 4_370, 12_345, 1_520_000)] == [
+        "0 tok/s", "42 tok/s", "850 tok/s", "4.37k tok/s", "12.3k tok/s", "1.52M tok/s"]
+    assert [clock(s) for s in (0.94, 75, 3725)] == ["0.9 s", "1:15", "1:02:05"]
+    s = StepStats(step=20, loss=3.14159, lr=3e-3, grad_norm=1.0, tokens_per_s=38.0, step_seconds=0.5,
+                  data_seconds=0.0, world_size=2, samples_consumed=240)
+    assert format_step(s, 200, 2.0) == "step  20/200 | loss 3.1416 | lr 3.00e-03 | 38 tok/s | 2.00 steps/s | " \
+                                       "world 2 | ETA 1:30"
+    assert format_step(s, 20).endswith("| 2.00 steps/s | world 2")  # the last step: no ETA
+    # After a resume from step 6, the summary counts the steps this process ran.
+    assert summary_line(7, 9, 1.5, 768, 5.123456, 4.5) == (
+        "etrain: trained steps 7-9 (3 after resuming) in 1.5 s, 2.00 steps/s, 1.54k tok/s; loss 5.1235 -> 4.5000")
+    assert summary_line(1, 200, 90, 768, 6.0, 2.0).startswith("etrain: trained 200 steps in 1:30, 2.22 steps/s")
+    assert describe_corpus({"kind": "text", "files": 671, "tokens": 11354832, "digest": "62", "documents": 671}) == \
+        "text, 671 files, 11.4M tokens, documents 671, digest 62"
+
+
+def test_run_output_is_readable():
+    from orchestrator.progress import event_line, info_line
+
+    node = "a1b2c3d4" + "e" * 48
+    line = event_line({"kind": "formed", "time": 0, "nodes": [node, node], "world_size": 2})
+    assert line == "[formed] nodes=['a1b2c3d4', 'a1b2c3d4'], world_size=2"
+    assert info_line({"loss": 3.0, "tokens_per_s": 12345.0, "world_size": 2, "phase": "RUNNING"}) == \
+        "loss 3.0000  12.3k tok/s  world 2  RUNNING"
+
+
+def test_final_report_rounds_the_loss(capsys):
+    from orchestrator.cli import _report
+
+    assert _report({"run_id": "r", "phase": "FINISHED", "step": 9, "total_steps": 9, "loss": 4.123456789}) == 0
+    assert "final loss 4.1235" in capsys.readouterr().out

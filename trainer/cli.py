@@ -91,9 +91,38 @@ def pick_threads(quiet: bool = False) -> int | None:
     return n
 
 
-def format_step(s: StepStats, total: int) -> str:
+def human(n: float, unit: str) -> str:
+    """``n`` with a k/M/G prefix and three significant figures: 850 tok/s, 12.3k tok/s, 1.52M tokens."""
+    for div, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            v = n / div
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}{prefix} {unit}"
+    return f"{n:.3g} {unit}" if n < 10 else f"{n:.0f} {unit}"
+
+
+def clock(seconds: float) -> str:
+    """A duration: 4.2 s under a minute, else m:ss or h:mm:ss."""
+    if seconds < 59.95:
+        return f"{max(0.0, seconds):.1f} s"
+    m, sec = divmod(int(round(max(0.0, seconds))), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def format_step(s: StepStats, total: int, steps_per_s: float | None = None) -> str:
+    """One progress line: loss, learning rate, throughput in human units, and the time left at
+    ``steps_per_s`` (this step's rate when not given)."""
+    rate = steps_per_s or (1.0 / s.step_seconds if s.step_seconds > 0 else 0.0)
+    eta = f" | ETA {clock((total - s.step) / rate)}" if rate > 0 and s.step < total else ""
     return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
-            f"{s.tokens_per_s / 1e3:7.1f}k tok/s | {s.step_seconds:.3f} s/step | world {s.world_size}")
+            f"{human(s.tokens_per_s, 'tok/s')} | {rate:.2f} steps/s | world {s.world_size}{eta}")
+
+
+def describe_corpus(d: dict) -> str:
+    """The corpus as one readable phrase (``Corpus.describe()`` is a dict for logs and tools)."""
+    rest = ", ".join(f"{k} {v}" for k, v in d.items() if k not in ("kind", "files", "tokens", "digest"))
+    return (f"{d.get('kind')}, {d.get('files')} file{'s' if d.get('files') != 1 else ''}, "
+            f"{human(d.get('tokens') or 0, 'tokens')}" + (f", {rest}" if rest else "") + f", digest {d.get('digest')}")
 
 
 def _mb(n: int) -> str:
@@ -185,6 +214,15 @@ def _track_resume(trackers, manifest, world: World) -> None:
         trackers.log_event(manifest.step, "resize", {"from_workers": manifest.world_size, "to_workers": world.size})
 
 
+def summary_line(first_step: int, last_step: int, seconds: float, tokens_per_step: int, first_loss: float,
+                 last_loss: float) -> str:
+    """The end of a run: the steps this process ran (not the run's total after a resume), their rate, the loss."""
+    n = last_step - first_step + 1
+    which = f"{n} steps" if first_step == 1 else f"steps {first_step}-{last_step} ({n} after resuming)"
+    rate = f", {n / seconds:.2f} steps/s, {human(n * tokens_per_step / seconds, 'tok/s')}" if seconds > 0 else ""
+    return f"etrain: trained {which} in {clock(seconds)}{rate}; loss {first_loss:.4f} -> {last_loss:.4f}"
+
+
 @dataclass
 class Outcome:
     """How a run of :func:`train_config` ended: ``exit_code`` 0 done, 2 invalid config, 1 anything else."""
@@ -271,15 +309,18 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             what = model_info.describe() if model_info else f"{cfg.model.preset} model"
             print(f"etrain: {what}, world {world.size} "
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
-                  f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}, {trainer.device.type}; "
-                  f"corpus {corpus.describe()}", flush=True)
+                  f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}"
+                  f"{' (no effect at dp 1)' if trainer.dims.dp == 1 and cfg.parallel.zero_stage else ''}, "
+                  f"{trainer.device.type}; corpus {describe_corpus(corpus.describe())}", flush=True)
         limit = cfg.checkpoint.max_consecutive_failures
         undurable = (lambda: ckpt.failed_in_a_row >= limit) if ckpt is not None else False
         first = last = None
         final_save = None
         t0 = time.monotonic()
+        t_first = t0
         for s in trainer.run_steps(total, ckpt, stop=undurable, save_when_stopping=False):
-            first = first or s
+            if first is None:
+                first, t_first = s, time.monotonic()  # the rate leaves the first step's warm-up out
             last = s
             if log:
                 log.write(json.dumps({**s.to_dict(), "time": time.time()}) + "\n")
@@ -289,7 +330,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
                                                             else {}))
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
-                print(format_step(s, total), flush=True)
+                rate = (s.step - first.step) / (time.monotonic() - t_first) if s is not first else None
+                print(format_step(s, total, rate), flush=True)
             if world.is_main and not args.quiet and s.eval_loss is not None:
                 print(f"eval at step {s.step}: loss {s.eval_loss:.4f} ({cfg.eval.batches} batches)", flush=True)
             if first is s and world.is_main and not args.quiet:
@@ -323,8 +365,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
                 print(f"etrain: error: {verdict}", file=sys.stderr, flush=True)
             return dataclasses.replace(done, exit_code=1, error=verdict)
         if world.is_main and last is not None:
-            print(f"etrain: trained {total} steps in {done.seconds:.1f} s; "
-                  f"loss {first.loss:.4f} -> {last.loss:.4f}", flush=True)
+            print(summary_line(first.step, last.step, done.seconds, cfg.train.global_batch * cfg.data.seq_len,
+                               first.loss, last.loss), flush=True)
         return done
     except ConfigError as e:
         if world.is_main:
