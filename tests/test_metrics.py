@@ -107,7 +107,8 @@ def test_endpoint_serves_every_family_and_registers_for_discovery(tmp_path, caps
     m = RunMetrics("run-a")
     ep = MetricsEndpoint(m, addr="127.0.0.1", port=0, file_sd_dir=str(tmp_path))
     try:
-        target = json.loads((tmp_path / "run-a.json").read_text())
+        path, = tmp_path.glob("run-a-*.json")  # <run_id>-<pid>.json: two runs of one id never collide
+        target = json.loads(path.read_text())
         assert target[0]["targets"] == [f"127.0.0.1:{ep.port}"]
         m.observe_ranks("w0", telemetry(0, 10, 1000, 0.1, steps=3))
         m.observe_step({"step": 3, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 50.0, "step_seconds": 0.5})
@@ -138,7 +139,7 @@ def test_endpoint_serves_every_family_and_registers_for_discovery(tmp_path, caps
         assert all(("run_id", "run-a") in ls for _, ls in s)
     finally:
         ep.close()
-    assert not (tmp_path / "run-a.json").exists()  # a finished run is no longer a target
+    assert not list(tmp_path.glob("run-a-*.json"))  # a finished run is no longer a target
     assert etrain(["top", "--url", ep.url, "--once"]) == 1  # gone: says so, exits 1
 
 
@@ -157,9 +158,9 @@ def test_torchrun_rank0_serves_every_ranks_figures(tmp_path):
         deadline = time.monotonic() + 120
         seen: dict = {}
         while time.monotonic() < deadline and proc.poll() is None:
-            if (sd / "tr.json").exists():
+            if files := list(sd.glob("tr-*.json")):
                 try:
-                    target = json.loads((sd / "tr.json").read_text())[0]["targets"][0]
+                    target = json.loads(files[0].read_text())[0]["targets"][0]
                     seen = scrape(f"http://{target}/metrics")
                 except (OSError, ValueError, IndexError):
                     seen = {}

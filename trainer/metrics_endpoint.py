@@ -2,11 +2,14 @@
 
     endpoint = MetricsEndpoint(RunMetrics(run_id), addr="127.0.0.1", port=0, file_sd_dir="")
     endpoint.url               # http://127.0.0.1:PORT/metrics
-    endpoint.file_sd_path      # <dir>/<run_id>.json, or None ("-", or it could not be written)
+    endpoint.file_sd_path      # <dir>/<run_id>-<pid>.json, or None ("-", or it could not be written)
     endpoint.close()           # stops serving and removes the target file
 
-``file_sd_dir`` "" means $ETRAIN_PROMETHEUS_DIR, else ~/.etrain/prometheus;
-"-" writes no target file. Served by the controller on Ray and by rank 0
+``file_sd_dir`` "" means $ETRAIN_PROMETHEUS_DIR, else $ETRAIN_HOME/prometheus,
+else ~/.etrain/prometheus (where ``deploy/prometheus.yml``, copied to
+$ETRAIN_HOME, looks); "-" writes no target file. The file name carries the
+serving process's id, so two runs of the same id (two ``python -m trainer``
+runs of the default ``run_id``) never overwrite each other's target. Served by the controller on Ray and by rank 0
 under torchrun (``[metrics]`` in the run config, docs/metrics.md).
 """
 
@@ -26,8 +29,9 @@ log = logging.getLogger("etrain")
 
 def default_file_sd_dir() -> str:
     """Where target files go when ``metrics.file_sd_dir`` is empty: $ETRAIN_PROMETHEUS_DIR, else
-    ~/.etrain/prometheus."""
-    return os.environ.get("ETRAIN_PROMETHEUS_DIR") or os.path.join(os.path.expanduser("~"), ".etrain", "prometheus")
+    $ETRAIN_HOME/prometheus, else ~/.etrain/prometheus."""
+    home = os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")
+    return os.environ.get("ETRAIN_PROMETHEUS_DIR") or os.path.join(home, "prometheus")
 
 
 class MetricsEndpoint:
@@ -50,11 +54,11 @@ class MetricsEndpoint:
             self.file_sd_path = self._register(file_sd_dir or default_file_sd_dir())
 
     def _register(self, directory: str) -> str | None:
-        """``<dir>/<run_id>.json`` in Prometheus file_sd format; written whole, then moved into place
-        so that Prometheus never reads half a file."""
+        """``<dir>/<run_id>-<pid>.json`` in Prometheus file_sd format; written whole, then moved into
+        place so that Prometheus never reads half a file."""
         try:
             os.makedirs(directory, exist_ok=True)
-            path = os.path.join(directory, f"{self.metrics.run_id}.json")
+            path = os.path.join(directory, f"{self.metrics.run_id}-{os.getpid()}.json")
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump([{"targets": [self.target], "labels": {"etrain_run": self.metrics.run_id}}], f)
