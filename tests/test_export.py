@@ -109,3 +109,64 @@ def test_bad_export_input_exits_2(runs, capsys):
     os.remove(bad / "step_000000002" / MANIFEST_NAME)
     assert etrain(["ckpt", "export", burl, str(root / "o2.safetensors"), "--format", "safetensors"]) == 2
     assert "never committed" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random LlamaForCausalLM saved by transformers (safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("hf") / "llama")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_init_from_loads_weights_into_any_layout_and_exports_them_unchanged(runs, hf_dir):
+    from checkpointing.manager import CheckpointManager
+
+    root, url = runs
+    z3hf = str(root / "z3-hf-init")
+    export(step_url(url, "z3"), z3hf, "hf")
+    hf = ['model.source="hf"', f'model.hf_config="{hf_dir}"', f'model.init_from="{hf_dir}"']
+    res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": BASE + [f'checkpoint.url="{url}"'], "actions": [
+        {"layout": hf + ["parallel.zero_stage=3"], "save": "hfrun", "state": False},
+        {"layout": ["parallel.tp=2", f'model.init_from="{z3hf}"'], "save": "fromhf", "state": False},
+        {"layout": ["parallel.pp=2", f'model.init_from="{step_url(url, "z3")}"'], "save": "fromckpt",
+         "state": False},
+    ]}, timeout=600)
+    assert [r["saves"] for r in res[0]] == [[(0, "committed", "")]] * 3, res[0]
+    # the transformers model: etrain run -> export equals the original weights, bitwise
+    export(f"{url}/hfrun", str(root / "hfrun.safetensors"), "safetensors")
+    ours, original = load_file(str(root / "hfrun.safetensors")), load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert ours.keys() == original.keys()
+    assert all(torch.equal(ours[k], original[k]) for k in ours)
+    # the built-in model from its own hf export (rotary rows permuted back) and from a checkpoint URL
+    ref = load_file(str(root / "z3-all.safetensors")) if os.path.exists(root / "z3-all.safetensors") else None
+    if ref is None:
+        export(step_url(url, "z3"), str(root / "z3-all.safetensors"), "safetensors")
+        ref = load_file(str(root / "z3-all.safetensors"))
+    for run in ("fromhf", "fromckpt"):
+        path = str(root / f"{run}.safetensors")
+        export(f"{url}/{run}", path, "safetensors")
+        got = load_file(path)
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), run
+    m = CheckpointManager(url, "fromckpt").read_manifest(0)
+    assert m.trainer_state["weights_from"] == step_url(url, "z3") and m.config["model"]["init_from"]
+
+
+def test_init_from_with_other_shapes_names_the_tensor(hf_dir):
+    from trainer.export import WeightSource
+    from trainer.model import Transformer
+
+    mcfg = model_config({"model": {"preset": "tiny"}})
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(mcfg).state_dict().items()}
+    with pytest.raises(Exception) as e:
+        WeightSource(hf_dir, mcfg).check(expected)
+    assert type(e.value).__name__ == "ConfigError"
+    assert "'model.embed_tokens.weight' has shape [256, 64], the model's 'tok_embeddings.weight' has shape " \
+           "[256, 128]" in str(e.value), str(e.value)

@@ -116,6 +116,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dropout: float = 0.0
+    # Start from these weights (optimizer state fresh): a transformers directory (safetensors) or an etrain
+    # checkpoint step URL; any layout. A resumed run keeps its checkpoint's weights.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.source == "hf" and not self.hf_config:
@@ -555,7 +558,8 @@ class RunConfig:
 
 
 _HASHED_WHEN_SET = {
-    "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args"),
+    "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args",
+              "init_from"),
     "data": ("tokenizer", "text_field", "data_files", "factory"),
 }
 

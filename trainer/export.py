@@ -247,3 +247,111 @@ def main(argv: list[str]) -> int:
     print(f"exported step {summary['step']} ({summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB, "
           f"{summary['dtype']}) to {args.out}: {', '.join(os.path.basename(f) for f in summary['files'])}")
     return 0
+
+
+# --- [model] init_from: pretrained weights into any layout ------------------------------------
+
+
+class WeightSource:
+    """Full tensors by the model's own names from an ``init_from``: a ``transformers`` directory (or one
+    ``.safetensors`` file), read with ``safe_open`` one tensor at a time, or an etrain checkpoint step
+    (:class:`ModelSource`). A built-in model reads a LlamaForCausalLM export through :func:`hf_name`."""
+
+    def __init__(self, spec: str, mcfg: ModelConfig):
+        self.spec, self.mcfg = spec, mcfg
+        path = os.path.expanduser(spec)
+        self.files: dict[str, str] = {}  # tensor name -> safetensors file
+        self.ckpt: ModelSource | None = None
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            self._index([path])
+        elif os.path.isdir(path) and not os.path.isdir(os.path.join(path, "checkpoints")) and \
+                parse_step(path) is None:
+            index = os.path.join(path, "model.safetensors.index.json")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            else:
+                names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not names:
+                raise ConfigError(f"model.init_from={spec!r} holds no .safetensors weights; give a transformers "
+                                  "directory saved with safetensors, or an etrain checkpoint URL")
+            self._index([os.path.join(path, n) for n in names])
+        else:
+            self.ckpt = ModelSource.open(spec)
+        self.hf_names = mcfg.source == "builtin" and self.ckpt is None and "model.embed_tokens.weight" in self.files
+
+    def _index(self, paths: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for p in paths:
+            with safe_open(p, framework="pt") as f:
+                for name in f.keys():
+                    self.files[name] = p
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    @property
+    def where(self) -> str:
+        return self.ckpt.url if self.ckpt is not None else self.spec
+
+    def name_of(self, fqn: str) -> str:
+        return hf_name(fqn) if self.hf_names else fqn
+
+    def shape_of(self, fqn: str) -> tuple[int, ...] | None:
+        name = self.name_of(fqn)
+        if self.ckpt is not None:
+            spec = self.ckpt.specs().get(fqn)
+            return None if spec is None else spec[1]
+        return self.shapes.get(name)
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """ConfigError naming the first tensor the source lacks or holds in another shape."""
+        for fqn, shape in expected.items():
+            got = self.shape_of(fqn)
+            name = self.name_of(fqn)
+            if got is None:
+                raise ConfigError(f"model.init_from={self.spec!r} has no tensor {name!r}, which the model's "
+                                  f"{fqn!r} {list(shape)} needs; is it a checkpoint of this model?")
+            if tuple(got) != tuple(shape):
+                raise ConfigError(f"model.init_from={self.spec!r}: tensor {name!r} has shape {list(got)}, the "
+                                  f"model's {fqn!r} has shape {list(shape)}; use weights of this model's sizes")
+
+    def read(self, fqn: str) -> torch.Tensor:
+        if self.ckpt is not None:
+            return self.ckpt.read(fqn)
+        from safetensors import safe_open
+
+        name = self.name_of(fqn)
+        with safe_open(self.files[name], framework="pt") as f:
+            t = f.get_tensor(name)
+        return from_hf(fqn, t, self.mcfg) if self.hf_names else t
+
+
+def parse_step(path: str) -> int | None:
+    from checkpointing.manifest import parse_step_dir
+
+    return parse_step_dir(os.path.basename(path.rstrip("/")))
+
+
+@torch.no_grad()
+def load_weights(state: dict[str, torch.Tensor], source: WeightSource) -> None:
+    """Copy each full tensor of ``source`` into this rank's part of ``state`` ({fqn: tensor or DTensor of
+    the global shape}, as the optimizer's checkpoint state holds the weights), one tensor at a time."""
+    from torch.distributed.tensor import DTensor
+
+    source.check({fqn: tuple(t.shape) for fqn, t in state.items()})
+    for fqn, t in state.items():
+        full = source.read(fqn)
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            chunks = t.__create_chunk_list__()  # this rank's block of the global tensor, as DCP plans it
+            if not chunks or not local.numel():
+                continue
+            if len(chunks) != 1:
+                raise ConfigError(f"{fqn}: a local shard of {len(chunks)} blocks cannot be loaded from init_from")
+            block = full
+            for dim, (off, size) in enumerate(zip(chunks[0].offsets, chunks[0].sizes)):
+                block = block.narrow(dim, off, size)
+            local.copy_(block.reshape(local.shape))
+        else:
+            t.copy_(full)

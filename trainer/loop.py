@@ -128,6 +128,9 @@ class Trainer:
         self.samples_consumed = 0
         self.memory_measured: dict[str, int] | None = None
         self.parts.train()
+        # model.init_from is loaded before the first step, unless a checkpoint was loaded (a resume).
+        self.weights_from: str | None = None
+        self._init_from_pending = bool(cfg.model.init_from)
 
     # --- state the checkpoint carries ----------------------------------------
 
@@ -138,11 +141,29 @@ class Trainer:
             "samples_consumed": self.samples_consumed,
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
+            **({"weights_from": self.weights_from} if self.weights_from else {}),
         }
 
     def load_train_state(self, state: dict) -> None:
         self.step = int(state["step"])
         self.samples_consumed = int(state["samples_consumed"])
+        self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
+        self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
+
+    def apply_init_from(self) -> None:
+        """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the
+        weights): optimizer state starts fresh; the manifest's trainer_state records weights_from."""
+        if not self._init_from_pending:
+            return
+        self._init_from_pending = False
+        from .export import WeightSource, load_weights
+
+        source = WeightSource(self.cfg.model.init_from, self.cfg.model)
+        load_weights(self.optimizer.checkpoint_state()["model"], source)
+        self.optimizer.after_load()
+        self.weights_from = source.where
+        if self.world.is_main:
+            log.info("weights from model.init_from=%s", source.where)
 
     def layout(self) -> dict:
         d = self.dims
@@ -152,6 +173,7 @@ class Trainer:
 
     def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
         """Checkpoint the current step (collective). Blocks only for staging when the manager is async."""
+        self.apply_init_from()
         return manager.save(self.step, self.optimizer.checkpoint_state(), layout=self.layout(),
                             config_hash=self.cfg.config_hash(), trainer_state=self.train_state(),
                             config=self.cfg.to_dict())
@@ -206,6 +228,7 @@ class Trainer:
         step's own all-reduce, so every rank learns the outcome at the same step boundary.
         A callable is asked at the all-reduce, after the backward pass: a stop requested
         while the step computes still ends this step, not the next one."""
+        self.apply_init_from()
         cfg, t0 = self.cfg, time.monotonic()
         lr = lr_at(cfg, self.step)
         positions = self.batcher.local_positions(self.samples_consumed)
@@ -279,6 +302,7 @@ class Trainer:
 
         The same batches at every evaluation and every world size: positions ``[0, batches x global_batch)``
         of the split's own sample order, each data-parallel rank taking its share as in training."""
+        self.apply_init_from()
         cfg, vb = self.cfg, self.val_batcher
         n_batches = cfg.eval.batches
         loss_sum = torch.zeros((), device=self.device)
