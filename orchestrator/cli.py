@@ -12,6 +12,7 @@
     etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
     etrain ckpt export URL[/step] OUT [--format hf|safetensors|torch] [--dtype fp32|bf16]
+    etrain generate URL --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
     etrain demo                           (a local run with a failure, a resize, a suspend and a resume)
 
 ``run`` and ``train`` also take the config as ``--config CONFIG.toml``;
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(same as python -m trainer)",
                    add_help=False)
     sub.add_parser("ckpt", help="list, inspect and verify checkpoints", add_help=False)
+    sub.add_parser("generate", help="sample text from a checkpoint or an export: etrain generate URL --prompt TEXT",
+                   add_help=False)
     sub.add_parser("demo", help="a local run with a killed worker, a resize, a suspend and a resume",
                    add_help=False)
 
@@ -173,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "generate":
+        from trainer.generate import main as generate_main
+
+        return generate_main(argv[1:])
     if argv and argv[0] in ("train", "ckpt"):
         if argv[0] == "train":
             from trainer.cli import main as train_main

@@ -170,3 +170,21 @@ def test_init_from_with_other_shapes_names_the_tensor(hf_dir):
     assert type(e.value).__name__ == "ConfigError"
     assert "'model.embed_tokens.weight' has shape [256, 64], the model's 'tok_embeddings.weight' has shape " \
            "[256, 128]" in str(e.value), str(e.value)
+
+
+def test_generate_is_deterministic_at_temperature_0_from_a_checkpoint_and_its_export(runs, capsys):
+    root, url = runs
+    out = str(root / "gen-hf")
+    export(step_url(url, "tp"), out, "hf")
+    texts = []
+    for source in (f"{url}/tp", step_url(url, "z3"), out):
+        assert etrain(["generate", source, "--prompt", "The ", "--max-new-tokens", "24", "--temperature", "0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith("The ") and len(texts[0]) > 4, texts
+    sampled = []
+    for _ in range(2):
+        assert etrain(["generate", out, "--prompt", "a", "--max-new-tokens", "16", "--top-k", "20",
+                       "--seed", "3"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1]
+    assert etrain(["generate", str(root / "nothing-here"), "--prompt", "a"]) == 2

@@ -205,10 +205,15 @@ def write_hf_extras(out: str, cfg: dict) -> list[str]:
     return written
 
 
-def copy_tokenizer(spec: str, out: str) -> list[str]:
-    """Copy the tokenizer files of ``data.tokenizer`` into ``out`` (none for "bytes")."""
+def tokenizer_files(directory: str) -> list[str]:
+    """The tokenizer's own files in ``directory`` (not a model's config.json)."""
     from .tokenize import _tokenizer_files
 
+    return [p for p in _tokenizer_files(directory) if os.path.basename(p) != "config.json"]
+
+
+def copy_tokenizer(spec: str, out: str) -> list[str]:
+    """Copy the tokenizer files of ``data.tokenizer`` into ``out`` (none for "bytes")."""
     if spec == "bytes" or "://" in spec:
         return []
     if os.path.isfile(spec):
@@ -217,7 +222,7 @@ def copy_tokenizer(spec: str, out: str) -> list[str]:
     if not os.path.isdir(spec):
         raise ConfigError(f"the run's data.tokenizer={spec!r} is not on this machine; export where it is")
     names = []
-    for path in _tokenizer_files(spec):
+    for path in tokenizer_files(spec):
         shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
         names.append(os.path.basename(path))
     return names

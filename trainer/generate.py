@@ -1,0 +1,179 @@
+"""``etrain generate``: sample text from a checkpoint or an export, with the run's tokenizer.
+
+    etrain generate s3://bucket/runs/tiny --prompt "Once upon a time" --max-new-tokens 64
+    etrain generate ./tiny-hf --prompt "Once" --temperature 0          # greedy: the same text every time
+    etrain generate file:///ckpt/runs/tiny/checkpoints/step_000001000 --prompt "x" --top-k 20 --seed 7
+
+The source is an etrain checkpoint (a run URL: its newest committed step; or one step), read whole
+into memory with the model the manifest's run config names (the built-in decoder, a
+``transformers`` model or a python factory's), or a directory written by ``etrain ckpt export
+--format hf`` (or any ``transformers`` causal-LM directory), loaded with ``from_pretrained``.
+The tokenizer is the run's ``data.tokenizer`` (bytes, or tokenizer files), or the export's own
+files. Sampling is a plain loop without a KV cache: each new token re-runs the model on the
+context (the last ``max_seq_len`` tokens); ``--temperature 0`` takes the argmax (deterministic),
+otherwise softmax(logits / T) over the ``--top-k`` best (0: all), drawn from a generator seeded
+by ``--seed``. Generation stops after ``--max-new-tokens`` or at the tokenizer's end-of-text id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
+from checkpointing.export import ModelSource
+
+from .export import model_config, run_config, tokenizer_files
+from .tokenize import ByteTokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A model ready to sample from: token ids [1, seq] -> logits [1, seq, vocab]."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    tokenizer: object
+    max_len: int
+    device: torch.device
+
+
+def load(source: str, device: str | torch.device = "cpu") -> Loaded:
+    """The model and tokenizer of a checkpoint URL or an export directory (module docstring)."""
+    device = torch.device(device)
+    path = os.path.expanduser(source)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return _load_export(path, device)
+    src = ModelSource.open(source)
+    cfg = run_config(src)
+    mcfg = model_config(cfg)
+    state = {fqn: src.read(fqn) for fqn in src.specs()}
+    if mcfg.source == "builtin":
+        from .model import Transformer
+
+        model = Transformer(mcfg)
+        model.load_state_dict(state)
+        max_len = mcfg.max_seq_len
+    elif mcfg.source == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from .models import hf_max_positions, load_hf_config
+
+        hf = load_hf_config(mcfg)
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        _load_tied(model, state)
+        max_len = hf_max_positions(hf) or 1 << 30
+    else:
+        from .models import resolve_ref
+
+        model = resolve_ref(mcfg.factory, "model.factory")(dataclasses.asdict(mcfg))
+        model.load_state_dict(state)
+        max_len = mcfg.max_seq_len
+    tokenizer = load_tokenizer(str(cfg.get("data", {}).get("tokenizer", "bytes")))
+    return Loaded(_forward(model.to(device).eval()), tokenizer, max_len, device)
+
+
+def _load_tied(model, state: dict) -> None:
+    """load_state_dict, allowing the keys a tied output embedding leaves out of the checkpoint."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+    if unexpected or set(missing) - tied:
+        raise ConfigError(f"the checkpoint does not match its model: missing {sorted(set(missing) - tied)[:5]}, "
+                          f"unexpected {sorted(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+
+
+def _load_export(path: str, device: torch.device) -> Loaded:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from .models import hf_max_positions
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: transformers cannot load it ({str(e)[:200]})") from None
+    if tokenizer_files(path):
+        tokenizer = load_tokenizer(path)
+    elif config.get("etrain_tokenizer", "bytes") == "bytes":
+        tokenizer = ByteTokenizer()
+    else:
+        raise ConfigError(f"{path} holds no tokenizer files; copy the run's tokenizer into it")
+    return Loaded(_forward(model.to(device).eval()), tokenizer, hf_max_positions(model.config) or 1 << 30, device)
+
+
+def _forward(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    from .models import logits_of
+
+    if hasattr(model, "config") and hasattr(model, "generation_config"):
+        return lambda x: model(input_ids=x, use_cache=False).logits
+    return lambda x: logits_of(model(x))
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    if isinstance(tokenizer, ByteTokenizer):
+        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+    return tokenizer.tok.decode(ids)
+
+
+@torch.no_grad()
+def generate(m: Loaded, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
+             seed: int = 0) -> str:
+    """The prompt's continuation (the new text only)."""
+    if temperature < 0 or top_k < 0 or max_new_tokens < 0:
+        raise ConfigError("--temperature, --top-k and --max-new-tokens must be >= 0")
+    ids = [int(i) for i in m.tokenizer.encode_batch([prompt])[0]]
+    if not ids:
+        if m.tokenizer.eos_id is None:
+            raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [m.tokenizer.eos_id]
+    start = len(ids)
+    g = torch.Generator(device=m.device).manual_seed(seed)
+    for _ in range(max_new_tokens):
+        ctx = torch.tensor([ids[-m.max_len:]], dtype=torch.long, device=m.device)
+        logits = m.forward(ctx)[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
+        if nxt == m.tokenizer.eos_id:
+            break
+        ids.append(nxt)
+    return decode(m.tokenizer, ids[start:])
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="etrain generate", description="Sample text from a checkpoint or an export.")
+    ap.add_argument("source", metavar="URL", help="a checkpoint (<root>/<run_id>[/checkpoints/step_N]) or an "
+                                                  "export directory (etrain ckpt export --format hf)")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    ap.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy (deterministic)")
+    ap.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest (0: all)")
+    ap.add_argument("--seed", type=int, default=0, metavar="S")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when there is one)")
+    args = ap.parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        text = generate(load(args.source, device), args.prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    except (ConfigError, CheckpointError) as e:
+        print(f"etrain generate: {e}", file=sys.stderr)
+        return 1 if isinstance(e, StorageError) else 2
+    except EtrainError as e:
+        print(f"etrain generate: {e}", file=sys.stderr)
+        return 1
+    print(args.prompt + text, flush=True)
+    return 0
