@@ -87,7 +87,7 @@ class Follower:
         for e in events:
             line = describe_event(e)
             if line:
-                self.console.print(line, markup=False, highlight=False)
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
         if not snap:
             return
         info = info_line(snap)
@@ -101,11 +101,11 @@ class Follower:
         if snap.get("phase") != self._last_phase or now - self._last_line >= self.every_s:
             self._last_phase, self._last_line = snap.get("phase"), now
             self.console.print(f"{self.run_id} step {step}/{snap.get('total_steps')}  {info}{self._eta(now, snap)}",
-                               markup=False, highlight=False)
+                               markup=False, highlight=False, soft_wrap=True)  # a log line is never wrapped
 
     def _eta(self, now: float, snap: dict) -> str:
         """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included), or ""."""
-        if self._rate_from is None or not snap.get("total_steps"):
+        if self._rate_from is None or not snap.get("total_steps") or (snap.get("step") or 0) >= snap["total_steps"]:
             return ""
         t, s = self._rate_from
         rate = ((snap.get("step") or 0) - s) / (now - t) if now > t else 0.0

@@ -197,3 +197,24 @@ def test_final_report_rounds_the_loss(capsys):
 
     assert _report({"run_id": "r", "phase": "FINISHED", "step": 9, "total_steps": 9, "loss": 4.123456789}) == 0
     assert "final loss 4.1235" in capsys.readouterr().out
+
+
+def test_plain_progress_lines_are_whole_and_carry_an_eta():
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.progress import Follower
+
+    out = io.StringIO()
+    f = Follower("r", 100, live=False, console=Console(file=out, width=40), every_s=0.0)
+    snap = {"step": 10, "total_steps": 100, "loss": 3.0, "tokens_per_s": 5280.0, "world_size": 2, "phase": "RUNNING"}
+    with f:
+        f.update(snap, [{"kind": "failure", "step": 9, "failure_kind": "worker_died", "message": "x" * 60,
+                         "decision": "restart"}])
+        f.update({**snap, "step": 20}, [])
+        f.update({**snap, "step": 100, "phase": "FINISHED"}, [])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4, lines  # wider than the console, never wrapped
+    assert "5.28k tok/s" in lines[2] and " steps/s  ETA " in lines[2]
+    assert "ETA" not in lines[3]  # done: nothing left
