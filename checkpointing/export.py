@@ -27,6 +27,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -49,11 +50,16 @@ class ModelSource:
     """The model weights of one committed checkpoint step."""
 
     def __init__(self, mgr: CheckpointManager, step: int, manifest: Manifest, reader: EtrainReader, *,
-                 cache_bytes: int = 512 * MiB):
+                 cache_bytes: int = 512 * MiB, read_threads: int = 4):
         self.mgr, self.step, self.manifest, self.reader = mgr, step, manifest, reader
         self.md = reader.read_metadata()
         self.cache_bytes = cache_bytes
+        self.read_threads = read_threads
         self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._order: list[str] = []  # files in the order planned reads need them (plan_reads)
+        self._next = 0
+        self._ahead: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, url: str, **kw) -> ModelSource:
@@ -88,21 +94,67 @@ class ModelSource:
             raise ConfigError(f"{self.url} holds no model tensors (no 'model.*' items)")
         return out
 
+    def plan_reads(self, fqns: list[str]) -> None:
+        """Tensors will be read in this order: fetch (and check) the files ahead, on a thread, while the
+        caller writes, on ``read_threads`` threads, up to half the cache's bytes in flight."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        seen: set[str] = set()
+        self._order, self._next = [], 0
+        for fqn in fqns:
+            key = MODEL_PREFIX + fqn
+            for chunk in self.md.state_dict_metadata[key].chunks:
+                path = _path(self.md.storage_data[MetadataIndex(key, chunk.offsets)])
+                if path not in seen:
+                    seen.add(path)
+                    self._order.append(path)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="etrain-export-read")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._ahead.clear()
+        self._cache.clear()
+
+    def _pump(self) -> None:
+        if self._pool is None:
+            return
+        inflight = sum(self.reader.files[p].size for p in self._ahead)
+        while self._next < len(self._order) and inflight < self.cache_bytes // 2:
+            path = self._order[self._next]
+            self._next += 1
+            if path in self._cache or path in self._ahead:
+                continue
+            self._ahead[path] = self._pool.submit(lambda p=path: self.reader._fetch([p])[p])
+            inflight += self.reader.files[path].size
+
     def _file(self, path: str) -> bytes:
         data = self._cache.pop(path, None)
         if data is None:
-            data = self.reader._fetch([path])[path]
+            fut = self._ahead.pop(path, None)
+            data = fut.result() if fut is not None else self.reader._fetch([path])[path]
             while self._cache and sum(map(len, self._cache.values())) + len(data) > self.cache_bytes:
                 self._cache.popitem(last=False)
         self._cache[path] = data
+        self._pump()
         return data
 
     def read(self, fqn: str) -> torch.Tensor:
-        """The full tensor ``fqn`` (a model fqn, without the ``model.`` prefix), assembled from its chunks."""
+        """The full tensor ``fqn`` (a model fqn, without the ``model.`` prefix), assembled from its chunks
+        (a read-only view of the file when one chunk holds it all)."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         key = MODEL_PREFIX + fqn
         entry = self.md.state_dict_metadata[key]
+        if len(entry.chunks) == 1 and tuple(entry.chunks[0].sizes) == tuple(entry.size):
+            # stored whole: a read-only view of the file's bytes (clone it to write to it)
+            index = MetadataIndex(key, entry.chunks[0].offsets)
+            loc = self.md.storage_data[index]
+            dtype, shape = chunk_of(self.md, index)
+            path = _path(loc)
+            return item_tensor(self._file(path), loc, dtype, shape, f"{self.reader.step_rel}/{path}: {key}")
         out = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for chunk in entry.chunks:
             index = MetadataIndex(key, chunk.offsets)

@@ -159,6 +159,16 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
     src = ModelSource.open(url)
     specs, get, cfg = plan(src, fmt, DTYPES[dtype])
     prepare_out(out, directory=fmt == "hf", overwrite=overwrite)
+    src.plan_reads(list(src.specs()))
+    try:
+        files = _write(src, out, fmt, specs, get, cfg, shard_bytes)
+    finally:
+        src.close()
+    return {"source": src.url, "step": src.step, "format": fmt, "dtype": dtype, "tensors": len(specs),
+            "bytes": sum(_nbytes(s) for s in specs), "files": files}
+
+
+def _write(src: ModelSource, out: str, fmt: str, specs, get, cfg: dict, shard_bytes: int | None) -> list[str]:
     if fmt == "safetensors":
         write_safetensors(out, specs, get, {"etrain_source": src.url})
         files = [out]
@@ -169,8 +179,7 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
         kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
         files = write_hf_weights(out, specs, get, **kw)
         files += write_hf_extras(out, cfg)
-    return {"source": src.url, "step": src.step, "format": fmt, "dtype": dtype, "tensors": len(specs),
-            "bytes": sum(_nbytes(s) for s in specs), "files": files}
+    return files
 
 
 def _nbytes(spec) -> int:
