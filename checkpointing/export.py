@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import zipfile
@@ -35,7 +36,7 @@ from .dcp_format import chunk_of, item_tensor
 from .dcp_read import EtrainReader, _path
 from .errors import CheckpointError, ConfigError
 from .manager import CheckpointManager
-from .manifest import Manifest
+from .manifest import Manifest, checksum
 from .storage import MiB
 
 MODEL_PREFIX = "model."
@@ -127,14 +128,32 @@ class ModelSource:
             self._next += 1
             if path in self._cache or path in self._ahead:
                 continue
-            self._ahead[path] = self._pool.submit(lambda p=path: self.reader._fetch([p])[p])
+            self._ahead[path] = self._pool.submit(self._fetch, path)
             inflight += self.reader.files[path].size
+
+    def _fetch(self, path: str):
+        """One file's bytes, checked against the manifest's size and crc32c before use. On local
+        storage the file is mapped read-only rather than copied (committed files never change)."""
+        storage = self.mgr.storage
+        want = self.reader.files.get(path)
+        if not storage.is_local or want is None or not want.size:
+            return self.reader._fetch([path])[path]
+        where = f"{self.reader.step_rel}/{path}"
+        try:
+            with open(storage._path(where), "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 prot=mmap.PROT_READ)
+        except (FileNotFoundError, ValueError):  # ValueError: an empty file cannot be mapped
+            return self.reader._fetch([path])[path]  # says what is wrong with it
+        if len(data) != want.size or checksum(data) != want.crc32c:
+            return self.reader._fetch([path])[path]
+        return data
 
     def _file(self, path: str) -> bytes:
         data = self._cache.pop(path, None)
         if data is None:
             fut = self._ahead.pop(path, None)
-            data = fut.result() if fut is not None else self.reader._fetch([path])[path]
+            data = fut.result() if fut is not None else self._fetch(path)
             while self._cache and sum(map(len, self._cache.values())) + len(data) > self.cache_bytes:
                 self._cache.popitem(last=False)
         self._cache[path] = data
