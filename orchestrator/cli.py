@@ -1,7 +1,9 @@
 """The ``etrain`` command.
 
-    etrain run CONFIG.toml [--workers N] [--min-workers N] [--max-workers N] [--store URL] [--run-id ID]
+    etrain run CONFIG.toml [--detach] [--workers N] [--min-workers N] [--max-workers N] [--store URL] [--run-id ID]
                            [--set section.field=value ...] [--address RAY_ADDRESS] [--no-progress]
+    etrain submit CONFIG.toml --address http://HEAD:8265 [--store URL] [...]   (as a Ray job; the same options as run)
+    etrain logs RUN [-f]                  (the output of a run started with --detach)
     etrain status [RUN] [--json]          etrain events RUN [--json]
     etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
     etrain resize RUN --workers N         etrain stop RUN
@@ -81,17 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="a local run with a killed worker, a resize, a suspend and a resume",
                    add_help=False)
 
-    p = sub.add_parser("run", help="start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it")
-    p.add_argument("config", nargs="?", metavar="CONFIG", help="run config (TOML)")
-    p.add_argument("--config", dest="config_opt", metavar="CONFIG", help="the same as CONFIG")
-    p.add_argument("--workers", type=int, help="group size to run at (default [elastic].workers, 2)")
-    p.add_argument("--min-workers", type=int, help="smallest size to keep training at after failures")
-    p.add_argument("--max-workers", type=int, help="largest size to grow to")
-    p.add_argument("--run-id", type=_run_id("--run-id"), help="name of the run (default: run_id in the config)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
+    for name, what in (("run", "start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it"),
+                       ("submit", "submit a run to a Ray cluster as a Ray job (ray job submit with the working "
+                                  "directory and the run store filled in)")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("config", nargs="?", metavar="CONFIG", help="run config (TOML)")
+        p.add_argument("--config", dest="config_opt", metavar="CONFIG", help="the same as CONFIG")
+        p.add_argument("--workers", type=int, help="group size to run at (default [elastic].workers, 2)")
+        p.add_argument("--min-workers", type=int, help="smallest size to keep training at after failures")
+        p.add_argument("--max-workers", type=int, help="largest size to grow to")
+        p.add_argument("--run-id", type=_run_id("--run-id"), help="name of the run (default: run_id in the config)")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
+        _add_store(p)
+    p.add_argument("--address", metavar="DASHBOARD_URL", help="the cluster's dashboard, http://HEAD:8265 "
+                                                              "(default $RAY_ADDRESS)")
+    p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working directory; "
+                                                      "CONFIG must be inside it (default .)")
+    p = sub.choices["run"]
     p.add_argument("--address", help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
-    _add_store(p)
+    p.add_argument("--detach", action="store_true", help="run in the background and return once it started; "
+                                                         "`etrain logs RUN -f` follows it")
+
+    p = sub.add_parser("logs", help="the output of a run started with etrain run --detach")
+    _add_run(p, help="run id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the run's driver ends")
 
     p = sub.add_parser("status", help="a run's status, or every run in the store")
     _add_run(p, nargs="?", help="run id (default: every run in the store)")
@@ -193,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return ckpt_main(argv[1:])
     args = ap.parse_args(argv)
-    if args.command == "run":
+    args.argv = argv
+    if args.command in ("run", "submit"):
         if args.config and args.config_opt and args.config != args.config_opt:
             ap.error(f"two configs given: {args.config} and --config {args.config_opt}; give one")
         args.config = args.config or args.config_opt
         if not args.config:
-            ap.error("etrain run needs a CONFIG (a TOML file), e.g. etrain run examples/tiny.toml")
+            ap.error(f"etrain {args.command} needs a CONFIG (a TOML file), e.g. etrain {args.command} "
+                     "examples/tiny.toml")
     from .store import UnknownRun
 
     try:
@@ -257,12 +275,79 @@ def _store(args):
 def cmd_run(args) -> int:
     from .run import launch, prepare_run
 
+    if args.detach:
+        return _detach(args)
     spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
                               max_workers=args.max_workers, run_id=args.run_id, store=args.store)
     print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
           f" store {redact(store.url)}", flush=True)
     final = launch(spec, store, address=args.address, progress=not args.no_progress)
     return _report(final)
+
+
+def _detach(args) -> int:
+    """``etrain run`` in the background (orchestrator.registry.start_detached), once the config is valid."""
+    from trainer.config_load import config_from_dict, load_raw
+
+    from . import registry
+
+    run_id = args.run_id or config_from_dict(load_raw(args.config, args.set)).run_id  # ConfigError: exit 2 here
+    argv = [a for a in args.argv if a != "--detach"] + ["--no-progress"]
+    pid, log, code = registry.start_detached(argv, run_id)
+    if code is not None:
+        registry.print_log(run_id, out=sys.stderr)
+        print(f"etrain: run {run_id!r} did not start (exit {code}); its log is {log}", file=sys.stderr)
+        return code or EXIT_FAILED
+    print(f"etrain: run {run_id!r} runs in the background (pid {pid}, log {log}); `etrain logs {run_id} -f` "
+          f"follows it, `etrain status {run_id}` shows where it is, `etrain stop {run_id}` ends it")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from . import registry
+
+    if not registry.print_log(args.run, follow=args.follow):
+        print(f"etrain: no log of run {args.run!r} at {registry.log_path(args.run)}: only `etrain run --detach` "
+              f"keeps one; `etrain events {args.run}` shows its events, `ray job logs JOB` a Ray job's output",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from checkpointing.errors import ConfigError
+    from trainer.config_load import config_from_dict, load_raw
+
+    from . import registry
+    from .config import elastic_from_raw
+    from .run import default_root, store_url_for, submit_job
+
+    raw = load_raw(args.config, args.set)
+    cfg = config_from_dict(raw)
+    run_id = args.run_id or cfg.run_id
+    url = store_url_for(args.store, elastic_from_raw(raw), cfg.checkpoint.url)
+    if url == default_root():
+        raise ConfigError("a submitted run needs a run store that the cluster and this machine both reach: "
+                          "--store etcd://HOST:2379/etrain (or $ETRAIN_STORE, [elastic] store), or a shared "
+                          "checkpoint.url such as s3://bucket/runs; ./runs would be in the job's temporary directory")
+    config = os.path.relpath(os.path.abspath(args.config), os.path.abspath(args.working_dir))
+    if config.startswith(".."):
+        raise ConfigError(f"the config {args.config} is outside --working-dir {args.working_dir}, which is all the "
+                          "job gets; move it there or pass a --working-dir that holds it")
+    entry = ["-m", "orchestrator", "run", config, "--no-progress", "--store", url, "--run-id", run_id]
+    for flag, v in (("--workers", args.workers), ("--min-workers", args.min_workers),
+                    ("--max-workers", args.max_workers)):
+        entry += [flag, str(v)] if v is not None else []
+    entry += [a for o in args.set for a in ("--set", o)]
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigError("etrain submit needs the cluster's dashboard: --address http://HEAD:8265 or $RAY_ADDRESS")
+    job = submit_job(address, entry, working_dir=args.working_dir)
+    registry.record(run_id, url)
+    print(f"etrain: submitted run {run_id!r} as Ray job {job} to {redact(address)}; store {redact(url)}\n"
+          f"  `etrain status {run_id}` shows where it is, `ray job logs {job} --address {redact(address)} -f` "
+          "follows its output")
+    return 0
 
 
 def _report(final: dict) -> int:
@@ -470,7 +555,7 @@ def cmd_plot(args) -> int:
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
-            "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot}
+            "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     record("tiny", "file:///home/me/proj/runs")   # etrain run and etrain.submit (orchestrator.run.prepare_run_doc)
     lookup("tiny")                                # "file:///home/me/proj/runs", or None
     runs_dir()                                    # $ETRAIN_HOME/runs, else ~/.etrain/runs
+    pid, log = start_detached(["run", "tiny.toml"], "tiny")   # etrain run --detach: the driver in the background
+    print_log("tiny", follow=True)                # etrain logs tiny -f
 
 One small JSON file per run, ``<runs_dir>/<run_id>.json``, written whole and
 moved into place (two runs started at once never lose each other's entry).
@@ -10,6 +12,10 @@ moved into place (two runs started at once never lose each other's entry).
 neither ``--store`` nor ``$ETRAIN_STORE`` names a store; an entry read back
 is checked (a dict naming this run and a string URL) and ignored otherwise.
 The registry is a convenience: failing to write it only logs a warning.
+
+``etrain run --detach`` runs the same ``etrain run`` as a process of its own
+session, its output in ``<home>/logs/<run_id>.log`` and its pid beside it
+(``<run_id>.pid``); ``etrain logs RUN [-f]`` prints (and follows) that log.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 from checkpointing.names import validate_run_id
@@ -53,13 +61,80 @@ def record(run_id: str, store_url: str) -> str | None:
         return None
 
 
-def lookup(run_id: str) -> str | None:
-    """The store URL recorded for ``run_id``, or None (no entry, or one that is not a valid entry)."""
+def entry(run_id: str) -> dict | None:
+    """The registry entry of ``run_id``, or None (no entry, or one that is not a valid entry)."""
     try:
         with open(_path(run_id)) as f:
             doc = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("run_id") != run_id or not isinstance(doc.get("store"), str):
+    if not isinstance(doc, dict) or doc.get("run_id") != run_id or not isinstance(doc.get("store"), str) \
+            or not isinstance(doc.get("updated_unix", 0), (int, float)):
         return None
-    return doc["store"] or None
+    return doc
+
+
+def lookup(run_id: str) -> str | None:
+    """The store URL recorded for ``run_id``, or None."""
+    doc = entry(run_id)
+    return (doc or {}).get("store") or None
+
+
+def log_path(run_id: str) -> str:
+    return os.path.join(home(), "logs", f"{validate_run_id(run_id, 'run_id')}.log")
+
+
+def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tuple[int, str, int | None]:
+    """``etrain ARGV`` in a session of its own, its output appended to :func:`log_path`. Waits until the
+    run is recorded (it started) or the process ended; returns (pid, log, exit status or None if running)."""
+    log = log_path(run_id)
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    started = time.time()
+    with open(log, "a") as out:
+        out.write(f"--- etrain {' '.join(argv)}  ({time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        out.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ,
+                                                                                       "PYTHONUNBUFFERED": "1"})
+    with open(f"{log[:-len('.log')]}.pid", "w") as f:
+        f.write(str(proc.pid))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (entry(run_id) or {}).get("updated_unix", 0) >= started:
+            break
+        time.sleep(0.2)
+    return proc.pid, log, proc.poll()
+
+
+def _alive(run_id: str) -> bool:
+    """Whether the detached driver of ``run_id`` still runs (its pid file names a live process)."""
+    try:
+        with open(f"{log_path(run_id)[:-len('.log')]}.pid") as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    try:  # a zombie (ended, not yet reaped by its parent) has ended too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def print_log(run_id: str, follow: bool = False, out=None, poll_s: float = 0.5) -> bool:
+    """Print the detached run's log (False when there is none); with ``follow``, until its driver ends."""
+    out = out or sys.stdout
+    try:
+        f = open(log_path(run_id))
+    except OSError:
+        return False
+    with f:
+        while True:
+            alive = follow and _alive(run_id)  # looked at before the last read: nothing written after is lost
+            chunk = f.read()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+            if not alive:
+                return True
+            time.sleep(poll_s)

@@ -218,3 +218,47 @@ def test_plain_progress_lines_are_whole_and_carry_an_eta():
     assert len(lines) == 4, lines  # wider than the console, never wrapped
     assert "5.28k tok/s" in lines[2] and " steps/s  ETA " in lines[2]
     assert "ETA" not in lines[3]  # done: nothing left
+
+
+# --- 6. logs, submit (the detached run itself: tried by hand, it needs Ray) ------------------------------
+
+
+def test_logs_of_a_detached_run(tmp_path, monkeypatch, capsys):
+    from orchestrator import registry
+
+    monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
+    assert etrain(["logs", "r"]) == 1
+    assert "only `etrain run --detach` keeps one" in capsys.readouterr().err
+    # A driver that writes a line, then ends: -f prints everything and returns when it is gone.
+    log = registry.log_path("r")
+    os.makedirs(os.path.dirname(log))
+    proc = subprocess.Popen([PY, "-c", f"import time; time.sleep(0.5); open({log!r}, 'a').write('done\\n')"])
+    (tmp_path / "logs" / "r.pid").write_text(str(proc.pid))
+    with open(log, "w") as f:
+        f.write("started\n")
+    assert etrain(["logs", "r", "-f"]) == 0
+    proc.wait()
+    assert capsys.readouterr().out == "started\ndone\n"
+
+
+def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, capsys):
+    import orchestrator.run
+
+    monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
+    monkeypatch.delenv("ETRAIN_STORE", raising=False)
+    monkeypatch.chdir(ROOT)
+    argv = ["submit", "examples/tiny.toml", "--address", "http://head:8265", "--workers", "4"]
+    assert etrain(argv) == 2  # ./runs would be in the job's temporary directory
+    assert "needs a run store that the cluster and this machine both reach" in capsys.readouterr().err
+    jobs = []
+    monkeypatch.setattr(orchestrator.run, "submit_job", lambda *a, **kw: jobs.append((a, kw)) or "raysubmit_1")
+    assert etrain([*argv, "--store", "etcd://10.0.0.5:2379/etrain", "--set", "train.steps=9"]) == 0
+    (address, entry), kw = jobs[0]
+    assert address == "http://head:8265" and kw == {"working_dir": "."}
+    assert entry == ["-m", "orchestrator", "run", "examples/tiny.toml", "--no-progress", "--store",
+                     "etcd://10.0.0.5:2379/etrain", "--run-id", "tiny", "--workers", "4", "--set", "train.steps=9"]
+    assert "Ray job raysubmit_1" in capsys.readouterr().out
+    from orchestrator import registry
+
+    assert registry.lookup("tiny") == "etcd://10.0.0.5:2379/etrain"
+    assert etrain(["submit", str(tmp_path / "x.toml"), "--store", "s3://b/runs", "--address", "http://h:8265"]) == 2
