@@ -265,6 +265,10 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
+        if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any process group
+            from .export import init_from_preflight
+
+            init_from_preflight(cfg)
         if cfg.data.tokenizer != "bytes":  # before tokenizing a corpus: the model must hold the tokenizer's ids
             check_vocab(cfg, tokenizer_vocab_size(cfg.data), f"the vocabulary of data.tokenizer={cfg.data.tokenizer!r}")
         corpus, val_corpus = load_splits(cfg)

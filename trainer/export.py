@@ -347,6 +347,21 @@ def parse_step(path: str) -> int | None:
     return parse_step_dir(os.path.basename(path.rstrip("/")))
 
 
+def init_from_preflight(cfg) -> None:
+    """Before any process group starts: ``model.init_from`` holds every parameter of the model (built on
+    the meta device) in its shape; ConfigError (exit 2) naming the tensor otherwise."""
+    if cfg.model.source == "builtin":
+        from .model import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+    else:
+        from .models import build_model
+
+        model = build_model(cfg, device="meta")
+    WeightSource(cfg.model.init_from, cfg.model).check({k: tuple(p.shape) for k, p in model.named_parameters()})
+
+
 @torch.no_grad()
 def load_weights(state: dict[str, torch.Tensor], source: WeightSource) -> None:
     """Copy each full tensor of ``source`` into this rank's part of ``state`` ({fqn: tensor or DTensor of
