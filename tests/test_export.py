@@ -137,8 +137,12 @@ def test_init_from_loads_weights_into_any_layout_and_exports_them_unchanged(runs
         {"layout": ["parallel.tp=2", f'model.init_from="{z3hf}"'], "save": "fromhf", "state": False},
         {"layout": ["parallel.pp=2", f'model.init_from="{step_url(url, "z3")}"'], "save": "fromckpt",
          "state": False},
+        # a resumed run keeps its checkpoint's weights: init_from (here a path that does not exist) is not read
+        {"layout": ['model.init_from="/nonexistent/weights"'], "load": "fromckpt", "train": 1, "save": "resumed",
+         "state": False},
     ]}, timeout=600)
-    assert [r["saves"] for r in res[0]] == [[(0, "committed", "")]] * 3, res[0]
+    assert [r["saves"] for r in res[0]] == [[(0, "committed", "")]] * 3 + [[(1, "committed", "")]], res[0]
+    assert CheckpointManager(url, "resumed").read_manifest(1).trainer_state["weights_from"] == step_url(url, "z3")
     # the transformers model: etrain run -> export equals the original weights, bitwise
     export(f"{url}/hfrun", str(root / "hfrun.safetensors"), "safetensors")
     ours, original = load_file(str(root / "hfrun.safetensors")), load_file(os.path.join(hf_dir, "model.safetensors"))
