@@ -148,6 +148,17 @@ def test_init_from_loads_weights_into_any_layout_and_exports_them_unchanged(runs
     ours, original = load_file(str(root / "hfrun.safetensors")), load_file(os.path.join(hf_dir, "model.safetensors"))
     assert ours.keys() == original.keys()
     assert all(torch.equal(ours[k], original[k]) for k in ours)
+    # ... and as an hf directory, its own names and config: transformers loads it, generate reads both
+    export(f"{url}/hfrun", str(root / "hfrun-hf"), "hf")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(root / "hfrun-hf")).state_dict()
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+    from trainer.generate import generate, load
+
+    texts = {generate(load(src), "ab", max_new_tokens=8, temperature=0) for src in (f"{url}/hfrun",
+                                                                                   str(root / "hfrun-hf"))}
+    assert len(texts) == 1, texts
     # the built-in model from its own hf export (rotary rows permuted back) and from a checkpoint URL
     ref = load_file(str(root / "z3-all.safetensors")) if os.path.exists(root / "z3-all.safetensors") else None
     if ref is None:
