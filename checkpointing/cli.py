@@ -126,15 +126,15 @@ def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
     return 1 if bad else 0
 
 
-def _refuse_a_root(mgr: CheckpointManager, args: argparse.Namespace) -> None:
-    """EtrainError when the URL holds no checkpoints: it does not exist, or it is a checkpoint root
-    (``checkpoint.url``) whose runs are named (``--run RUN`` picks one)."""
-    children = mgr.storage.list_dir(mgr.run_id)
+def _refuse_a_root(storage, rel: str, args: argparse.Namespace) -> None:
+    """EtrainError when the URL (``rel`` in ``storage``) holds no checkpoints: it does not exist, or it
+    is a checkpoint root (``checkpoint.url``) whose runs are named (``--run RUN`` picks one)."""
+    children = storage.list_dir(rel)
     if not children:
         raise EtrainError(f"nothing at {args.url}; give the run's directory <checkpoint.url>/<run_id>, or "
                           "checkpoint.url with --run RUN")
-    runs = sorted(n for n, size in children.items() if size is None and "checkpoints" in mgr.storage.list_dir(
-        f"{mgr.run_id}/{n}"))
+    runs = sorted(n for n, size in children.items() if size is None and "checkpoints" in storage.list_dir(
+        f"{rel}/{n}".lstrip("/")))
     if runs:
         raise EtrainError(f"{args.url} is a checkpoint root holding the runs {', '.join(runs)}; name one: "
                           f"etrain ckpt {args.cmd} {args.url} --run {runs[0]}")
@@ -190,11 +190,17 @@ def main(argv: list[str]) -> int:
     if args.cmd == "adopt":
         return cmd_adopt(args)
     try:
-        root, run_id, step = (args.url.rstrip("/"), args.run, None) if args.run else parse_url(args.url)
+        try:
+            root, run_id, step = (args.url.rstrip("/"), args.run, None) if args.run else parse_url(args.url)
+        except EtrainError:  # "runs", "s3://bucket": no run in it, but perhaps a checkpoint root
+            from .storage import Storage
+
+            _refuse_a_root(Storage(args.url), "", args)
+            raise
         step = args.step if getattr(args, "step", None) is not None else step
         mgr = CheckpointManager(root, run_id)
         if not args.run and not mgr.steps():
-            _refuse_a_root(mgr, args)
+            _refuse_a_root(mgr.storage, mgr.run_id, args)
         if args.cmd == "ls":
             return cmd_ls(mgr, args.json)
         if args.cmd == "inspect":

@@ -40,7 +40,7 @@ def test_trainer_alone_sets_threads_and_says_so(tmp_path):
     assert r.stdout.split()[0::2][:2] == ["None", "3"], r.stdout
 
 
-def test_python_m_trainer_reports_threads_and_checkpoint_urls_that_etrain_ckpt_takes(tmp_path, capsys):
+def test_python_m_trainer_reports_threads_and_checkpoint_urls_that_etrain_ckpt_takes(tmp_path, capsys, monkeypatch):
     root = f"file://{tmp_path}/ck"  # checkpoint.url, as a config names it
     r = subprocess.run([PY, "-m", "trainer", "examples/tiny.toml", "--set", "train.steps=2", "--set",
                         "metrics.enabled=false", "--set", f"checkpoint.url={root!r}"], cwd=ROOT,
@@ -59,6 +59,9 @@ def test_python_m_trainer_reports_threads_and_checkpoint_urls_that_etrain_ckpt_t
         assert etrain(["ckpt", cmd, root]) == 1
         assert f"checkpoint root holding the runs tiny; name one: etrain ckpt {cmd} {root} --run tiny" in \
             capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # a root of one path segment names no run: its runs are named all the same
+    assert etrain(["ckpt", "ls", "ck"]) == 1 and "root holding the runs tiny" in capsys.readouterr().err
+    assert etrain(["ckpt", "ls", "nowhere"]) == 1 and "nothing at nowhere" in capsys.readouterr().err
     (tmp_path / "ck" / "empty" / "checkpoints").mkdir(parents=True)
     for cmd in ("ls", "inspect", "verify"):
         for url in (f"{root}/nope", f"{tmp_path}/nowhere/r"):
