@@ -40,10 +40,12 @@ def say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="etrain demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120)
+    ap = argparse.ArgumentParser(
+        prog="etrain demo", description="A local run with a killed worker (a standby takes its place), a resize "
+        "2 -> 3, a suspend and a resume on 2 workers, then a summary table of what happened.")
+    ap.add_argument("--steps", type=int, default=120, help="steps the run trains (default 120)")
     ap.add_argument("--root", default=None, help="where checkpoints and the run store live (default ./runs)")
-    ap.add_argument("--config", default="examples/tiny.toml")
+    ap.add_argument("--config", default="examples/tiny.toml", help="the run config (default examples/tiny.toml)")
     args = ap.parse_args(argv)
     steps = args.steps
     root = args.root or default_root()

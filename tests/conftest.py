@@ -185,6 +185,20 @@ class PrometheusServer:
         terminate(self.proc)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _etrain_home(tmp_path_factory):
+    """The run registry, logs and Prometheus target files of the tests' runs go to a directory of the
+    session, not the user's ~/.etrain (subprocesses inherit it)."""
+    home = str(tmp_path_factory.mktemp("etrain-home"))
+    old = os.environ.get("ETRAIN_HOME")
+    os.environ["ETRAIN_HOME"] = home
+    yield home
+    if old is None:
+        os.environ.pop("ETRAIN_HOME", None)
+    else:
+        os.environ["ETRAIN_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
 def _end_runs():
     """Close the runs a test started (tests.cluster.start_run), even when it failed half-way."""

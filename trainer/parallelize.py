@@ -154,8 +154,6 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     n_stages = dims.pp * p.pp_stages_per_rank
     stage_ids = [coords["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
-    if p.zero_stage > 0 and dims.dp == 1:
-        log.warning("parallel.zero_stage=%d has no effect with a data-parallel size of 1", p.zero_stage)
     modules = []
     for s in stage_ids:
         with torch.device("meta"):
@@ -186,8 +184,6 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
     stage_ids = [dims.coords(rank)["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
-    if p.zero_stage > 0 and dims.dp == 1:
-        log.warning("parallel.zero_stage=%d has no effect with a data-parallel size of 1", p.zero_stage)
     modules, local = [], 0
     for s in stage_ids:
         model = models.build_model(cfg, "cpu")
