@@ -176,7 +176,7 @@ def test_python_factory_with_its_own_tp_plan_matches_world_1():
     assert res[0]["tp2"]["losses"] == pytest.approx(ref[0]["ref"]["losses"], rel=1e-4)
 
 
-@pytest.mark.parametrize("overrides,message", [
+BAD = [
     (['model.source="python"', 'model.factory="no_such_pkg.models:build"'],
      "model.factory='no_such_pkg.models:build': module 'no_such_pkg.models' does not import"),
     (['model.source="python"', 'model.factory="tests.custom_model:not_a_module"'],
@@ -185,14 +185,27 @@ def test_python_factory_with_its_own_tp_plan_matches_world_1():
     (['model.source="hf"', 'model.hf_config="/nonexistent/llama"'], "model.hf_config='/nonexistent/llama' does not exist"),
     (CUSTOM + ["parallel.tp=2"], "the model declares no tensor-parallel plan"),
     (CUSTOM + ["parallel.pp=2"], "not from a python factory's model"),
-])
-def test_bad_models_exit_2_before_any_process_group(overrides, message):
-    args = []
-    for o in overrides:
-        args += ["--set", o]
-    r = run_module("trainer", args)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr
+]
+
+
+def test_bad_models_exit_2_before_any_process_group():
+    """Each case a real `python -m trainer` (WORLD_SIZE=2, no peer: one that got as far as a process group
+    would hang, not exit 2); run side by side."""
+    import subprocess
+
+    from tests.test_input_safety import PY, ROOT
+
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    procs = []
+    for overrides, message in BAD:
+        args = [a for o in overrides for a in ("--set", o)]
+        procs.append((subprocess.Popen([PY, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True), message))
+    for p, message in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 2, err
+        assert message in err, err
 
 
 def test_hf_model_without_a_plan_refuses_tp_and_vocab_must_fit(configs, tmp_path):
