@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.torchrun import parse_args, relaunch  # noqa: E402
+from bench.torchrun import alternate, parse_args, relaunch, slowest_rank_medians, time_steps  # noqa: E402
 
 LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 688,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -83,27 +81,12 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
 
-    def timed(fn) -> list[float]:
-        out = []
-        for _ in range(per_round):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-
     for _ in range(2):  # warm-up
         baseline_step()
         trainer.train_step()
-    ours, base = [], []
-    for r in range(rounds):
-        first, second = (trainer.train_step, baseline_step) if r % 2 else (baseline_step, trainer.train_step)
-        a, b = timed(first), timed(second)
-        ours += a if first is trainer.train_step else b
-        base += b if first is trainer.train_step else a
-    both = torch.tensor([ours, base])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    ours_s, base_s = statistics.median(both[0].tolist()), statistics.median(both[1].tolist())
+    ours, base = alternate(rounds, lambda: time_steps(trainer.train_step, per_round),
+                           lambda: time_steps(baseline_step, per_round))
+    ours_s, base_s = slowest_rank_medians(ours, base)
     if world.is_main:
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg_dir))
                        .parameters())

@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
-import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.torchrun import parse_args, relaunch  # noqa: E402
+from bench.torchrun import alternate, parse_args, relaunch, slowest_rank_medians, time_steps  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -68,6 +66,9 @@ def worker(args: argparse.Namespace) -> None:
     if world.is_main:
         threading.Thread(target=scraper, daemon=True).start()
 
+    def step_with_metrics() -> None:
+        metrics.after_step(trainer.train_step(), trainer, None)
+
     def timed(on: bool) -> list[float]:
         if on:
             meter.install()
@@ -76,25 +77,12 @@ def worker(args: argparse.Namespace) -> None:
         else:
             meter.uninstall()
             scraping.clear()
-        out = []
-        for _ in range(per_round):
-            dist.barrier()
-            t0 = time.perf_counter()
-            s = trainer.train_step()
-            if on:
-                metrics.after_step(s, trainer, None)
-            out.append(time.perf_counter() - t0)
-        return out
+        return time_steps(step_with_metrics if on else trainer.train_step, per_round)
 
     timed(True)  # warm-up, both ways
     timed(False)
-    on_s, off_s = [], []
-    for r in range(rounds):
-        for on in ((True, False) if r % 2 else (False, True)):
-            (on_s if on else off_s).extend(timed(on))
-    both = torch.tensor([on_s, off_s])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    on_med, off_med = statistics.median(both[0].tolist()), statistics.median(both[1].tolist())
+    on_s, off_s = alternate(rounds, lambda: timed(True), lambda: timed(False))
+    on_med, off_med = slowest_rank_medians(on_s, off_s)
     stop.set()
     if world.is_main:
         calls = sum(c["calls"] for c in meter.snapshot())

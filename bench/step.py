@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.torchrun import parse_args, relaunch  # noqa: E402
+from bench.torchrun import alternate, parse_args, relaunch, slowest_rank_medians, time_steps  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -72,31 +69,12 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
 
-    def timed(fn) -> list[float]:
-        out = []
-        for _ in range(per_round):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-
     for _ in range(2):  # warm-up
         baseline_step()
         trainer.train_step()
-    ours, base = [], []
-    for r in range(rounds):
-        if r % 2:
-            ours += timed(trainer.train_step)
-            base += timed(baseline_step)
-        else:
-            base += timed(baseline_step)
-            ours += timed(trainer.train_step)
-    # Every rank must agree on the figures: take rank 0's medians of per-step maxima.
-    both = torch.tensor([ours, base])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    ours_s = statistics.median(both[0].tolist())
-    base_s = statistics.median(both[1].tolist())
+    ours, base = alternate(rounds, lambda: time_steps(trainer.train_step, per_round),
+                           lambda: time_steps(baseline_step, per_round))
+    ours_s, base_s = slowest_rank_medians(ours, base)
     if world.is_main:
         print(f"trainer : {ours_s * 1e3:.1f} ms/step (median of {len(ours)})")
         print(f"baseline: {base_s * 1e3:.1f} ms/step (minimal FSDP2 loop)")

@@ -38,3 +38,46 @@ def parse_args(quick_help: str):
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--steps-per-round", type=int, default=0)
     return ap.parse_args()
+
+
+def time_steps(fn, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn``, every call started after a barrier of all ranks."""
+    import time
+
+    import torch.distributed as dist
+
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def alternate(rounds: int, a, b) -> tuple[list[float], list[float]]:
+    """Step times of ``a()`` and ``b()`` (each runs one round and returns its step times) over ``rounds``
+    rounds, alternating which goes first so that noise on a shared machine hits both alike."""
+    times_a: list[float] = []
+    times_b: list[float] = []
+    for r in range(rounds):
+        if r % 2:
+            times_a += a()
+            times_b += b()
+        else:
+            times_b += b()
+            times_a += a()
+    return times_a, times_b
+
+
+def slowest_rank_medians(*series: list[float]) -> list[float]:
+    """The median over steps of each series, a step counting as slow as its slowest rank (the same
+    figures on every rank)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    both = torch.tensor([list(s) for s in series])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return [statistics.median(row) for row in both.tolist()]
