@@ -219,4 +219,4 @@ def test_hf_model_without_a_plan_refuses_tp_and_vocab_must_fit(configs, tmp_path
     (tmp_path / "config.json").write_text(json.dumps(small))
     r = run_module("trainer", ["--set", 'model.source="hf"', "--set", f'model.hf_config="{tmp_path}"',
                                "--set", "data.max_bytes=100000"])
-    assert r.returncode == 2 and "is smaller than the data's vocabulary (256 ids)" in r.stderr, r.stderr
+    assert r.returncode == 2 and "is smaller than the vocabulary of data.tokenizer='bytes', which has 256 ids" in r.stderr, r.stderr

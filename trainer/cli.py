@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m trainer") -> int:
 
 def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, quiet: bool = False) -> Outcome:
     """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
-    from .data import load_splits, tokenizer_vocab_size
-    from .loop import Trainer, check_vocab, checkpoint_manager, checkpoint_preflight
+    from .data import load_splits
+    from .loop import Trainer, checkpoint_manager, checkpoint_preflight
     from .models import model_preflight
     from .parallel_dims import ParallelDims, resolve_device
     from .telemetry import comm_meter
@@ -269,10 +269,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             from .export import init_from_preflight
 
             init_from_preflight(cfg)
-        if cfg.data.tokenizer != "bytes":  # before tokenizing a corpus: the model must hold the tokenizer's ids
-            check_vocab(cfg, tokenizer_vocab_size(cfg.data), f"the vocabulary of data.tokenizer={cfg.data.tokenizer!r}")
-        corpus, val_corpus = load_splits(cfg)
-        check_vocab(cfg, corpus.vocab_size)
+        corpus, val_corpus = load_splits(cfg)  # the model's vocabulary checked against the tokenizer's first
         log = _open_log(args.log_file, world)
         ckpt = checkpoint_manager(cfg, world)
         if ckpt is not None and world.is_main:

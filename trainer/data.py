@@ -301,10 +301,20 @@ def tokenizer_vocab_size(cfg: DataConfig) -> int:
     return load_tokenizer(cfg.tokenizer).vocab_size
 
 
-def _check_vocab(cfg: RunConfig, have: int, what: str) -> None:
-    if cfg.model.source == "builtin" and have > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {what}, which has {have} ids; "
-                          f"set model.vocab_size >= {have}")
+def check_vocab(cfg: RunConfig, have: int, what: str) -> None:
+    """ConfigError unless ``have`` token ids (``what``: the tokenizer's size, or the data's largest id + 1)
+    fit the model's vocabulary: ``model.vocab_size``, or the vocab_size of an HF model's config."""
+    if cfg.model.source == "hf":
+        from .models import model_vocab_size
+
+        vocab = model_vocab_size(cfg)
+        field = f"the vocab_size of model.hf_config={cfg.model.hf_config!r}"
+        fix = f"use a model config with vocab_size >= {have}, or another data.tokenizer"
+    else:
+        vocab, field, fix = cfg.model.vocab_size, f"model.vocab_size={cfg.model.vocab_size}", \
+            f"set model.vocab_size >= {have}"
+    if have > vocab:
+        raise ConfigError(f"{field} is smaller than {what}, which has {have} ids; {fix}")
 
 
 def _split_scores(n: int, seed: int) -> np.ndarray:
@@ -344,15 +354,15 @@ def load_splits(cfg: RunConfig, *, progress: Progress | None = None) -> tuple[Co
     d, e = cfg.data, cfg.eval
     fmt = resolve_format(d)
     if fmt not in ("python", "tokens"):  # before any tokenizing: a vocabulary too small is known now
-        _check_vocab(cfg, tokenizer_vocab_size(d), f"the vocabulary of data.tokenizer={d.tokenizer!r}")
+        check_vocab(cfg, tokenizer_vocab_size(d), f"the vocabulary of data.tokenizer={d.tokenizer!r}")
     train = load_corpus(d, progress=progress)
-    _check_vocab(cfg, train.vocab_size, "the training data's vocabulary")
+    check_vocab(cfg, train.vocab_size, "the training data's vocabulary")
     if e.source:
         if fmt == "hf":
             val = _load(dataclasses.replace(d, data_files=[e.source]), d.source, progress)
         else:
             val = _load(d, e.source, progress)
-        _check_vocab(cfg, val.vocab_size, f"the vocabulary of eval.source={e.source!r}")
+        check_vocab(cfg, val.vocab_size, f"the vocabulary of eval.source={e.source!r}")
         if val.n_samples(d.seq_len) < 1:
             raise ConfigError(f"eval.source={e.source!r} holds {val.n_tokens} tokens, fewer than one sample of "
                               f"data.seq_len={d.seq_len} + 1")

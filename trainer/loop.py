@@ -40,7 +40,7 @@ from checkpointing.storage import Storage
 
 from . import memory
 from .config import RunConfig
-from .data import Batcher, Corpus, load_splits
+from .data import Batcher, Corpus, check_vocab, load_splits
 from .optim import build_optimizer
 from .parallel_dims import ParallelDims, resolve_device, resolve_precision
 from .parallelize import build_model_parts
@@ -109,9 +109,10 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg, world.size)
         self.device = device or resolve_device(cfg.parallel, world.local_rank)
         if corpus is None:
-            corpus, val_corpus = load_splits(cfg)
+            corpus, val_corpus = load_splits(cfg)  # checks the vocabulary itself
+        else:
+            check_vocab(cfg, corpus.vocab_size, "the training data's vocabulary")
         self.corpus = corpus
-        check_vocab(cfg, self.corpus.vocab_size)
         self.coords = self.dims.coords(world.rank)
         self.dp_rank = self.dims.dp_rank(world.rank)
         self.batcher = Batcher(self.corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch,
@@ -353,20 +354,6 @@ class Trainer:
             dist.all_reduce(reduced)
         norm_sq, loss, votes = reduced.tolist()
         return norm_sq, loss / self.dims.dp, votes
-
-
-def check_vocab(cfg: RunConfig, data_vocab: int, what: str = "the data's vocabulary") -> None:
-    """ConfigError unless the data's token ids (``data_vocab`` = largest id + 1, or the tokenizer's size;
-    ``what`` names it) fit the model's vocabulary."""
-    if cfg.model.source == "hf":
-        from .models import model_vocab_size
-
-        vocab, field = model_vocab_size(cfg), f"the vocab_size of model.hf_config={cfg.model.hf_config!r}"
-    else:
-        vocab, field = cfg.model.vocab_size, f"model.vocab_size={cfg.model.vocab_size}"
-    if data_vocab > vocab:
-        raise ConfigError(f"{field} is smaller than {what} ({data_vocab} ids); use a model vocabulary >= "
-                          f"{data_vocab} or another data.tokenizer")
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
