@@ -59,10 +59,8 @@ def _local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, i
     hd = m.head_dim
     attn = (m.dim * m.n_heads * hd * 2 + m.dim * m.n_kv_heads * hd * 2) // tp
     block = attn + 3 * m.dim * m.ffn_hidden // tp + 2 * m.dim
-    n_stages = dims.pp * cfg.parallel.pp_stages_per_rank
+    n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
     split = layer_split(m.n_layers, n_stages)
-    pp_rank = dims.coords(rank)["pp"]
-    stages = [pp_rank + k * dims.pp for k in range(cfg.parallel.pp_stages_per_rank)] if dims.pp > 1 else [0]
     total = 0
     for s in stages:
         total += len(split[s]) * block

@@ -81,6 +81,14 @@ class ParallelDims:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def stages(self, rank: int, per_rank: int) -> tuple[int, list[int]]:
+        """(pipeline stages in all, the stages ``rank`` runs) with ``per_rank`` stages per pp rank
+        (interleaved: pp rank r holds stages r, r + pp, ...)."""
+        n_stages = self.pp * per_rank
+        if self.pp == 1:
+            return n_stages, [0]
+        return n_stages, [self.coords(rank)["pp"] + k * self.pp for k in range(per_rank)]
+
     def local_batch(self, cfg: RunConfig) -> int:
         return cfg.train.global_batch // self.dp
 

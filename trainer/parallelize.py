@@ -150,9 +150,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     if cfg.model.source != "builtin":
         return build_custom_parts(cfg, dims, mesh, rank, device)
     p = cfg.parallel
-    coords = dims.coords(rank)
-    n_stages = dims.pp * p.pp_stages_per_rank
-    stage_ids = [coords["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
+    n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
     modules = []
     for s in stage_ids:
@@ -180,8 +178,7 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
     from . import models
 
     p = cfg.parallel
-    n_stages = dims.pp * p.pp_stages_per_rank
-    stage_ids = [dims.coords(rank)["pp"] + k * dims.pp for k in range(p.pp_stages_per_rank)] if dims.pp > 1 else [0]
+    n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
     modules, local = [], 0
