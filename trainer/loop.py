@@ -313,12 +313,9 @@ class Trainer:
                 inputs, targets = vb.tokens(vb.local_positions(b * cfg.train.global_batch))
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 if self.parts.pipeline is not None:
-                    pl = self.parts.pipeline
-                    losses: list[torch.Tensor] = []
-                    pl.schedule.eval(*((inputs,) if pl.has_first else ()),
-                                     target=targets if pl.has_last else None, losses=losses)
-                    if pl.has_last:
-                        loss_sum += torch.stack([x.float() for x in losses]).sum()
+                    stage_loss = self.parts.pipeline.step(inputs, targets, backward=False)
+                    if stage_loss is not None:
+                        loss_sum += stage_loss
                     continue
                 mb = cfg.train.micro_batch
                 n_micro = len(inputs) // mb
@@ -327,13 +324,18 @@ class Trainer:
                     loss_sum += self.parts.loss(logits, targets[i * mb : (i + 1) * mb]).float() / n_micro
         finally:
             self.parts.train(True)
-        counts = self.parts.has_last_stage and self.coords["tp"] == 0
-        total = loss_sum if counts else torch.zeros((), device=self.device)
+        total = loss_sum if self._counts_loss else torch.zeros((), device=self.device)
         if self.world.size > 1:
             dist.all_reduce(total)
         value = total.item() / self.dims.dp / n_batches
         self.last_eval = (self.step, value)
         return value
+
+    @property
+    def _counts_loss(self) -> bool:
+        """Whether this rank's loss enters the all-reduce: the last pipeline stage's first tensor-parallel
+        rank, so the loss counts once per data-parallel rank."""
+        return self.parts.has_last_stage and self.coords["tp"] == 0
 
     def _seed(self, sample_index: int) -> None:
         # Models of other sources may drop out whatever model.dropout says.
@@ -346,8 +348,8 @@ class Trainer:
         The loss is counted once per data-parallel rank: by the last pipeline
         stage's first tensor-parallel rank.
         """
-        counts = self.parts.has_last_stage and self.coords["tp"] == 0
-        contrib = loss_sum.float() if (counts and loss_sum is not None) else torch.zeros((), device=self.device)
+        counts = self._counts_loss and loss_sum is not None
+        contrib = loss_sum.float() if counts else torch.zeros((), device=self.device)
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
         reduced = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote])
         if self.world.size > 1:

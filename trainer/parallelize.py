@@ -235,11 +235,13 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets) / self.n_microbatches
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward over the local batch; the summed loss on the last stage."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, backward: bool = True) -> torch.Tensor | None:
+        """Forward and backward (or, with ``backward=False``, forward only) over the local batch; the
+        summed loss on the last stage."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=targets if self.has_last else None, losses=losses)
         if not self.has_last:
             return None
         return torch.stack([x.detach().float() for x in losses]).sum()
