@@ -150,20 +150,19 @@ class Run:
         from orchestrator.phase import TERMINAL, Phase
 
         if until_step is not None:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                st = self.status()
-                if (st.get("step") or 0) >= until_step or Phase.of(st) in TERMINAL:
-                    return st
-                time.sleep(0.2)
-            raise TimeoutError(f"run {self.run_id!r} did not reach step {until_step} within {timeout:.0f} s")
+            return self._poll(lambda st: (st.get("step") or 0) >= until_step or Phase.of(st) in TERMINAL, timeout,
+                              f"reach step {until_step}")
         if self._bg is not None:
             self._bg.join(timeout)
             return self._bg.result
+        return self._poll(lambda st: Phase.of(st) in TERMINAL, timeout, "end")
+
+    def _poll(self, done, timeout: float, what: str) -> dict:
+        """The status, polled until ``done(status)``; TimeoutError after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
-            if Phase.of(st) in TERMINAL:
+            if done(st):
                 return st
-            time.sleep(0.5)
-        raise TimeoutError(f"run {self.run_id!r} did not end within {timeout:.0f} s")
+            time.sleep(0.2)
+        raise TimeoutError(f"run {self.run_id!r} did not {what} within {timeout:.0f} s")
