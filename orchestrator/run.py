@@ -80,6 +80,10 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
         from trainer.models import model_preflight  # torch and transformers: only for such models
 
         model_preflight(cfg)
+    if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any worker starts
+        from trainer.export import init_from_preflight
+
+        init_from_preflight(cfg)
     if cfg.data.tokenizer != "bytes" or cfg.data.source == "python":
         from trainer.data import prepare  # tokenize once here, not in every worker's start-up
 

@@ -185,6 +185,10 @@ def test_init_from_with_other_shapes_exits_2_naming_the_tensor(hf_dir, tmp_path,
            "[256, 128]" in err, err
     assert train(argv[2:] + ["--set", f'model.init_from="{tmp_path}"']) == 2
     assert "holds no .safetensors weights" in capsys.readouterr().err
+    from orchestrator.cli import main as etrain  # `etrain run` checks it on the driver, before Ray starts
+
+    assert etrain(["run", "examples/tiny.toml", "--store", f"file://{tmp_path}/runs", *argv]) == 2
+    assert "'model.embed_tokens.weight' has shape [256, 64]" in capsys.readouterr().err
 
 
 def test_generate_is_deterministic_at_temperature_0_from_a_checkpoint_and_its_export(runs, capsys):
