@@ -48,6 +48,8 @@ REFUSED = {
                                              'needs parallel.pp_schedule="interleaved_1f1b"'),
     "interleaving_one_stage_per_rank": (4, ["parallel.pp=2", 'parallel.pp_schedule="interleaved_1f1b"'],
                                         "needs parallel.pp_stages_per_rank >= 2"),
+    "interleaving_without_a_pipeline": (2, ['parallel.pp_schedule="interleaved_1f1b"', "parallel.pp_stages_per_rank=2"],
+                                        'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp > 1 (got pp=1)'),
 }
 
 

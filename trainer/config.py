@@ -313,6 +313,12 @@ class ParallelConfig:
                 'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp_stages_per_rank >= 2; '
                 'use 2, or pp_schedule="1f1b"'
             )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
+            raise ConfigError(
+                f'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp > 1 (got pp={self.pp}): it interleaves '
+                'stages across pipeline ranks; set parallel.pp=2 or more, or leave pp_schedule and '
+                "pp_stages_per_rank at their defaults"
+            )
         check_finite(self, "parallel")
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb={self.bucket_mb} must be > 0 (MiB per ZeRO-2 reduce bucket)")
