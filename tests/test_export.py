@@ -1,9 +1,9 @@
 """The model out and in: ``etrain ckpt export``, ``[model] init_from`` and ``etrain generate``.
 
 One world-2 job trains a built-in ``tiny`` run under ZeRO-3 and saves step 2, then reloads that
-step under tensor and pipeline parallelism and saves it again as two other runs. ``transformers``
-loads the ``hf`` export as ``LlamaForCausalLM`` and its logits equal etrain's own forward; the
-exports of the three layouts are bitwise equal; bad input exits 2.
+step under tensor parallelism, pipeline parallelism and HSDP and saves it again as three other
+runs. ``transformers`` loads the ``hf`` export as ``LlamaForCausalLM`` and its logits equal
+etrain's own forward; the exports of the four layouts are bitwise equal; bad input exits 2.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ BASE = ["data.max_bytes=60000", "data.seq_len=16", "train.global_batch=4", "trai
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Checkpoint root with step 2 of runs "z3" (ZeRO-3, world 2), "tp" (tp=2) and "pp" (pp=2), all the
-    same weights."""
+    """Checkpoint root with step 2 of runs "z3" (ZeRO-3, world 2), "tp" (tp=2), "pp" (pp=2) and "hsdp"
+    (dp_replicate=2 over FSDP), all the same weights."""
     root = tmp_path_factory.mktemp("export")
     url = f"file://{root}/ck"
     res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": BASE + [f'checkpoint.url="{url}"'], "actions": [
         {"layout": ["parallel.zero_stage=3"], "train": 2, "save": "z3", "state": False},
         {"layout": ["parallel.tp=2"], "load": "z3", "save": "tp", "state": False},
         {"layout": ["parallel.pp=2"], "load": "z3", "save": "pp", "state": False},
+        {"layout": ["parallel.dp_replicate=2", "parallel.zero_stage=3"], "load": "z3", "save": "hsdp", "state": False},
     ]}, timeout=600)
     for r in res[0]:
         assert r["saves"] == [(2, "committed", "")], r
@@ -70,13 +71,13 @@ def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
 def test_exports_of_every_layout_are_bitwise_equal(runs):
     root, url = runs
     got = {}
-    for run in ("z3", "tp", "pp"):
+    for run in ("z3", "tp", "pp", "hsdp"):
         path = str(root / f"{run}-all.safetensors")
         export(step_url(url, run), path, "safetensors")
         got[run] = load_file(path)
-    assert got["z3"].keys() == got["tp"].keys() == got["pp"].keys()
+    assert got["z3"].keys() == got["tp"].keys() == got["pp"].keys() == got["hsdp"].keys()
     for k, v in got["z3"].items():
-        assert torch.equal(v, got["tp"][k]) and torch.equal(v, got["pp"][k]), k
+        assert all(torch.equal(v, got[run][k]) for run in ("tp", "pp", "hsdp")), k
     # torch format and bf16 hold the same values
     export(step_url(url, "tp"), str(root / "tp.pt"), "torch")
     pt = torch.load(str(root / "tp.pt"), weights_only=True)
