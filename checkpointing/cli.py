@@ -16,12 +16,18 @@ and ``verify`` exit 1 alike when the URL does not exist, holds no checkpoint
 or is a checkpoint root without ``--run`` (naming the runs it holds). ``adopt`` commits a
 checkpoint written by stock DCP (:mod:`checkpointing.adopt`); it exits 2
 naming what is wrong when it is not one. Only ``adopt`` imports torch.
+
+A listing cut short by its reader (``etrain ckpt ls URL | head -1``) ends
+quietly with status 141, as a Unix tool killed by SIGPIPE does
+(:func:`quiet_when_pipe_closes`, which the ``etrain`` command uses for all
+of its commands).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -30,6 +36,24 @@ from .manager import CheckpointManager
 from .manifest import parse_step_dir
 
 _URL_HELP = "the run's directory <checkpoint.url>/<run_id>[/checkpoints[/step_N]], or checkpoint.url with --run RUN"
+
+
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `ls | head -1`'s ls
+
+
+def quiet_when_pipe_closes(fn, *args) -> int:
+    """``fn(*args)``, its output flushed; when the reader of stdout has gone (``| head -1``), no
+    BrokenPipeError traceback: stdout goes to /dev/null (so the interpreter's last flush cannot
+    fail either) and the status is :data:`EXIT_PIPE_CLOSED`."""
+    try:
+        code = fn(*args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE_CLOSED
 
 
 def parse_url(url: str) -> tuple[str, str, int | None]:

@@ -30,7 +30,8 @@ or ``file://$PWD/runs``), so they work from any machine that reaches it: they
 write the desired state and the run's controller carries it out.
 
 Exit status: 0 when the run FINISHED or was SUSPENDED, 1 when it FAILED,
-2 for a mistake in the command or config (the message names the fix).
+2 for a mistake in the command or config (the message names the fix), 141 (quietly) when the reader of its
+output went away (``etrain status | head -1``).
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return export_main(argv[2:])
         from checkpointing.cli import main as ckpt_main
+        from checkpointing.cli import quiet_when_pipe_closes
 
-        return ckpt_main(argv[1:])
+        return quiet_when_pipe_closes(ckpt_main, argv[1:])
     args = ap.parse_args(argv)
     args.argv = argv
     if args.command in ("run", "submit"):
@@ -217,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.config:
             ap.error(f"etrain {args.command} needs a CONFIG (a TOML file), e.g. etrain {args.command} "
                      "examples/tiny.toml")
+    from checkpointing.cli import quiet_when_pipe_closes
+
     from .store import UnknownRun
 
     try:
-        return COMMANDS[args.command](args)
+        return quiet_when_pipe_closes(COMMANDS[args.command], args)  # `etrain status | head -1`: no traceback
     except UnknownRun as e:
         print(f"etrain: {e}\n  {_looked_where(args)}", file=sys.stderr)
         return EXIT_USAGE
@@ -383,9 +387,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from rich.console import Console
-
-    from .progress import status_table
+    from .progress import listing_console, status_table
 
     store = _store(args)
     if args.run:
@@ -399,10 +401,7 @@ def cmd_status(args) -> int:
     elif not rows:
         print(f"no runs in {redact(store.url)}")
     else:
-        console = Console()
-        if not console.is_terminal:  # a pipe or a log: no terminal width to fit, keep every column whole
-            console = Console(width=200)
-        console.print(status_table(rows))
+        listing_console().print(status_table(rows))
         if args.run and rows[0].get("reason"):
             print(f"reason: {rows[0]['reason']}")
     return 0

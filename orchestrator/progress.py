@@ -18,6 +18,21 @@ from rich.table import Table
 from trainer.cli import clock, human
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head -1``): raised on, to end as every etrain listing does
+        (``checkpointing.cli.quiet_when_pipe_closes``), not rich's own exit 1."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def listing_console() -> Console:
+    """The console of a listing (``etrain status``): the terminal's width on a terminal; in a pipe or a
+    log, 200 columns, so that no column is cut to fit a width that is not there."""
+    console = _Console()
+    return console if console.is_terminal else _Console(width=200)
+
+
 def describe_event(e: dict) -> str | None:
     """One line for the events a user wants to see as they happen; None for the rest."""
     k = e.get("kind")

@@ -265,3 +265,40 @@ def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, 
 
     assert registry.lookup("tiny") == "etcd://10.0.0.5:2379/etrain"
     assert etrain(["submit", str(tmp_path / "x.toml"), "--store", "s3://b/runs", "--address", "http://h:8265"]) == 2
+
+
+# --- 7. a listing cut short by its reader (`| head -1`) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "ls", "{root}/p1"], ["status"], ["status", "p1"], ["events", "p1"],
+                                  ["logs", "p1"]])
+def test_a_listing_whose_reader_went_away_ends_quietly(argv, tmp_path):
+    """`etrain ckpt ls URL | head -1` and the other listings: the reader of stdout is gone before the command
+    writes (the pipe's read end is closed first, so the write fails every time): no traceback, status 141."""
+    from orchestrator import registry
+    from orchestrator.store import RunSpec, open_store
+
+    root = f"file://{tmp_path}/runs"
+    store = open_store(root)
+    store.create_run(RunSpec(run_id="p1", config={"run_id": "p1"}, workers=1, min_workers=1, max_workers=1))
+    for step in range(1, 40):
+        (tmp_path / "runs" / "p1" / "checkpoints" / f"step_{step:09d}").mkdir(parents=True)
+        store.add_event("p1", {"kind": "eval", "time": 1_800_000_000.0 + step, "step": step, "loss": 1.0})
+    env = _env(ETRAIN_HOME=str(tmp_path / "home"))
+    os.environ["ETRAIN_HOME"], old = env["ETRAIN_HOME"], os.environ["ETRAIN_HOME"]
+    try:
+        registry.record("p1", root)
+        log = registry.log_path("p1")
+    finally:
+        os.environ["ETRAIN_HOME"] = old
+    os.makedirs(os.path.dirname(log))
+    with open(log, "w") as f:
+        f.write("line\n" * 1000)
+    read, write = os.pipe()
+    os.close(read)  # nobody reads: the first write fails with EPIPE
+    try:
+        r = subprocess.run([os.path.join(os.path.dirname(PY), "etrain"), *(a.format(root=root) for a in argv)],
+                           cwd=tmp_path, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == "", r.stderr
