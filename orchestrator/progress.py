@@ -45,6 +45,8 @@ def describe_event(e: dict) -> str | None:
     if k == "resized":
         return (f"[resized] {e.get('from_workers')} -> {e.get('to_workers')} workers at step {e.get('step')} "
                 f"in {e.get('resize_s')} s ({e.get('reason')})")
+    if k == "eval" and isinstance(e.get("loss"), (int, float)):
+        return f"[eval] step {e.get('step')} eval loss {e['loss']:.4f}"
     if k == "checkpoint_failed":
         return f"[checkpoint] step {e.get('step')} failed: {e.get('error')}"
     if k == "suspended":
