@@ -84,10 +84,12 @@ def _event_problem(doc: Any) -> str | None:
 
 def _history_problem(doc: Any) -> str | None:
     ok = isinstance(doc, list) and all(
-        isinstance(row, list) and len(row) >= len(HistoryRow._fields)
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6]) for row in doc)
+        isinstance(row, list) and len(row) >= 6  # rows written before tokens_per_s and eval_loss: 6 long
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6])
+        and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row[6:8])
+        for row in doc)
     if not ok:
-        return f"is not a JSON list of rows ({', '.join(HistoryRow._fields)}: numbers)"
+        return f"is not a JSON list of rows ({', '.join(HistoryRow._fields)}: numbers; the last two may be null)"
     return None
 
 
@@ -118,10 +120,12 @@ class HistoryRow(NamedTuple):
     samples_consumed: int
     unix: float  # when the step ended
     step_s: float  # how long it took
+    tokens_per_s: float | None = None  # the step's throughput (None in rows of older runs)
+    eval_loss: float | None = None  # the held-out loss after this step, on the steps that evaluated
 
     @classmethod
     def of(cls, row) -> HistoryRow:
-        return row if isinstance(row, cls) else cls(*row[:6])
+        return row if isinstance(row, cls) else cls(*row[:8])
 
 
 @dataclass

@@ -217,7 +217,8 @@ class TrainWorker:
                 self._last["eval_step"], self._last["eval_loss"] = self.trainer.last_eval
             if self.rank == 0:
                 self._history.append(HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed,
-                                                self._last["time"], stats.step_seconds))
+                                                self._last["time"], stats.step_seconds, stats.tokens_per_s,
+                                                stats.eval_loss))
 
     def _collect_saves(self) -> None:
         """Keep the results of finished saves for the controller: rank 0's (the coordinator) only,

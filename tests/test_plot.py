@@ -4,16 +4,20 @@ not the pixels."""
 
 import json
 
+import pytest
+
 from orchestrator.cli import main
 from orchestrator.plot import log_series, run_series
-from orchestrator.store import HistoryRow, RunSpec, open_store
+from orchestrator.store import CorruptRunStore, HistoryRow, RunSpec, open_store
 
 T0 = 1_800_000_000.0
 
 
-def finished_run(url: str) -> None:
+def finished_run(url: str, stored: bool = False) -> None:
     """Steps 1-6 on 2 workers; a failure at step 6, restored from step 4 on 1 worker (steps 5-8 again);
-    a resize to 2 at step 8; suspended at step 10, resumed for steps 11-12. Eval at steps 4 and 12."""
+    a resize to 2 at step 8; suspended at step 10, resumed for steps 11-12. Eval at steps 4 and 12.
+    The history rows are an older run's (6 numbers, eval loss only in the events), or with ``stored``
+    today's: each row's tokens/s (1000 x step) and, at steps 4 and 12, the eval loss."""
     store = open_store(url)
     store.create_run(RunSpec(run_id="r1", config={"run_id": "r1", "data": {"seq_len": 64}}, workers=2,
                              min_workers=1, max_workers=2))
@@ -25,8 +29,9 @@ def finished_run(url: str) -> None:
             t += 5.0  # the recovery
         if step == 11:
             t += 100.0  # suspended
-        rows.append(HistoryRow(step, 5.0 / step, world, step * 12, t, 0.5))
-    store.put_history("r1", rows)
+        rows.append(HistoryRow(step, 5.0 / step, world, step * 12, t, 0.5, *(
+            (1000.0 * step, {4: 1.5, 12: 0.9}.get(step)) if stored else ())))
+    store.put_history("r1", rows if stored else [list(r[:6]) for r in rows])
     at = {r.step: r.unix for r in rows}  # the last row of each step
     for e in [{"kind": "started", "time": T0 - 10},
               {"kind": "eval", "time": T0 + 4.1, "step": 4, "loss": 1.5},
@@ -59,6 +64,23 @@ def test_plot_a_finished_run_from_its_store(tmp_path, capsys):
     assert [(m["kind"], m["step"]) for m in s["marks"]] == [("failure", 6), ("recovery", 5), ("resize", 9),
                                                             ("suspend", 10), ("resume", 10)]
     assert s["marks"][3]["time"] < s["marks"][4]["time"]
+
+
+def test_plot_draws_the_throughput_and_eval_loss_the_history_holds(tmp_path, capsys):
+    url = f"file://{tmp_path}/runs"
+    finished_run(url, stored=True)
+    store = open_store(url)
+    assert store.get_history("r1")[3] == HistoryRow(4, 1.25, 2, 48, T0 + 4.0, 0.5, 4000.0, 1.5)
+    # Throughput as stored (not the 12 x 64 / 0.5 tokens/s derived from the samples), without a seq_len too.
+    s = run_series(store.get_history("r1"), store.events("r1"))
+    assert s["throughput_unit"] == "tokens/s"
+    assert s["throughput"] == [1000.0 * step for step in s["step"]]
+    assert [(step, loss) for step, _, loss in s["eval"]] == [(4, 1.5), (12, 0.9)]  # not twice: rows and events
+    assert main(["plot", "r1", "--store", url, "-o", str(tmp_path / "r1.png")]) == 0
+    # A row whose new fields are not numbers is refused, naming the document.
+    store.put_history("r2", [[1, 2.0, 1, 12, T0, 0.5, "fast", None]])
+    with pytest.raises(CorruptRunStore, match="history.json is not a JSON list of rows"):
+        store.get_history("r2")
 
 
 def test_plot_a_torchrun_step_log(tmp_path):
