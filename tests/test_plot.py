@@ -120,3 +120,21 @@ def test_world_size_ticks_are_integers():
     plt.close(fig)
     assert len(ticks) and all(float(t).is_integer() for t in ticks)
 
+
+
+def test_chaos_plot_marks_the_runs_events_as_etrain_plot_does(tmp_path):
+    """`etrain chaos --plot`: the injected fault, and the failure, recovery, resize, suspend and resume of the run's
+    events, at the same places as `etrain plot` puts them (the same marks)."""
+    from orchestrator.chaos.cli import draw_plot
+
+    url = f"file://{tmp_path}/runs"
+    finished_run(url)
+    store = open_store(url)
+    fault = {"kind": "kill_worker", "step": 6, "injected_unix": T0 + 6.2, "time_to_recover_s": 6.0}
+    png = tmp_path / "chaos.png"
+    marks = draw_plot(str(png), store, "r1", {"faults": [fault]})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [(m["kind"], m["step"]) for m in marks] == [("fault", 6), ("failure", 6), ("recovery", 5),
+                                                       ("resize", 9), ("suspend", 10), ("resume", 10)]
+    assert marks[0]["fault"] == "kill_worker" and marks[0]["time"] == pytest.approx(5.2)  # since step 1 ended
+    assert marks[1:] == run_series(store.get_history("r1"), store.events("r1"))["marks"]

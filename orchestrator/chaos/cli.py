@@ -86,6 +86,13 @@ def judge(run_id: str, store: RunStore, plan: ChaosPlan, chaos: Chaos | None, fi
     return out
 
 
+def draw_plot(path: str, store: RunStore, run_id: str, result: dict, ref_id: str | None = None) -> list[dict]:
+    """``--plot``: the run's loss and world size, its injected faults (``result["faults"]``) and its
+    failures, recoveries, resizes, suspends and resumes (its events) marked; returns the marks."""
+    return plot(path, store.get_history(run_id), result["faults"], store.get_history(ref_id) if ref_id else None,
+                events=store.events(run_id), title=f"chaos: run {run_id}")
+
+
 def main(args, store: RunStore) -> int:
     """``etrain chaos``: exit 0 when the run passed, 1 when it failed the oracle, 2 for a bad plan."""
     import ray
@@ -104,8 +111,7 @@ def main(args, store: RunStore) -> int:
         reference_run(spec, store, ref_id, args.address)
     result = judge(args.run, store, plan, chaos, final, ref_id)
     if args.plot:
-        plot(args.plot, store.get_history(args.run), result["faults"],
-             store.get_history(ref_id) if ref_id else None, title=f"chaos: run {args.run}")
+        draw_plot(args.plot, store, args.run, result, ref_id)
         result["plot"] = args.plot
     print(format_report(result), flush=True)
     if args.json:
