@@ -10,7 +10,7 @@ The controller and its states announce what happened (a step, a save, a
 failure, a recovery, ...) through :class:`Observers`, which calls every
 observer in order. The run's own reporting is made of observers too: the
 status, events and history in the run store (``orchestrator.status.RunStatus``),
-the goodput (:class:`Goodput`), the leadership lease (:class:`LeaseKeeper`);
+the goodput (:class:`Goodput`, effective training time), the leadership lease (:class:`LeaseKeeper`);
 the Prometheus figures (:class:`MetricsObserver`) are one more, present only
 when the run serves metrics.
 
@@ -35,8 +35,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from trainer.metrics import goodput_ratio
+from trainer.metrics import StepLedger, goodput_ratio
 
+from .phase import Phase
 from .policies import FailureRecord
 from .store import HistoryRow, StoreUnavailable
 
@@ -147,21 +148,87 @@ class Observers(ControllerObserver):
 
 
 class Goodput(ControllerObserver):
-    """The run's goodput since this controller started: every trained step's time counts, polled or not."""
+    """The run's goodput: effective training time over wall time since the run started
+    (``etrain_goodput_ratio``, Meta's ETTR, Google's ML goodput), and beside it the time of every step
+    trained over the same wall time (``etrain_step_time_ratio``).
+
+    The numerator is a :class:`trainer.metrics.StepLedger` fed with rank 0's history (every step
+    trained, in order) and with the step each new group restored (``on_formed``): steps trained
+    after the last commit before a failure and rolled back by the restore leave it.
+
+    Across controllers (``etrain resume``, or a controller taking over a run whose controller is
+    gone) the figures go on from the run store: the history is replayed into the ledger, and the
+    wall time goes on from the last status written (``wall_s`` at ``updated_unix``). The time
+    between that status and this controller's start counts when the run was interrupted (its last
+    status not terminal: a run meant to train that did not) and does not after SUSPENDED, FAILED or
+    FINISHED (nobody meant it to train). Steps trained after the last history write of a controller
+    that vanished are not in the store and count in neither numerator.
+    """
 
     def __init__(self, clock=time.time):
         self.clock = clock
-        self.started_unix = clock()
-        self.productive_s = 0.0
+        self.started_unix = clock()  # when the run's first controller started
+        self.since = self.started_unix  # when this controller started counting wall time
+        self.wall_before_s = 0.0  # wall time counted by earlier controllers of the run
+        self.ledger = StepLedger()
+
+    def wall_s(self) -> float:
+        return self.wall_before_s + max(0.0, self.clock() - self.since)
 
     def ratio(self) -> float:
-        return goodput_ratio(self.productive_s, self.started_unix, self.clock())
+        """``etrain_goodput_ratio``: effective training time over wall time since the start."""
+        return goodput_ratio(self.ledger.effective_s, 0.0, self.wall_s())
+
+    def step_time_ratio(self) -> float:
+        """``etrain_step_time_ratio``: every trained step's time (redone ones too) over the same wall time."""
+        return goodput_ratio(self.ledger.step_time_s, 0.0, self.wall_s())
+
+    def on_start(self, ctl):
+        try:
+            previous = ctl.store.get_status(ctl.run_id)
+            history = ctl.store.get_history(ctl.run_id) if previous else []
+        except StoreUnavailable as e:  # the store answered the lease a moment ago; count from now
+            log.warning("goodput counts from this controller's start: the run store is away (%s)", e)
+            return
+        self.resume(previous, history)
+
+    def resume(self, previous: dict | None, history: list) -> None:
+        """Go on from an earlier controller's last ``status`` and the run's ``history`` (none: a new run)."""
+        if not previous:
+            return
+        now = self.since
+        updated = _number(previous.get("updated_unix"))
+        started = _number(previous.get("started_unix"))
+        wall = _number(previous.get("wall_s"))
+        if wall is None and updated is not None and started is not None:  # a status without wall_s
+            wall = updated - started
+        if wall is None:
+            return
+        self.wall_before_s = max(0.0, wall)
+        if updated is not None and not Phase.of(previous).terminal:
+            self.wall_before_s += max(0.0, now - updated)  # interrupted: the run was down until now
+        self.started_unix = started if started is not None else now - self.wall_before_s
+        for row in history:
+            h = HistoryRow.of(row)
+            self.ledger.trained(h.step, h.step_s)
 
     def on_history(self, ctl, rows):
-        self.productive_s += sum(HistoryRow.of(r).step_s for r in rows)
+        for r in rows:
+            h = HistoryRow.of(r)
+            self.ledger.trained(h.step, h.step_s)
+
+    def on_formed(self, ctl):
+        # The new group holds the step it restored (a resize: the step it stopped at, nothing lost).
+        self.ledger.restored(ctl.last_completed_step())
 
     def status_fields(self, ctl):
-        return {"started_unix": self.started_unix, "goodput": self.ratio()}
+        return {"started_unix": self.started_unix, "goodput": self.ratio(), "step_time_ratio": self.step_time_ratio(),
+                "wall_s": self.wall_s(), "effective_s": self.ledger.effective_s,
+                "step_time_s": self.ledger.step_time_s}
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 class LeaseKeeper(ControllerObserver):
@@ -220,7 +287,7 @@ class MetricsObserver(ControllerObserver):
 
     def on_state(self, ctl):
         self.metrics.observe_run(world_size=len(ctl.members), epoch=ctl.epoch, phase=ctl.state.name,
-                                 goodput=ctl.goodput.ratio())
+                                 goodput=ctl.goodput.ratio(), step_time_ratio=ctl.goodput.step_time_ratio())
 
     def on_poll(self, ctl):
         """Collect the members' telemetry asked for last time, ask again. Never waits: a member busy

@@ -6,7 +6,9 @@
 
 For every fault: time to detect (injection to the controller's failure event), time to recover
 (injection to the first step after the recovery), steps lost and committed steps lost; p50/p95 over
-faults; the run's goodput as the controller reported it in its status (not computed here); and the
+faults; the run's two goodput figures as the controller reported them in its status (not computed
+here): ``goodput``, effective training time (the steps the final model holds) over wall time, and
+``step_time_ratio``, every trained step's time (redone ones too) over wall time; and the
 oracle's reasons (``orchestrator.chaos.oracle``). A run passes when the oracle found nothing and every
 fault was injected, detected and recovered without losing a committed step. Nothing here reads the
 store or the cluster: the rows are computed from the events and history handed in.
@@ -114,13 +116,18 @@ def report(run_id: str, plan: ChaosPlan, rows: list[dict], status: dict, reasons
         "time_to_recover_s": {"p50": _pct(ttr, 0.5), "p95": _pct(ttr, 0.95)},
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows),
         "committed_steps_lost": sum(r["committed_steps_lost"] or 0 for r in rows),
-        "goodput": status.get("goodput"), "final_step": status.get("step"), "phase": status.get("phase"),
+        "goodput": status.get("goodput"), "step_time_ratio": status.get("step_time_ratio"),
+        "final_step": status.get("step"), "phase": status.get("phase"),
         "max_loss_rel_diff": loss_diff, "loss_rtol": plan.loss_rtol, "faults": rows,
     }
 
 
 def _fmt(v: float | None, unit: str = "s") -> str:
     return "-" if v is None else f"{v:.2f} {unit}".rstrip()
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def format_report(r: dict) -> str:
@@ -131,8 +138,8 @@ def format_report(r: dict) -> str:
              f"  time to detect  p50 {s(r['time_to_detect_s']['p50'])}  p95 {s(r['time_to_detect_s']['p95'])}",
              f"  time to recover p50 {s(r['time_to_recover_s']['p50'])}  p95 {s(r['time_to_recover_s']['p95'])}",
              (f"  steps lost {r['steps_lost']} (committed {r['committed_steps_lost']}); goodput "
-              f"{'-' if r['goodput'] is None else format(r['goodput'], '.3f')}; final step {r['final_step']} "
-              f"({r['phase']})")]
+              f"{_ratio(r['goodput'])} effective, step time ratio {_ratio(r.get('step_time_ratio'))}; "
+              f"final step {r['final_step']} ({r['phase']})")]
     if r["max_loss_rel_diff"] is not None:
         lines.append(f"  loss vs reference: max relative difference {r['max_loss_rel_diff']:.3g} "
                      f"(tolerance {r['loss_rtol']:g})")
