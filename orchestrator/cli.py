@@ -387,24 +387,30 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from . import registry
     from .progress import listing_console, status_table
 
-    store = _store(args)
+    explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
     if args.run:
+        store = _store(args)
         store.get_spec(args.run)  # UnknownRun names the fix
-        st = store.get_status(args.run) or {"run_id": args.run, "phase": Phase.PENDING}
-        rows = [st]
-    else:
-        rows = [store.get_status(r) or {"run_id": r, "phase": Phase.PENDING} for r in store.list_runs()]
+        rows = [store.get_status(args.run) or {"run_id": args.run, "phase": Phase.PENDING}]
+    else:  # the runs of one store (--store, $ETRAIN_STORE), else of ./runs and of the run registry
+        rows = registry.statuses([_store_url(args)], registered=not explicit)
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
     elif not rows:
-        print(f"no runs in {redact(store.url)}")
+        print(f"no runs in {redact(_store_url(args))}" + ("" if explicit else
+                                                          f" or in the run registry {registry.runs_dir()}"))
     else:
         listing_console().print(status_table(rows))
         if args.run and rows[0].get("reason"):
             print(f"reason: {rows[0]['reason']}")
-    return 0
+        for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
+                                           if r.get("phase") in registry.NOT_A_STATUS):
+            print(f"{store}: {reason}")
+    # The one store named could not be read: a failure. Some registered stores out of reach: still a list.
+    return EXIT_FAILED if not args.run and explicit and rows and rows[0].get("phase") == registry.UNREACHABLE else 0
 
 
 def cmd_chaos(args) -> int:

@@ -141,8 +141,10 @@ def info_line(snap: dict) -> str:
 
 
 def status_table(rows: list[dict]) -> Table:
+    """``etrain status``: a row per run; a ``store`` column when the rows name their store (the list of runs)."""
+    stores = any("store" in s for s in rows)
     t = Table("run", "phase", "step", "world", "loss", "eval loss", "checkpoint", "recoveries", "steps lost", "goodput",
-              "updated")
+              "updated", *(["store"] if stores else []))
     for s in rows:
         age = time.time() - s["updated_unix"] if s.get("updated_unix") else None
         t.add_row(s.get("run_id", "?"), s.get("phase", "?"), f"{s.get('step', '-')}/{s.get('total_steps', '-')}",
@@ -151,5 +153,5 @@ def status_table(rows: list[dict]) -> Table:
                   str(s.get("latest_checkpoint") if s.get("latest_checkpoint") is not None else "-"),
                   str(s.get("recoveries", 0)), str(s.get("steps_lost", 0)),
                   f"{s['goodput']:.2f}" if s.get("goodput") is not None else "-",
-                  f"{age:.0f} s ago" if age is not None else "-")
+                  f"{age:.0f} s ago" if age is not None else "-", *([s.get("store", "-")] if stores else []))
     return t

@@ -5,6 +5,7 @@
     runs_dir()                                    # $ETRAIN_HOME/runs, else ~/.etrain/runs
     pid, log = start_detached(["run", "tiny.toml"], "tiny")   # etrain run --detach: the driver in the background
     print_log("tiny", follow=True)                # etrain logs tiny -f
+    statuses(["file:///home/me/proj/runs"])       # etrain status: every registered run, in its store
 
 One small JSON file per run, ``<runs_dir>/<run_id>.json``, written whole and
 moved into place (two runs started at once never lose each other's entry).
@@ -12,6 +13,12 @@ moved into place (two runs started at once never lose each other's entry).
 neither ``--store`` nor ``$ETRAIN_STORE`` names a store; an entry read back
 is checked (a dict naming this run and a string URL) and ignored otherwise.
 The registry is a convenience: failing to write it only logs a warning.
+
+``etrain status`` with no run lists every run of this registry, each read
+from its own store (several stores are read at once), beside the runs of
+``./runs``: a store that cannot be reached shows its runs as ``unreachable``
+with the reason, a run its store no longer holds as ``missing``, a run whose
+status document is not etrain's as ``unreadable``; none of them stops the list.
 
 ``etrain run --detach`` runs the same ``etrain run`` as a process of its own
 session, its output in ``<home>/logs/<run_id>.log`` and its pid beside it
@@ -26,8 +33,10 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from checkpointing.names import validate_run_id
+from checkpointing.errors import ConfigError, EtrainError
+from checkpointing.names import check_url, redact, validate_run_id
 
 log = logging.getLogger("etrain")
 
@@ -78,6 +87,66 @@ def lookup(run_id: str) -> str | None:
     """The store URL recorded for ``run_id``, or None."""
     doc = entry(run_id)
     return (doc or {}).get("store") or None
+
+
+def entries() -> list[dict]:
+    """Every valid entry of the registry, newest first (files that are not one are left out)."""
+    try:
+        names = os.listdir(runs_dir())
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            doc = entry(name[:-len(".json")]) if name.endswith(".json") else None
+        except ConfigError:  # not a run id: not an entry
+            doc = None
+        if doc:
+            found.append(doc)
+    return sorted(found, key=lambda d: -d.get("updated_unix", 0))
+
+
+# Phases of a row of `etrain status` that is not a run's status: its store was not reached, no longer holds
+# the run, or holds a status document that is not etrain's.
+UNREACHABLE, MISSING, UNREADABLE = "unreachable", "missing", "unreadable"
+NOT_A_STATUS = (UNREACHABLE, MISSING, UNREADABLE)
+
+
+def statuses(stores: list[str], registered: bool = True) -> list[dict]:
+    """The status of every run of ``stores`` (each listed whole) and, with ``registered``, of every run in the
+    registry, read from its own store; each row with ``store``, the store's URL (redacted). Stores are read at
+    once, each one's runs in id order; one that fails gives rows of phase :data:`UNREACHABLE` with a ``reason``."""
+    wanted: dict[str, list[str] | None] = {url: None for url in stores}  # None: every run of the store
+    for e in entries() if registered else []:
+        if wanted.get(e["store"], []) is not None:
+            wanted.setdefault(e["store"], []).append(e["run_id"])
+    with ThreadPoolExecutor(max_workers=min(8, len(wanted) or 1)) as pool:
+        return [row for rows in pool.map(lambda kv: _store_rows(*kv), wanted.items()) for row in rows]
+
+
+def _store_rows(url: str, run_ids: list[str] | None) -> list[dict]:
+    from .phase import Phase
+    from .store import CorruptRunStore, StoreUnavailable, UnknownRun, open_store
+
+    where, rows = redact(url), []
+    try:
+        store = open_store(check_url(url, f"the run registry's store {redact(url)}"))
+        for run_id in sorted(store.list_runs() if run_ids is None else set(run_ids)):
+            row = {"run_id": run_id, "store": where}
+            try:
+                store.get_spec(run_id)
+                rows.append({**(store.get_status(run_id) or {"phase": Phase.PENDING}), **row})
+            except UnknownRun:
+                rows.append({**row, "phase": MISSING, "reason": f"{where} no longer holds it (the run registry "
+                                                               f"entry {runs_dir()}/{run_id}.json names it)"})
+            except CorruptRunStore as e:
+                rows.append({**row, "phase": UNREADABLE, "reason": str(e)})
+    except (StoreUnavailable, EtrainError, OSError, ValueError, ImportError) as e:  # whatever stops this store
+        done = {r["run_id"] for r in rows}
+        reason = str(e) if isinstance(e, StoreUnavailable) else f"run store {where} is unreachable: {e}"
+        rows += [{"run_id": r, "store": where, "phase": UNREACHABLE, "reason": reason}
+                 for r in sorted(set(run_ids or ["-"]) - done)]
+    return rows
 
 
 def log_path(run_id: str) -> str:

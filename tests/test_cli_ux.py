@@ -4,6 +4,7 @@ No Ray: runs are prepared in a run store with :func:`orchestrator.run.prepare_ru
 control commands; the trainer runs as a subprocess for a step or two.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -109,6 +110,42 @@ def test_a_miss_says_where_it_looked(prepared_run, capsys, monkeypatch, tmp_path
     monkeypatch.setenv("ETRAIN_STORE", other)
     assert etrain(["status", "ux1"]) == 2
     assert "looked in $ETRAIN_STORE" in capsys.readouterr().err
+
+
+def test_status_lists_the_registered_runs_of_every_store(tmp_path, monkeypatch, capsys):
+    """`etrain status`: the runs of the run registry, each read from its own store, beside those of ./runs; a
+    store that is not there (etcd on a closed port) and a run its store no longer holds are rows, not a crash."""
+    from orchestrator import registry
+    from orchestrator.store import RunSpec, open_store
+    from tests.harness import free_port
+
+    monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("ETRAIN_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    a, b, here, gone = (f"file://{tmp_path}/a", f"file://{tmp_path}/b", f"file://{tmp_path}/runs",
+                        f"etcd://127.0.0.1:{free_port()}/etrain")
+    for url, run_id in ((a, "a1"), (b, "b1"), (here, "c1")):
+        open_store(url).create_run(RunSpec(run_id=run_id, config={}, workers=2, min_workers=1, max_workers=2))
+    store = open_store(a)
+    store.put_status("a1", {"run_id": "a1", "phase": "RUNNING", "step": 7, "total_steps": 20, "world_size": 2},
+                     store.acquire("a1", "ctl"))
+    for run_id, url in (("a1", a), ("b1", b), ("u1", gone), ("m1", a)):
+        registry.record(run_id, url)
+    assert etrain(["status", "--json"]) == 0
+    rows = {r["run_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {k: (r["phase"], r["store"]) for k, r in rows.items()} == {
+        "a1": ("RUNNING", a), "b1": ("PENDING", b), "c1": ("PENDING", here), "u1": ("unreachable", gone),
+        "m1": ("missing", a)}
+    assert rows["a1"]["step"] == 7 and "is unreachable" in rows["u1"]["reason"]
+    assert etrain(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "store" in out.splitlines()[1] and f"{gone}: etcd at {gone} is unreachable" in out
+    assert "7/20" in next(line for line in out.splitlines() if " a1 " in line)
+    # One store named: its runs only, as before.
+    assert etrain(["status", "--store", b, "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == ["b1"]
+    assert etrain(["status", "--store", gone]) == 1  # the one store asked for is not there
+    assert f"{gone}: etcd at {gone} is unreachable" in capsys.readouterr().out
 
 
 def test_registry_ignores_a_bad_entry(tmp_path, monkeypatch):
