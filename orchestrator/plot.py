@@ -14,8 +14,9 @@ without reading pixels. Under Ray the data is the run store's step history
 shows up to that write; each row holds its step's tokens/s and, on the steps
 that evaluated, the eval loss) and its events (for an older run's history,
 whose rows hold neither, throughput is derived from the samples each row
-consumed and the eval loss read from its ``eval`` events); under torchrun it is the step log (``--log-file``), where a step
-going back is a restart from a checkpoint and a new world size a resize.
+consumed and the eval loss read from its ``eval`` events); under torchrun
+it is the step log (``--log-file``), where a step going back is a restart
+from a checkpoint and a new world size a resize.
 matplotlib is imported only when drawing, with the Agg backend: no display needed.
 """
 
