@@ -11,6 +11,7 @@
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
     etrain train CONFIG.toml              (one rank of a run under torchrun; same as python -m trainer)
+    etrain plan CONFIG.toml [--workers 8..64] [--device h100|a100|cpu|custom] [--json] [--explain] [--calibrate]
     etrain data prepare CONFIG.toml [--set ...]   (tokenize a run's text into its token cache ahead of time)
     etrain ckpt {ls,inspect,verify} URL
     etrain ckpt export URL[/step] OUT [--format hf|safetensors|torch] [--dtype fp32|bf16]
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("demo", help="a local run with a killed worker, a resize, a suspend and a resume",
                    add_help=False)
+    sub.add_parser("plan", help="memory, communication and step time of the best layouts at every size a run can "
+                                "take: etrain plan CONFIG [--workers 8..64] [--device h100]", add_help=False)
 
     for name, what in (("run", "start a run on Ray (a local Ray on 127.0.0.1 without a cluster) and follow it"),
                        ("submit", "submit a run to a Ray cluster as a Ray job (ray job submit with the working "
@@ -193,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "plan":  # parses its own arguments before importing torch
+        from trainer.plan.cli import main as plan_main
+
+        return plan_main(argv[1:], elastic=_elastic_range)
     if argv and argv[0] == "generate":
         from trainer.generate import main as generate_main
 
@@ -238,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --- commands --------------------------------------------------------------------
+
+
+def _elastic_range(raw: dict) -> tuple[int, int]:
+    """[elastic] min_workers..max_workers of a run document, validated (for etrain plan)."""
+    from .config import elastic_from_raw
+
+    e = elastic_from_raw(raw)
+    return e.min_workers, e.max_workers
 
 
 def _store_url(args) -> str:

@@ -1,0 +1,204 @@
+"""Per-rank memory of one layout: model states, activations, buffers, checkpoint staging, recovery tier.
+
+    layout = Layout(dp_replicate=1, dp_shard=8, tp=1, pp=1, zero=3)
+    cfg8, dims = layout.apply(cfg, world=8)        # the real config checks: ConfigError names the field
+    mem = rank_memory(cfg8, dims, rank=0, mixed=True)
+    mem["total"]                                    # device bytes at the step's peak, this rank
+
+Model states (parameters, gradients, optimizer state) and the step's transient buffers are
+:mod:`trainer.memory`'s accounting (:func:`~trainer.memory.predict`,
+:func:`~trainer.memory.transient_bytes`): the ZeRO paper's table as this trainer holds it.
+
+Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (MLSys 2023), section 4: per layer, the tensors a block saves for backward, sharded by
+tensor parallelism inside the tensor-parallel regions and, with sequence parallelism, outside them
+too; full recomputation keeps a block's input alone, plus one block's worth while it is recomputed.
+:func:`korthikanti_bytes` is the paper's own formula (GPT blocks, 16-bit, dropout);
+:func:`block_activation_elems` is the same count for this trainer's Llama block (RMSNorm, rotary
+SDPA with no materialized scores, SwiGLU, no dropout). A pipeline stage holds several micro-batches
+at once (1F1B: pp - stage index; GPipe: all; interleaved: Narayanan et al. 2021's factor
+1 + (p - 1) / (p v)).
+
+Checkpoint staging is host memory (the async save's blocking copy); the recovery tier is a hook,
+:data:`RECOVERY_TIER`, 0 device bytes today (the peer-memory tier keeps its copy on the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import RunConfig
+from ..memory import predict, transient_bytes
+from ..parallel_dims import ParallelDims
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+AC_MODES = ("none", "every_k", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space: the mesh, the ZeRO stage, SP, AC, the micro-batch, the schedule."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    zero: int = 3
+    sp: bool = False
+    ac: str = "none"
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def of(cls, cfg: RunConfig, world: int) -> Layout:
+        """The layout ``cfg`` asks for at ``world`` (dp_shard = -1 resolved)."""
+        p = cfg.parallel
+        fixed = p.dp_replicate * p.tp * p.pp
+        shard = world // fixed if p.dp_shard == -1 else p.dp_shard
+        return cls(p.dp_replicate, shard, p.tp, p.pp, p.zero_stage, p.sequence_parallel, p.activation_checkpoint,
+                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank)
+
+    def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:
+        """``cfg`` with this layout, checked by the config and :class:`ParallelDims` exactly as a run is."""
+        p = dataclasses.replace(cfg.parallel, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+                                pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp,
+                                activation_checkpoint=self.ac, pp_schedule=self.schedule,
+                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=0)
+        new = dataclasses.replace(cfg, parallel=p, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch))
+        return new, ParallelDims.from_config(new, world or self.world)
+
+    def describe(self) -> str:
+        mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"
+        extra = [f"ZeRO-{self.zero}"] + (["SP"] if self.sp else []) + ([f"AC {self.ac}"] if self.ac != "none" else [])
+        extra.append(f"mb {self.micro_batch}")
+        if self.pp > 1:
+            extra.append(self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        return f"{mesh}, {', '.join(extra)}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: bool = False) -> float:
+    """Activation bytes of one GPT layer, 16-bit, from Korthikanti et al. 2023 (eq. 1-4, Table 2):
+    ``sbh(34 + 5as/h)`` alone; ``sbh(10 + 24/t + 5as/(ht))`` with tensor parallelism; ``sbh/t (34 + 5as/h)``
+    with sequence parallelism too; ``2sbh`` (``2sbh/t`` with SP) under full recomputation."""
+    if recompute:
+        return 2 * s * b * h / (t if sp else 1)
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def block_activation_elems(cfg: RunConfig, tp: int, sp: bool) -> float:
+    """Elements per token one built-in block saves for backward (module docstring)."""
+    m = cfg.model
+    h, f, kvd = m.dim, m.ffn_hidden, m.n_kv_heads * m.head_dim
+    norms = 2 * h  # the two RMSNorms' inputs (the residual stream)
+    gathered = 2 * h  # the normed inputs of the first linears of attention and feed-forward
+    inside = (h + 2 * kvd) + (h + kvd) + (2 * h if m.n_kv_heads < m.n_heads else 0) + 2 * h + 4 * f
+    return (norms / tp if sp else norms) + gathered + inside / tp
+
+
+def _in_flight(dims: ParallelDims, cfg: RunConfig, stage: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at once."""
+    if dims.pp == 1:
+        return 1
+    m, p = dims.pp_microbatches(cfg), cfg.parallel
+    if p.pp_schedule == "gpipe":
+        return m
+    held = min(m, dims.pp - stage)
+    if p.pp_schedule == "interleaved_1f1b":
+        v = p.pp_stages_per_rank
+        return min(m * v, dims.pp * (1 + (dims.pp - 1) / (dims.pp * v))) / v
+    return held
+
+
+def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: int) -> dict[str, float]:
+    """``activations`` (blocks, all micro-batches in flight), ``logits`` (the last stage's loss) and
+    ``workspace`` (backward's largest temporaries) of ``rank``, in bytes."""
+    from ..model import layer_split
+
+    p, m = cfg.parallel, cfg.model
+    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
+    split = layer_split(m.n_layers, n_stages)
+    layers = sum(len(split[s]) for s in stages)
+    full = block_activation_elems(cfg, dims.tp, p.sequence_parallel) * tokens * act_bytes
+    kept = m.dim * tokens * act_bytes / (dims.tp if p.sequence_parallel else 1)
+    if p.activation_checkpoint == "full":
+        per_mb = layers * kept + full
+    elif p.activation_checkpoint == "every_k":
+        ck = sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0)
+        per_mb = ck * kept + (layers - ck) * full + (full if ck else 0)
+    else:
+        per_mb = layers * full
+    pp_coord = dims.coords(rank)["pp"]
+    acts = per_mb * _in_flight(dims, cfg, pp_coord)
+    last = (n_stages - 1) in stages
+    logits = tokens * m.vocab_size / (dims.tp if p.loss_parallel else 1) * (act_bytes + 8) if last else 0
+    final = 2 * m.dim * tokens * act_bytes if last else 0
+    workspace = tokens * (2 * m.ffn_hidden / dims.tp + 2 * m.dim) * act_bytes
+    return {"activations": acts + final, "logits": logits, "workspace": workspace}
+
+
+def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
+    """The ZeRO 1-2 optimizer's bucket scratch (:mod:`trainer.optim`): ``4 (n + 1)`` times the widest
+    bucket's row, a row being ``bucket_mb / (4 n)`` elements or the largest parameter's chunk."""
+    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    if stage not in (1, 2):
+        return 0
+    n, m = dims.dp_shard, cfg.model
+    largest = max(m.vocab_size * m.dim, m.dim * m.ffn_hidden) // dims.tp
+    row = max(cfg.parallel.bucket_mb * 2**20 / (4 * n), largest / n)
+    return int(4 * (n + 1) * min(row, local_params / n + 1))
+
+
+# Device bytes the recovery tiers hold on a rank (cfg, dims, rank) -> bytes. The peer-memory and local
+# tiers keep their copies in host memory, so 0 today; a tier that stages on the device sets this.
+RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = lambda cfg, dims, rank: 0  # noqa: E731
+
+
+def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
+    """Device bytes of ``rank`` at the step's peak, by part, and ``total``; ``host_staging`` (the async
+    checkpoint's host copy of this rank's state) is host memory, outside ``total``."""
+    from ..memory import local_param_count
+
+    states = predict(cfg, dims, rank, mixed)
+    count = local_param_count(cfg, dims, rank)
+    act = activation_bytes(cfg, dims, rank, 2 if mixed else 4)
+    out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
+           **{k: round(v) for k, v in act.items()}, "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
+    out["total"] = sum(out.values())
+    shard = dims.dp_shard if (cfg.parallel.zero_stage and dims.dp > 1) else 1
+    out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
+    out["param_count"] = count
+    return out
+
+
+def peak_ranks(dims: ParallelDims) -> list[int]:
+    """Ranks that can peak highest: the first and the last pipeline stage (embedding, most micro-batches
+    in flight; head and logits), at the first data- and tensor-parallel coordinate."""
+    per_stage = dims.world_size // dims.pp
+    return sorted({0, (dims.pp - 1) * per_stage})
+
+
+def peak_memory(cfg: RunConfig, dims: ParallelDims, mixed: bool) -> dict[str, int]:
+    """:func:`rank_memory` of the rank that peaks highest, with its ``rank``."""
+    best = None
+    for r in peak_ranks(dims):
+        mem = rank_memory(cfg, dims, r, mixed)
+        if best is None or mem["total"] > best["total"]:
+            best = {**mem, "rank": r}
+    return best

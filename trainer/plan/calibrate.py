@@ -1,0 +1,180 @@
+"""``etrain plan --calibrate``: fit the compute rate and the collectives' bandwidth of the machine at hand.
+
+    fit = calibrate(cfg, "cpu")          # two training steps, then timed all-reduces; stored and returned
+    dev = apply(DEVICES["cpu"], load("cpu"))
+
+Compute: the model (the built-in decoder of the planner's shape, :mod:`.shape`) trains two steps
+of one micro-batch (forward, backward, AdamW) on this machine in one process; the second step's
+time against :func:`trainer.plan.cost.step_flops` gives the achieved FLOP rate. A model too large
+for a quick step here (over 200M parameters) is measured at the ``small`` preset's size instead,
+and the report says so. Collectives: two processes on 127.0.0.1 (gloo; NCCL with two GPUs)
+all-reduce 256 KiB to 16 MiB, and a least-squares line ``t = latency + bus bytes / bandwidth``
+is fitted. The fit is stored as JSON in ``$ETRAIN_HOME/plan/calibration.json`` (default
+``~/.etrain``), keyed by device profile, and every later ``etrain plan`` with that profile uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from ..config import MODEL_PRESETS, RunConfig
+from .cost import Device, custom
+
+SIZES = (256 * 1024, 2 * 2**20, 16 * 2**20)
+
+
+def store_path() -> str:
+    home = os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")
+    return os.path.join(home, "plan", "calibration.json")
+
+
+def load(profile: str) -> dict | None:
+    """The stored fit of ``profile``, or None."""
+    try:
+        with open(store_path()) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    fit = doc.get(profile) if isinstance(doc, dict) else None
+    ok = isinstance(fit, dict) and all(isinstance(fit.get(k), (int, float)) and fit[k] > 0
+                                       for k in ("flops", "bandwidth", "latency"))
+    return fit if ok else None
+
+
+def save(profile: str, fit: dict) -> str:
+    path = store_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        doc = doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        doc = {}
+    doc[profile] = fit
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def apply(dev: Device, fit: dict | None) -> Device:
+    """``dev`` with a stored fit's rate, bandwidth and latency (both link classes: one machine measured)."""
+    if not fit:
+        return dev
+    return custom(dev, peak_flops=fit["flops"], efficiency=1.0, intra_bw=fit["bandwidth"],
+                  inter_bw=min(dev.inter_bw, fit["bandwidth"]) if dev.name != "cpu" else fit["bandwidth"],
+                  intra_lat=fit["latency"], inter_lat=max(dev.inter_lat, fit["latency"]),
+                  calibrated=fit.get("when", "calibrated"))
+
+
+def measure_compute(cfg: RunConfig, device: str) -> dict:
+    """Two steps of one micro-batch of the model, in this process; the second one's FLOP rate."""
+    import dataclasses
+
+    import torch
+
+    from ..model import Transformer
+    from ..parallel_dims import ParallelDims
+    from ..tensor_parallel import lm_loss
+    from .cost import step_flops
+    from .shape import model_shape
+
+    m = model_shape(cfg).model
+    note = ""
+    if m.n_layers * 12 * m.dim * m.dim > 200e6:
+        m = dataclasses.replace(m, **MODEL_PRESETS["small"], vocab_size=min(m.vocab_size, 32000))
+        note = "the model is over 200M parameters: measured at the small preset's size"
+    seq = min(cfg.data.seq_len, m.max_seq_len)
+    one = dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, seq_len=seq),
+                              parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1, pp=1,
+                                                           sequence_parallel=False, pp_schedule="1f1b",
+                                                           pp_stages_per_rank=1, offload="none"),
+                              train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch))
+    dims = ParallelDims.from_config(one, 1)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Transformer(m).to(dev, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, m.vocab_size, (one.train.micro_batch, seq + 1), device=dev)
+    times = []
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    flops = step_flops(one, dims, 0)
+    return {"flops": flops / times[-1], "step_seconds": times[-1], "step_flops": flops, "note": note}
+
+
+def _allreduce_worker(rank: int, port: int, backend: str, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    rows = []
+    for size in SIZES:
+        t = torch.ones(size // 4, device=dev)
+        dist.all_reduce(t)
+        best = float("inf")
+        for _ in range(3):
+            dist.barrier()
+            if backend == "nccl":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if backend == "nccl":
+                torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - t0)
+        rows.append((size, best))
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def measure_collectives() -> dict:
+    """All-reduce times between two local processes, and the fitted latency and bus bandwidth."""
+    import torch
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, backend, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    rows = q.get() if not q.empty() else []
+    if len(rows) < 2:
+        return {}
+    xs = [2 * (2 - 1) / 2 * size for size, _ in rows]  # bus bytes of a 2-rank all-reduce
+    ys = [t for _, t in rows]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-30, sum((x - mx) ** 2 for x in xs))
+    slope = max(slope, 1e-13)
+    latency = max(my - slope * mx, 1e-6)
+    return {"bandwidth": 1 / slope, "latency": latency, "backend": backend,
+            "allreduce": [{"bytes": s, "seconds": t} for s, t in rows], "points": n}
+
+
+def calibrate(cfg: RunConfig, profile: str, device: str) -> dict:
+    """Measure (module docstring), store under ``profile`` and return the fit."""
+    fit = measure_compute(cfg, device)
+    fit.update(measure_collectives() or {"bandwidth": 1e9, "latency": 1e-4, "note_collectives": "not measured"})
+    fit["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fit["device"] = device
+    fit["path"] = save(profile, fit)
+    return fit

@@ -1,0 +1,113 @@
+"""Communication of one training step, per rank: bytes by collective kind and mesh axis, the pipeline bubble.
+
+    for c in step_comm(cfg, dims, rank, mixed):   # {"kind", "axis", "bytes", "calls", "overlaps"}
+        ...
+    bubble_fraction(cfg, dims)                    # the share of a step a pipeline rank waits
+
+Volumes are what one rank sends (= receives) under ring algorithms, the NCCL tests' "bus"
+convention: an all-reduce of S bytes over n ranks moves 2 (n - 1) / n S, an all-gather or a
+reduce-scatter of S (the whole tensor) (n - 1) / n S, a send/recv its bytes. What is reduced and
+gathered is what this trainer reduces and gathers (:mod:`trainer.optim`, :mod:`trainer.parallelize`):
+
+* ZeRO-0: one all-reduce of the fp32 gradients over the data-parallel axis, after the last backward;
+* ZeRO-1/2: a reduce-scatter of the fp32 gradients over ``dp_shard`` (stage 2 during backward,
+  bucket by bucket), an all-reduce of this rank's shard over ``dp_replicate``, and an all-gather
+  of the updated parameters after the step;
+* ZeRO-3 (FSDP2): an all-gather of the parameters (compute dtype) in forward and again in backward,
+  per micro-batch (once per step under pipeline parallelism, which keeps them gathered), a
+  reduce-scatter of the fp32 gradients per step (per micro-batch with
+  ``parallel.reduce_every_microbatch``), and the HSDP all-reduce across ``dp_replicate``;
+* tensor parallelism (Megatron-LM, Shoeybi et al. 2019): two all-reduces of a micro-batch's
+  activations per block in forward and two in backward (two more when the block is recomputed);
+  sequence parallelism turns each into an all-gather plus a reduce-scatter of the same volume;
+* pipeline parallelism: one send/recv of a micro-batch's boundary activations per micro-batch in
+  forward and one of their gradients in backward.
+
+``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
+all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
+
+The bubble (Narayanan et al. 2021, section 2.2): ``(p - 1) / (v m)`` of the ideal time for ``p``
+stages, ``m`` micro-batches and ``v`` stages per rank, i.e. ``(p - 1) / (v m + p - 1)`` of the step.
+"""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from ..memory import local_param_count
+from ..model import layer_split
+from ..parallel_dims import ParallelDims
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
+
+
+def _ring(kind: str, n: int, size: float) -> float:
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * size
+
+
+def bubble_fraction(cfg: RunConfig, dims: ParallelDims) -> float:
+    if dims.pp == 1:
+        return 0.0
+    m, v = dims.pp_microbatches(cfg), cfg.parallel.pp_stages_per_rank
+    return (dims.pp - 1) / (v * m + dims.pp - 1)
+
+
+def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> list[dict]:
+    """Every collective of ``rank``'s step (module docstring), largest first; empty entries left out."""
+    p, m = cfg.parallel, cfg.model
+    act_b = 2 if mixed else 4
+    count = local_param_count(cfg, dims, rank)
+    grads, params = 4 * count, act_b * count
+    stage = p.zero_stage if dims.dp > 1 else 0
+    n, r = dims.dp_shard, dims.dp_replicate
+    mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
+    out: list[dict] = []
+
+    def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
+        if size > 0:
+            out.append({"kind": kind, "axis": axis, "bytes": round(size), "calls": calls, "overlaps": overlaps})
+
+    buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
+    if stage == 0:
+        add("all_reduce", "dp", _ring("all_reduce", dims.dp, grads), buckets)
+    elif stage in (1, 2):
+        add("reduce_scatter", "dp_shard", _ring("reduce_scatter", n, grads), buckets,
+            "compute" if stage == 2 else "none")
+        add("all_reduce", "dp_replicate", _ring("all_reduce", r, grads / n), buckets)
+        add("all_gather", "dp_shard", _ring("all_gather", n, params), buckets)
+    else:
+        n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
+        blocks = sum(len(layer_split(m.n_layers, n_stages)[s]) for s in stages)
+        gathers = 2 if dims.pp > 1 else 2 * mb
+        add("all_gather", "dp_shard", gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
+        rs = mb if p.reduce_every_microbatch else 1
+        add("reduce_scatter", "dp_shard", rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
+        add("all_reduce", "dp_replicate", _ring("all_reduce", r, grads / n), blocks + 1)
+    if dims.tp > 1:
+        n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
+        split = layer_split(m.n_layers, n_stages)
+        layers = sum(len(split[s]) for s in stages)
+        per_block = 4 + (2 if p.activation_checkpoint == "full" else 0)
+        if p.activation_checkpoint == "every_k":
+            per_block += 2 * sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0) / max(1, layers)
+        act = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
+        calls = round(per_block * layers * mb)
+        if p.sequence_parallel:
+            add("all_gather", "tp", calls / 2 * _ring("all_gather", dims.tp, act), calls // 2)
+            add("reduce_scatter", "tp", calls / 2 * _ring("reduce_scatter", dims.tp, act), calls // 2)
+        else:
+            add("all_reduce", "tp", calls * _ring("all_reduce", dims.tp, act), calls)
+    if dims.pp > 1:
+        boundary = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
+        hops = 2 * p.pp_stages_per_rank  # every stage this rank runs sends forward and receives backward
+        add("send_recv", "pp", hops * mb * boundary, hops * mb)
+    return sorted(out, key=lambda c: -c["bytes"])
+
+
+def by_kind(comm: list[dict]) -> dict[str, int]:
+    """Bytes per collective kind (every kind present, 0 where none)."""
+    out = dict.fromkeys(KINDS, 0)
+    for c in comm:
+        out[c["kind"]] += c["bytes"]
+    return out
