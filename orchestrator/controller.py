@@ -193,6 +193,10 @@ class Controller:
         ``standby``: ``target``, starting no new standby); stop spares beyond ``target`` plus standbys."""
         keep = target + self.opts.standby
         want = keep if standby else target
+        lost = [w for w in self.spares if w not in self.group.workers]
+        if lost:  # died while starting (the group forgot them when their first call failed): start others
+            log.warning("workers %s died while starting; starting others in their place", ",".join(lost))
+            self.spares = [w for w in self.spares if w in self.group.workers]
         have = len(self.members) + len(self.spares)
         if have < want:
             self.spares += self.group.start(want - have)
@@ -217,7 +221,12 @@ class Controller:
         (booting: a new process importing torch) would make it larger; those
         are waited for up to ``boot_timeout_s``. Workers without resources
         (no capacity in the cluster) are not waited for past ``replace_wait_s``.
+        A candidate the group no longer has (it died while starting) raises
+        :class:`GroupFailure`: the state recovers from it like from any failure.
         """
+        lost = tuple(w for w in candidates if w not in self.group.workers)
+        if lost:  # capacity lost before the group formed is a failure like any other: recovered and replaced
+            raise GroupFailure("a worker died while starting, before it joined the group", "actor_died", lost)
         full = self.scaling.target(ScalingStatus(0, target, target, self.valid_sizes))
         size = self.scaling.target(ScalingStatus(0, target, len(ready), self.valid_sizes))
         if size is not None and size == full:

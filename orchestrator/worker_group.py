@@ -83,7 +83,9 @@ class WorkerGroup(Protocol):
         ...
 
     def ready(self, wids: list[str], timeout: float) -> list[str]:
-        """Those of ``wids`` whose process is up, waiting up to ``timeout`` for all of them."""
+        """Those of ``wids`` whose process is up, waiting up to ``timeout`` for all of them. A worker
+        found dead before it was up (killed while starting) is stopped and leaves ``workers``: the
+        controller replaces it, and counts it as a failure when the group was forming."""
         ...
 
     def placed(self, wids: list[str]) -> list[str]:
@@ -162,7 +164,8 @@ class RayWorkerGroup(WorkerGroup):
         return out
 
     def ready(self, wids: list[str], timeout: float) -> list[str]:
-        """Those of ``wids`` whose actor is up (waits up to ``timeout`` for all of them)."""
+        """Those of ``wids`` whose actor is up (waits up to ``timeout`` for all of them); one whose
+        first call failed (it died while starting) is killed, which drops it from ``workers``."""
         import ray
 
         pending = {self.workers[w].info_ref: w for w in wids if w in self.workers and self.workers[w].info is None}

@@ -4,7 +4,8 @@ No Ray and no sleeping: ``tests.fake_group.FakeGroup`` trains one step per
 ``wait`` and moves the fake clock by the timeout of any wait that times out;
 faults are injected by (rank, step). The run store is the real embedded
 ``StorageRunStore`` on a temporary directory, so the status and events the
-CLI would read are asserted too.
+CLI would read are asserted too. One test (marked ``ray``, ``make test-ray``)
+drives the same controller over a real ``RayWorkerGroup``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Rig:
 
     def __init__(self, tmp_path, *, workers=2, min_workers=1, max_workers=8, steps=STEPS, capacity=None,
                  faults=(), opts=None, storage=None, step_seconds=0.1, create=True, wait_budget=None,
-                 store_url=None):
+                 store_url=None, group=FakeGroup):
         self.clock = FakeClock()
         self.store = open_store(store_url or f"file://{tmp_path}/runs")
         self.spec = RunSpec(run_id=RUN, config=run_config(tmp_path, steps), workers=workers,
@@ -52,8 +53,8 @@ class Rig:
             self.store.create_run(self.spec)
         else:
             self.spec = self.store.get_spec(RUN)
-        self.group = FakeGroup(self.clock, interval=INTERVAL, capacity=capacity, faults=list(faults),
-                               storage=storage, step_seconds=step_seconds, wait_budget=wait_budget)
+        self.group = group(self.clock, interval=INTERVAL, capacity=capacity, faults=list(faults),
+                           storage=storage, step_seconds=step_seconds, wait_budget=wait_budget)
         self.ctl = Controller(self.spec, self.store, self.group, opts or options(), clock=self.clock,
                               controller_id="ctl-test", sleep=self.clock.advance)
         self.trace = [self.ctl.state.name]
@@ -591,6 +592,77 @@ def test_suspend_while_scheduling(rig):
 # --- capacity -----------------------------------------------------------------------
 
 
+class StartDeathGroup(FakeGroup):
+    """The fake group, with workers that die while they start (SIGKILLed while importing torch):
+    ``ready`` finds each one dead and forgets it, as ``RayWorkerGroup.ready`` does when the actor's
+    first call fails. ``die_at_start``: the start order (0, 1, ...) of the workers that die so."""
+
+    die_at_start: set[int] = set()
+
+    def ready(self, wids, timeout):
+        up = super().ready(wids, timeout)
+        for wid in [w for w in up if self.workers[w].seq in self.die_at_start]:  # its boot ends in death
+            self.die_at_start = self.die_at_start - {self.workers[wid].seq}
+            self.kill(wid)
+            up.remove(wid)
+        return up
+
+
+def test_a_worker_lost_while_scheduling_is_a_failure_replaced_and_the_group_grows_back(rig):
+    # 3 requested; the third worker dies while it starts, the other two are up: the group may go on
+    # at 2 (as after any failure), but the loss is reported and a replacement grows it back to 3.
+    r = rig(workers=3, steps=60, group=StartDeathGroup)
+    r.group.die_at_start = {2}
+    r.group.boot_s = [0.0, 0.0, 1.0, 3.0]  # the replacement (the fourth worker started) boots in 3 s
+    r.drive()
+    assert r.ctl.state.name == "FINISHED" and r.ctl.last_completed_step() == 60
+    assert r.group.all_workers[2].killed and len(r.group.all_workers) == 4
+    (failure,) = r.events("failure")
+    assert failure["failure_kind"] == "actor_died" and failure["step"] == 0 and failure["world_size"] == 0
+    assert "died while starting" in failure["message"]
+    (rec,) = r.events("recovered")
+    assert rec["steps_lost"] == 0 and rec["world_before"] == 0
+    assert r.events("formed")[-1]["world_size"] == 3
+    st = r.status()
+    assert st["failures"] == 1 and st["recoveries"] == 1 and st["workers_requested"] == 3
+
+
+def test_a_worker_lost_while_scheduling_is_waited_for_within_replace_wait(rig):
+    # As after any failure, elastic.replace_wait_s is how long the replacement is waited for before
+    # the group goes on smaller: within it, the group forms once, at the size requested.
+    r = rig(workers=3, steps=30, group=StartDeathGroup, opts=options(replace_wait_s=5.0))
+    r.group.die_at_start = {1}
+    r.group.boot_s = 2.0  # all three hold resources and boot; the second dies, its replacement boots in 2 s
+    r.drive()
+    assert r.ctl.state.name == "FINISHED"
+    assert [e["world_size"] for e in r.events("formed")] == [3] and r.events("resized") == []
+    assert len(r.events("failure")) == 1 and r.events("recovered")[0]["world_after"] == 3
+
+
+def test_workers_that_keep_dying_while_starting_end_the_run_as_a_crash_loop(rig):
+    class AlwaysDies(StartDeathGroup):
+        def ready(self, wids, timeout):
+            self.die_at_start = {self.workers[w].seq for w in wids if w in self.workers and self.workers[w].epoch < 0}
+            return super().ready(wids, timeout)
+
+    r = rig(workers=2, group=AlwaysDies)
+    r.drive(limit=500)
+    assert r.ctl.state.name == "FAILED" and "crash loop" in r.ctl.state.reason, r.ctl.state.reason
+    assert "died while starting" in r.ctl.state.reason
+    assert len(r.events("failure")) == 3 and r.group.workers == {}
+
+
+def test_a_standby_lost_while_it_starts_is_replaced(rig):
+    r = rig(workers=2, steps=200, opts=options(standby=1), group=StartDeathGroup)
+    r.group.die_at_start = {2}  # the standby, once the group trains
+    r.group.boot_s = [0.0, 0.0, 1.0, 1.0]
+    r.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.standby_ready == 1)
+    assert r.group.all_workers[2].killed and len(r.group.all_workers) == 4
+    assert r.events("failure") == []  # the group trains on: a spare is no member
+    r.drive()
+    assert r.ctl.state.name == "FINISHED"
+
+
 def test_short_capacity_runs_at_the_largest_valid_size_then_grows(rig):
     r = rig(workers=6, min_workers=2, capacity=5)
     r.drive(lambda r: r.ctl.state.name == "RUNNING")
@@ -709,3 +781,62 @@ def test_the_final_status_is_written_once_the_store_is_back(rig, monkeypatch):
     r.drive()
     assert r.status()["phase"] == "FINISHED" and len(calls) >= 4
     assert r.events()[-1]["kind"] == "finished"
+
+
+# --- on a real Ray cluster ------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_a_train_worker_sigkilled_while_scheduling_is_replaced_on_ray(ray_cluster, tmp_path):
+    # The Ray group's part: a TrainWorker killed (SIGKILL) while it starts fails its first call; the group
+    # forgets it and the controller replaces it. The run trains at the 3 workers requested in the end.
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.chaos import procfs
+    from orchestrator.run import controller_options, parse_spec, prepare_run
+    from orchestrator.worker_group import RayWorkerGroup
+    from tests.cluster import RUN_BASE
+
+    root = f"file://{tmp_path}/runs"
+    token = uuid.uuid4().hex  # marks this test's worker processes, and only them
+    spec, store = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', "train.steps=12"],
+                              workers=3, min_workers=1, max_workers=3, run_id=f"t-{token[:6]}", store=root)
+    cfg, ecfg = parse_spec(spec)
+    group = RayWorkerGroup(cfg, spec.run_id, root, env={"ETRAIN_TEST_TOKEN": token})
+    ctl = Controller(spec, store, group, controller_options(ecfg), config=cfg)
+    killed: list[int] = []
+
+    def kill_one_while_it_starts() -> None:
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            for pid in procfs.pids():
+                try:
+                    mine = procfs.environ(pid).get("ETRAIN_TEST_TOKEN") == token
+                    starting = "TrainWorker.__init__" in " ".join(procfs.cmdline(pid))
+                except OSError:
+                    continue
+                if mine and starting:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_one_while_it_starts, daemon=True)
+    killer.start()
+    try:
+        final = ctl.run()
+    finally:
+        group.shutdown()
+    killer.join(5)
+    assert killed, "no TrainWorker was seen starting"
+    assert final["phase"] == "FINISHED" and final["step"] == 12, final
+    assert final["failures"] == 1 and final["recoveries"] == 1, final
+    events = store.events(spec.run_id)
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["failure_kind"] == "actor_died" and failure["step"] == 0
+    assert "died while starting" in failure["message"]
+    formed = [e for e in events if e["kind"] == "formed"]
+    assert formed[-1]["world_size"] == 3 and killed[0] not in formed[-1]["pids"]
