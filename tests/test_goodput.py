@@ -287,6 +287,15 @@ def test_a_second_controller_goes_on_from_the_stored_status_and_history(tmp_path
         second.close()
 
 
+def test_under_torchrun_the_two_figures_are_one():
+    # Rank 0's endpoint under torchrun reports only goodput: a restart is a new process, nothing rolls back.
+    m = RunMetrics("run-t")
+    m.observe_run(world_size=2, epoch=0, phase="RUNNING", goodput=0.93)
+    s = samples(m)
+    assert s[("etrain_goodput_ratio", ())] == 0.93 and s[("etrain_step_time_ratio", ())] == 0.93
+    assert s[("etrain_steps_lost_per_failure_count", ())] == 0
+
+
 # --- the chaos report ---------------------------------------------------------------------------
 
 
