@@ -196,24 +196,22 @@ class Goodput(ControllerObserver):
         """Go on from an earlier controller's last ``status`` and the run's ``history`` (none: a new run)."""
         if not previous:
             return
+        self.on_history(None, history)
         now = self.since
         updated = _number(previous.get("updated_unix"))
         started = _number(previous.get("started_unix"))
         wall = _number(previous.get("wall_s"))
         if wall is None and updated is not None and started is not None:  # a status without wall_s
             wall = updated - started
-        if wall is None:
+        if wall is None:  # no earlier wall time known: count from now
             return
         self.wall_before_s = max(0.0, wall)
         if updated is not None and not Phase.of(previous).terminal:
             self.wall_before_s += max(0.0, now - updated)  # interrupted: the run was down until now
         self.started_unix = started if started is not None else now - self.wall_before_s
-        for row in history:
-            h = HistoryRow.of(row)
-            self.ledger.trained(h.step, h.step_s)
 
     def on_history(self, ctl, rows):
-        for r in rows:
+        for r in rows:  # in the order trained; a step trained again shows the rollback before it
             h = HistoryRow.of(r)
             self.ledger.trained(h.step, h.step_s)
 
