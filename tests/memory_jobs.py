@@ -53,3 +53,34 @@ def peak_layouts(payload: dict) -> dict:
                 for name, overrides, steps, measure in payload["layouts"]}
     finally:
         shutdown_distributed()
+
+
+def build_peak(payload: dict) -> dict:
+    """Per layout ``(name, overrides)``: the most bytes held at once while this rank builds its part of the
+    model (``build_model_parts``, followed by ``StepMemory``), the bytes of its parameters after, the whole
+    model's and its largest tensor's."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.model import Transformer
+    from trainer.parallel_dims import ParallelDims
+    from trainer.parallelize import build_model_parts
+
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        out = {}
+        for name, overrides in payload["layouts"]:
+            cfg = load_config(None, payload["base"] + overrides)
+            dims = ParallelDims.from_config(cfg, world.size)
+            mesh = dims.build_mesh("cpu")
+            with torch.device("meta"):
+                sizes = [p.numel() * p.element_size() for p in Transformer(cfg.model).parameters()]
+            gc.collect()
+            with memory.StepMemory([], torch.optim.SGD([torch.zeros(1, requires_grad=True)])) as mem:
+                parts = build_model_parts(cfg, dims, mesh, world.rank, CPU)
+            held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for _, p in parts.named_parameters())
+            out[name] = {"build_peak_bytes": mem.result()["total_peak_bytes"], "held_bytes": held,
+                         "whole_bytes": sum(sizes), "largest_tensor_bytes": max(sizes)}
+        return out
+    finally:
+        shutdown_distributed()

@@ -6,7 +6,8 @@ single process trains the references. Checked: each stage's peak for parameters,
 optimizer state against :func:`trainer.memory.predict` plus the stage's transient (one bucket for
 stages 1 and 2), in fp32 and bf16; ZeRO-2 below ZeRO-1 by a third of the whole gradients, and its
 gradients never whole; tensor parallelism with ZeRO-2 and gradient accumulation on stages 1-3
-training like one process; FSDP reduce-scattering once per step unless told otherwise.
+training like one process; FSDP reduce-scattering once per step unless told otherwise; building
+a rank's part of the model never holding the whole model.
 """
 
 import pytest
@@ -100,3 +101,16 @@ def test_fsdp_reduce_scatters_once_per_step_unless_told_every_micro_batch(runs):
         assert calls_once == 5  # 4 blocks and the root
         assert every["calls"]["reduce_scatter/dp_shard"] == 2 * calls_once
         assert every["peak_bytes"] < once["peak_bytes"]
+
+
+def test_a_rank_never_holds_the_whole_model_while_building_its_shards():
+    """The built-in model is built on the meta device and parallelized there; a rank then allocates only
+    its shards, each filled from one whole tensor drawn at a time: the build's peak (everything
+    followed, temporaries included) stays near the rank's shards, far below the whole model."""
+    res = run_ranks("tests.memory_jobs:build_peak", 2, {"base": MEM, "layouts": [
+        ("zero3", ["parallel.zero_stage=3"]), ("tp2", ["parallel.tp=2"])]})
+    for rank, by_layout in enumerate(res):
+        for name, r in by_layout.items():
+            assert r["held_bytes"] <= 0.51 * r["whole_bytes"], (name, rank, r)
+            # the shards, the rotary table and a few whole tensors being drawn (the generator's temporaries)
+            assert r["build_peak_bytes"] <= r["held_bytes"] + 5 * r["largest_tensor_bytes"], (name, rank, r)

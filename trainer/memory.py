@@ -213,7 +213,7 @@ class StepMemory(TorchDispatchMode):
         self._n_state = -1
         self._masters: list = []
         self._params: list | None = None
-        self._param_ids: list[int] = []
+        self._param_ids: list[int] | None = None
         self._grad_ids: list[int] | None = None
         self._resizable: dict[int, list] = {}  # entries of parameter storages, when FSDP resizes them
 
@@ -235,7 +235,7 @@ class StepMemory(TorchDispatchMode):
 
     def _see(self, t, kind: str = "other", rank: int = 0) -> str:
         """Follow ``t``'s storage; give it ``kind`` unless it has one of a higher ``rank``. Its kind after."""
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":  # a meta tensor holds no memory
             return "other"
         st = _storage(t)
         key = st._cdata

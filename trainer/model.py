@@ -1,7 +1,7 @@
 """A small Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, causal SDPA.
 
     model = Transformer(cfg.model)             # on any device, meta included
-    model.init_weights(seed)                   # deterministic, layout-free
+    model.init_weights(seed)                   # deterministic, layout-free (after to_empty on meta)
     logits = model(tokens)                     # (batch, seq, vocab)
 
 Parameter names (FQNs) never depend on the parallel layout: blocks live in a
@@ -140,10 +140,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter from a generator seeded by (seed, FQN).
+        """Fill every parameter from a generator seeded by (seed, FQN), so that every layout, pipeline
+        stage and world size starts identical.
 
-        Call on real (non-meta) parameters before any parallel wrapper, so
-        that every layout, pipeline stage and world size starts identical.
+        Parameters may be plain tensors or, once parallelized (TP, FSDP), DTensors: each whole tensor
+        is drawn on the host, one at a time, and this rank keeps its own block of it (:func:`fill_local`).
         """
         self.rope = rope_table(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope.device)
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
@@ -162,7 +163,27 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
             else:
                 nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
-            p.copy_(t)
+            fill_local(p, t)
+
+
+def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole tensor ``full`` into ``p``: a plain tensor of the same shape, or a
+    DTensor of that global shape (TP, FSDP, both), whose local block is located as DCP locates it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        p.copy_(full)
+        return
+    local = p.to_local()
+    chunks = p.__create_chunk_list__()
+    if not chunks or not local.numel():
+        return
+    if len(chunks) != 1:
+        raise ValueError(f"a local shard of {len(chunks)} blocks cannot be filled from a whole tensor")
+    block = full
+    for dim, (off, size) in enumerate(zip(chunks[0].offsets, chunks[0].sizes)):
+        block = block.narrow(dim, off, size)
+    local.copy_(block.reshape(local.shape))
 
 
 def param_seed(seed: int, fqn: str) -> int:

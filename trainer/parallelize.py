@@ -11,7 +11,8 @@ checkpointing next, because it only marks blocks; data parallelism last,
 because FSDP2 shards whatever parameters it finds (the TP DTensors included,
 as 2-D shards) and must see the final module tree to group its all-gathers
 per block. Pipeline stages are cut from the full model before any of it,
-keeping parameter names (FQNs).
+keeping parameter names (FQNs). All of it happens on the meta device; only then
+does each rank allocate and fill its own shards.
 """
 
 from __future__ import annotations
@@ -74,14 +75,16 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
 
 
 def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
-                device: torch.device, *, use_fsdp: bool) -> None:
-    """Apply the layout to one stage, in place: TP, then AC, then FSDP (ZeRO-3) or the compute dtype.
+                device: torch.device, *, use_fsdp: bool, seed: int) -> None:
+    """Apply the layout to one stage built on the meta device, in place: TP, then AC, then FSDP
+    (ZeRO-3); then allocate and initialise only this rank's shards; then the compute dtype (ZeRO 0-2).
 
     The order matters (module docstring): TP turns parameters into DTensors, AC only marks blocks,
-    and FSDP2 must see the final module tree and the TP-sharded parameters. ZeRO 0-2 shard in the
-    optimizer (:mod:`trainer.optim`), not here; they read each gradient as its parameter's local
-    shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
-    Rotary tables stay fp32 in every case.
+    and FSDP2 must see the final module tree and the TP-sharded parameters. No rank ever holds more
+    of the stage than its own shards plus one whole tensor being drawn (``Transformer.init_weights``).
+    ZeRO 0-2 shard in the optimizer (:mod:`trainer.optim`), not here; they read each gradient as its
+    parameter's local shard, so TP gradients are brought to their parameters' placements (FSDP2 does
+    that itself). Rotary tables stay fp32 in every case.
     """
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(pcfg, device)
     if tp_mesh is not None:
@@ -89,7 +92,10 @@ def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, me
     apply_ac(model, pcfg.activation_checkpoint, pcfg.ac_every_k)
     if use_fsdp:
         apply_fsdp(model, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), pcfg, device, pipelined=dims.pp > 1)
-    else:
+    # FSDP's CPU offload keeps the sharded parameters in host memory.
+    model.to_empty(device="cpu" if use_fsdp and pcfg.offload == "cpu" else device)
+    model.init_weights(seed)
+    if not use_fsdp:
         if dtype != torch.float32:
             model.to(dtype)
         if tp_mesh is not None:
@@ -142,10 +148,11 @@ class ModelParts:
 
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                       device: torch.device) -> ModelParts:
-    """Build, initialise and parallelize this rank's part of the model.
+    """Build, parallelize and initialise this rank's part of the model.
 
-    Weights are initialised on the host from (seed, FQN) before any sharding,
-    so the result is the same for every layout.
+    The built-in model is built on the meta device and parallelized there; only this rank's shards
+    are then allocated, each filled from its whole tensor drawn from (seed, FQN), so the result is
+    the same for every layout.
     """
     if cfg.model.source != "builtin":
         return build_custom_parts(cfg, dims, mesh, rank, device)
@@ -158,10 +165,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
             m = Transformer(cfg.model)
         if dims.pp > 1:
             cut_stage(m, s, n_stages)
-        m.to_empty(device="cpu")
-        m.init_weights(cfg.train.seed)
-        m.to(device)
-        parallelize(m, p, dims, mesh, device, use_fsdp=use_fsdp)
+        parallelize(m, p, dims, mesh, device, use_fsdp=use_fsdp, seed=cfg.train.seed)
         modules.append(m)
     pipeline = None
     if dims.pp > 1:
