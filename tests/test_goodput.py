@@ -177,6 +177,14 @@ def test_a_resumed_suspended_run_does_not_count_the_time_it_was_suspended():
     assert g.wall_s() == pytest.approx(10.0) and g.ratio() == pytest.approx(0.8)
 
 
+def test_a_status_written_before_wall_s_existed_counts_its_controller_from_start_to_last_write():
+    old = {"phase": "SUSPENDED", "started_unix": 100.0, "updated_unix": 130.0, "goodput": 0.9}
+    g = Goodput(clock=FakeClock(500.0))
+    g.resume(old, [[s, 1.0, 2, 12 * s, 100.0 + s, 2.0] for s in range(1, 11)])
+    assert g.wall_s() == pytest.approx(30.0) and g.ledger.effective_s == pytest.approx(20.0)
+    assert g.started_unix == 100.0
+
+
 def test_a_new_run_starts_from_nothing():
     g = Goodput(clock=FakeClock())
     g.resume(None, [])
