@@ -172,16 +172,23 @@ RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = lambda cfg, dims,
 
 def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
     """Device bytes of ``rank`` at the step's peak, by part, and ``total``; ``host_staging`` (the async
-    checkpoint's host copy of this rank's state) is host memory, outside ``total``."""
+    checkpoint's host copy of this rank's state) is host memory, outside ``total``.
+
+    The peak is the model states, the transient buffers and the recovery tier, plus the larger of
+    two moments: backward's (activations, logits, workspace) and the optimizer step's, whose
+    foreach AdamW makes one fp32 temporary the size of what this rank updates (``optimizer_step``;
+    measured here: for the small preset at micro-batch 2 it is the step that peaks)."""
     from ..memory import local_param_count
 
     states = predict(cfg, dims, rank, mixed)
     count = local_param_count(cfg, dims, rank)
     act = activation_bytes(cfg, dims, rank, 2 if mixed else 4)
-    out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
-           **{k: round(v) for k, v in act.items()}, "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
-    out["total"] = sum(out.values())
     shard = dims.dp_shard if (cfg.parallel.zero_stage and dims.dp > 1) else 1
+    out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
+           **{k: round(v) for k, v in act.items()}, "optimizer_step": 4 * count // shard,
+           "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
+    step = max(out["activations"] + out["logits"] + out["workspace"], out["optimizer_step"])
+    out["total"] = sum(states.values()) + out["transient"] + out["recovery_tier"] + step
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
     out["param_count"] = count
     return out

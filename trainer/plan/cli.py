@@ -237,7 +237,8 @@ def print_plan(doc: dict) -> None:
             print(f"  plan:      {_describe(b)}")
             mem = b["memory_bytes"]
             parts = ", ".join(f"{k} {_gib(mem[k])}" for k in ("params", "grads", "optimizer", "activations",
-                                                              "logits", "workspace", "transient", "recovery_tier"))
+                                                              "logits", "workspace", "optimizer_step", "transient",
+                                                              "recovery_tier"))
             print(f"             {parts}; checkpoint staging {_gib(mem['host_staging'])} of host memory")
             comm = ", ".join(f"{c['kind']} {c['axis']} {_human_bytes(c['bytes'])} ({c['link']})" for c in b["comm"])
             print(f"             per step: {comm or 'no communication'}")
