@@ -366,21 +366,11 @@ def init_from_preflight(cfg) -> None:
 def load_weights(state: dict[str, torch.Tensor], source: WeightSource) -> None:
     """Copy each full tensor of ``source`` into this rank's part of ``state`` ({fqn: tensor or DTensor of
     the global shape}, as the optimizer's checkpoint state holds the weights), one tensor at a time."""
-    from torch.distributed.tensor import DTensor
+    from .model import fill_local
 
     source.check({fqn: tuple(t.shape) for fqn, t in state.items()})
     for fqn, t in state.items():
-        full = source.read(fqn)
-        if isinstance(t, DTensor):
-            local = t.to_local()
-            chunks = t.__create_chunk_list__()  # this rank's block of the global tensor, as DCP plans it
-            if not chunks or not local.numel():
-                continue
-            if len(chunks) != 1:
-                raise ConfigError(f"{fqn}: a local shard of {len(chunks)} blocks cannot be loaded from init_from")
-            block = full
-            for dim, (off, size) in enumerate(zip(chunks[0].offsets, chunks[0].sizes)):
-                block = block.narrow(dim, off, size)
-            local.copy_(block.reshape(local.shape))
-        else:
-            t.copy_(full)
+        try:
+            fill_local(t, source.read(fqn))
+        except ValueError as e:
+            raise ConfigError(f"{fqn}: {e} (model.init_from)") from None
