@@ -203,3 +203,21 @@ def test_models_of_other_sources_are_counted_on_the_meta_device():
     real = build({"vocab_size": cfg.model.vocab_size, "args": {"width": 48, "depth": 3}})
     assert shape.how == "meta device" and shape.n_params == sum(p.numel() for p in real.parameters())
     assert shape.model.n_layers == 3 and shape.model.dim == 48
+
+
+# --- the pre-flight warning --------------------------------------------------------------------------
+
+
+def test_fit_warning_names_a_layout_that_fits():
+    import torch
+
+    from trainer.plan.fit import fit_warning
+
+    cfg = load_config(None, ['model.preset="small"', "data.seq_len=64", "train.global_batch=8",
+                             "train.micro_batch=2", "parallel.zero_stage=0"])
+    cpu = torch.device("cpu")
+    assert fit_warning(cfg, 4, cpu) is None  # the CPU: nothing known to check against
+    assert fit_warning(cfg, 4, cpu, memory_bytes=8 * 2**30) is None
+    msg = fit_warning(cfg, 4, cpu, memory_bytes=300 * 2**20)
+    assert msg and "predicted to need" in msg and "predicted to fit" in msg and "set parallel." in msg
+    assert "no layout" in fit_warning(cfg, 4, cpu, memory_bytes=2**20)

@@ -1,0 +1,65 @@
+"""The pre-flight fit check: warn before the first step when the layout is predicted not to fit the device.
+
+    msg = fit_warning(cfg, world_size, device)            # None when it fits, or on a CPU
+    msg = fit_warning(cfg, 8, device, memory_bytes=80 * 2**30)   # with the device's memory given
+
+On a GPU the device's memory is read from CUDA; on the CPU nothing is checked unless
+``memory_bytes`` is given (host memory is shared by every process and swaps rather than fails).
+The warning names the predicted bytes per rank, the device's, and the fastest layout the planner
+finds that fits at the same world size, as the config fields to set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import RunConfig
+from .accounting import Layout
+from .cost import DEVICES, custom
+from .search import HEADROOM, evaluate, plan_size
+
+GiB = 2**30
+
+
+def _settings(lay: Layout, cfg: RunConfig) -> str:
+    p = cfg.parallel
+    out = []
+    for field, value, now in (("parallel.dp_replicate", lay.dp_replicate, p.dp_replicate), ("parallel.tp", lay.tp, p.tp),
+                              ("parallel.pp", lay.pp, p.pp), ("parallel.zero_stage", lay.zero, p.zero_stage),
+                              ("parallel.sequence_parallel", str(lay.sp).lower(), str(p.sequence_parallel).lower()),
+                              ("parallel.activation_checkpoint", f'"{lay.ac}"', f'"{p.activation_checkpoint}"'),
+                              ("train.micro_batch", lay.micro_batch, cfg.train.micro_batch),
+                              ("parallel.pp_schedule", f'"{lay.schedule}"', f'"{p.pp_schedule}"')):
+        if value != now:
+            out.append(f"{field}={value}")
+    return " ".join(out)
+
+
+def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | None = None) -> str | None:
+    """The warning text (module docstring), or None."""
+    import torch
+
+    if memory_bytes is None:
+        if getattr(device, "type", "cpu") != "cuda":
+            return None
+        memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    from ..parallel_dims import resolve_precision
+    from .shape import model_shape
+
+    mixed = resolve_precision(cfg.parallel, torch.device(getattr(device, "type", "cpu"))) == torch.bfloat16
+    dev = custom(DEVICES["h100"], name=str(device), memory=int(memory_bytes), mixed=mixed)
+    plan_cfg = cfg if cfg.model.source == "builtin" else dataclasses.replace(cfg, model=model_shape(cfg).model)
+    own = evaluate(plan_cfg, Layout.of(plan_cfg, world_size), dev)
+    if not own.valid or own.fits:
+        return None
+    need, have = own.memory["total"] / GiB, HEADROOM * memory_bytes / GiB
+    msg = (f"the layout {own.layout.describe()} is predicted to need {need:.1f} GiB per rank, more than the "
+           f"{have:.1f} GiB usable on {device}")
+    res = plan_size(plan_cfg, world_size, dev, budget_s=1.0, losers=0)
+    if res["best"] is not None:
+        b = res["best"]
+        msg += (f"; {b.layout.describe()} is predicted to fit ({b.memory['total'] / GiB:.1f} GiB): set "
+                f"{_settings(b.layout, cfg)} (etrain plan CONFIG shows why)")
+    else:
+        msg += f"; no layout at world size {world_size} is predicted to fit: add devices (etrain plan CONFIG)"
+    return msg
