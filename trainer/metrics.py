@@ -380,8 +380,8 @@ class StepLedger:
     Effective training time counts each step of the model's lineage once: a step trained after
     the last commit before a failure and rolled back by the restore leaves it, and its new
     execution counts instead. A rollback is known either way: from the restore (``restored``),
-    or from the history itself, since the next step trained after a restore to ``r`` is ``r + 1``,
-    which a step already held (``r + 1`` or later) makes a rollback. Checkpoint blocking,
+    or from the history itself: after a restore to ``r`` the next step trained is ``r + 1``, and
+    held steps numbered ``r + 1`` or later mean that those were rolled back. Checkpoint blocking,
     evaluation, forming, restoring and waiting are outside every step's own time, so they count in
     neither figure: only in the wall time they are divided by.
 
