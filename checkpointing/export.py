@@ -24,7 +24,11 @@ import json
 import math
 import mmap
 import os
+import re
+import shutil
 import struct
+import tempfile
+import time
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,8 +40,9 @@ from .dcp_format import chunk_of, item_tensor
 from .dcp_read import EtrainReader, _path
 from .errors import CheckpointError, ConfigError
 from .manager import CheckpointManager
-from .manifest import Manifest, checksum
-from .storage import MiB
+from .manifest import CRC_RE, Manifest, checksum, parse_step_dir, step_dir
+from .names import validate_run_id
+from .storage import MiB, Storage
 
 MODEL_PREFIX = "model."
 SHARD_BYTES = 5 * 1024**3  # hf: one model.safetensors up to this size, else shards and an index
@@ -225,9 +230,11 @@ def write_safetensors(path: str, specs: list[Spec], get: Callable[[str], torch.T
 
 
 def write_hf_weights(out_dir: str, specs: list[Spec], get: Callable[[str], torch.Tensor], *,
-                     shard_bytes: int = SHARD_BYTES) -> list[str]:
+                     shard_bytes: int = SHARD_BYTES, on_written: Callable[[str], None] | None = None) -> list[str]:
     """``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most ``shard_bytes``
-    (a larger tensor alone) and ``model.safetensors.index.json`` as ``transformers`` writes them."""
+    (a larger tensor alone) and ``model.safetensors.index.json`` as ``transformers`` writes them.
+    ``on_written(name)`` is called as each file is complete (an :class:`Output` uploads it then)."""
+    done = on_written or (lambda name: None)
     groups: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
@@ -239,16 +246,19 @@ def write_hf_weights(out_dir: str, specs: list[Spec], get: Callable[[str], torch
         size += n
     if len(groups) == 1:
         write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, get)
+        done("model.safetensors")
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, group in enumerate(groups):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         write_safetensors(os.path.join(out_dir, name), group, get)
+        done(name)
         names.append(name)
         weight_map.update({spec[0]: name for spec in group})
     total = sum(_nbytes(s[1], s[2]) for s in specs)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    done("model.safetensors.index.json")
     return names + ["model.safetensors.index.json"]
 
 
@@ -291,3 +301,140 @@ def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
         os.makedirs(out, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+
+# --- where an export goes, and its commit -----------------------------------------------------
+
+EXPORTS = "exports"  # <root>/<run_id>/exports/step_<NNNNNNNNN>/: what [checkpoint] export_every writes
+EXPORT_MANIFEST = "MANIFEST.json"  # written last: an export directory without it is incomplete
+EXPORT_FORMAT = "etrain-export"
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
+
+
+def export_rel(run_id: str, step: int) -> str:
+    """The key of one step's export under the checkpoint root, ``<run_id>/exports/step_<NNNNNNNNN>``:
+    the checkpoints' zero-padded step name (:func:`checkpointing.manifest.step_dir`)."""
+    return f"{validate_run_id(run_id)}/{EXPORTS}/{step_dir(step)}"
+
+
+class Output:
+    """Where an export's files go: ``out``, a local path or a storage URL (``file://``, ``s3://``,
+    ``gs://``, anything :class:`Storage` opens), a directory (``directory=True``: the hf format) or one
+    file. On a local disk the writers write in place and each finished file is fsync'ed; elsewhere
+    each file is written to a local temporary directory, uploaded through :class:`Storage` (its
+    retries, time bounds, multipart uploads) as soon as it is complete (:meth:`done`), and removed,
+    so the local disk holds one file at a time. Every file's size and crc32c is kept for the
+    manifest that :meth:`commit` writes last."""
+
+    def __init__(self, out: str, *, directory: bool):
+        self.out, self.directory = out, directory
+        if "://" in out:
+            where, _, self.name = out.rstrip("/").rpartition("/") if not directory else (out.rstrip("/"), "", "")
+            if where.endswith(":/"):
+                raise ConfigError(f"{out} names no object under a bucket or directory; give OUT as URL/name")
+        else:
+            path = os.path.abspath(out)
+            where, self.name = (path, "") if directory else (os.path.dirname(path), os.path.basename(path))
+        self.storage = Storage(where)
+        self.local = self.storage.is_local
+        self.dir = self.storage._path("") if self.local else tempfile.mkdtemp(prefix="etrain-export-")
+        self.files: list[dict] = []
+
+    def path(self, name: str) -> str:
+        """The local path a writer writes ``name`` to (the output file's own name for one file)."""
+        return os.path.join(self.dir, name)
+
+    def prepare(self, *, overwrite: bool) -> None:
+        """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; an
+        existing export manifest goes first, so a directory being rewritten reads as incomplete."""
+        if self.local:
+            prepare_out(self.path(self.name) if self.name else self.dir, directory=self.directory,
+                        overwrite=overwrite)
+            if self.directory and os.path.exists(self.path(EXPORT_MANIFEST)):
+                os.remove(self.path(EXPORT_MANIFEST))
+            return
+        present = self.storage.list_dir("")
+        busy = bool(present) if self.directory else self.name in present
+        if not self.directory and present.get(self.name, 0) is None:
+            raise ConfigError(f"{self.out} is a directory; the {self.name.rsplit('.', 1)[-1]} export is one file")
+        if busy and not overwrite:
+            raise ConfigError(f"{self.out} exists and is not empty; choose another output or pass --overwrite")
+        if self.directory and EXPORT_MANIFEST in present:
+            self.storage.delete_tree(EXPORT_MANIFEST)
+
+    def done(self, name: str) -> None:
+        """``name`` is complete: made durable (local) or uploaded and removed (elsewhere)."""
+        path = self.path(name)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else memoryview(b"")
+            try:
+                if self.local:
+                    os.fsync(f.fileno())
+                    crc = checksum(data)
+                else:
+                    crc = self.storage.put_parts(name, [data])
+            finally:
+                try:
+                    data.release() if isinstance(data, memoryview) else data.close()
+                except BufferError:  # a view of it outlived the upload (an error's traceback): unmapped at GC
+                    pass
+        if not self.local:
+            os.remove(path)
+        self.files.append({"path": name, "size": size, "crc32c": crc})
+
+    def commit(self, meta: dict) -> None:
+        """Write ``MANIFEST.json`` (every file with its size and crc32c, and ``meta``), created exclusively."""
+        doc = {"format": EXPORT_FORMAT, "format_version": 1, "created_unix": time.time(), **meta, "files": self.files}
+        self.storage.put(EXPORT_MANIFEST, json.dumps(doc, indent=1).encode(), exclusive=True)
+
+    @property
+    def url(self) -> str:
+        return self.storage.join(self.name) if self.name else self.storage.url
+
+    def close(self) -> None:
+        if not self.local:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.storage.close()
+
+
+def read_export_manifest(storage: Storage, rel: str) -> dict | None:
+    """The manifest of the export directory ``rel`` (None when it has none: incomplete), checked as
+    data; CheckpointError naming the field when it is corrupt."""
+    try:
+        blob = storage.get(f"{rel}/{EXPORT_MANIFEST}")
+    except FileNotFoundError:
+        return None
+    where = storage.join(rel, EXPORT_MANIFEST)
+    try:
+        doc = json.loads(blob)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON ({str(e)[:60]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT or doc.get("format_version") != 1:
+        raise CheckpointError(f"{where} is not an etrain export manifest (format {EXPORT_FORMAT!r}, version 1)")
+    files = doc.get("files")
+    ok = isinstance(files, list) and files and all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and _FILE_NAME_RE.match(f["path"])
+        and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool) and f["size"] >= 0
+        and isinstance(f.get("crc32c"), str) and CRC_RE.match(f["crc32c"]) for f in files)
+    if not ok:
+        raise CheckpointError(f"{where}: files must list bare file names, each with a size and a crc32c")
+    if isinstance(doc.get("step"), bool) or not isinstance(doc.get("step"), int):
+        raise CheckpointError(f"{where}: step must be an integer")
+    return doc
+
+
+def list_exports(storage: Storage, run_id: str) -> dict[int, str]:
+    """{step: "complete" | "incomplete" | "corrupt: <why>"} of the run's ``exports/`` directories. Only
+    a complete one (its manifest present and sound) may be used."""
+    out = {}
+    rel = f"{validate_run_id(run_id)}/{EXPORTS}"
+    for name, size in storage.list_dir(rel).items():
+        step = parse_step_dir(name)
+        if size is not None or step is None:
+            continue
+        try:
+            out[step] = "complete" if read_export_manifest(storage, f"{rel}/{name}") else "incomplete"
+        except CheckpointError as e:
+            out[step] = f"corrupt: {e}"
+    return dict(sorted(out.items()))

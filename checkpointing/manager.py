@@ -118,6 +118,10 @@ class CheckpointManager(SaveTransaction):
         self._io: ThreadPoolExecutor | None = None  # file upload threads, kept from one save to the next
         self._done: list[SaveResult] = []
         self._lock = threading.Lock()
+        # Called on the coordinator with each step it commits, from the save's thread (a periodic
+        # export starts there); an error in it never fails the save.
+        self.on_committed: Callable[[int], None] | None = None
+        self.pinned: frozenset[int] = frozenset()  # committed steps being read (exported): retention keeps them
 
     # --- naming and listing ----------------------------------------------------
 
@@ -330,6 +334,11 @@ class CheckpointManager(SaveTransaction):
             elif res.status == "failed" and not res.cause:
                 self.failed_in_a_row += 1
                 self.last_error = res.error
+        if res.status == "committed" and self.rank == 0 and self.on_committed is not None:
+            try:
+                self.on_committed(res.step)
+            except Exception as e:
+                log.warning("after the commit of step %d: %s", res.step, describe(e))
 
     def poll(self) -> list[SaveResult]:
         """Saves that finished (committed, failed or skipped) since the last poll."""
@@ -353,7 +362,7 @@ class CheckpointManager(SaveTransaction):
         committed = [s for s in all_steps if self.is_committed(s)]
         if not committed:
             return []
-        keep = retained_steps(committed, self.keep_last, self.keep_every)
+        keep = retained_steps(committed, self.keep_last, self.keep_every) | self.pinned
         newest = max(committed)
         doomed = [s for s in committed if s not in keep]
         doomed += [s for s in all_steps if s not in committed and s < newest]

@@ -374,6 +374,9 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             elif final_save is not None and ckpt.failed_in_a_row:
                 verdict = f"the final checkpoint (step {final_save}) failed: {ckpt.last_error}"
             verdict = _agree_on(verdict if world.is_main else "", world)
+            from .export_every import wait_for_exports  # after the last collective: rank 0 alone waits
+
+            wait_for_exports(ckpt, quiet=args.quiet)
         done = Outcome(0, step=trainer.step, first_loss=first.loss if first else None,
                        loss=last.loss if last else None, seconds=time.monotonic() - t0,
                        eval_loss=trainer.last_eval[1] if trainer.last_eval else None)

@@ -389,6 +389,8 @@ class CheckpointConfig:
     faults: dict = field(default_factory=dict)
     # This many saves failing in a row fail the run: its work is no longer being made durable.
     max_consecutive_failures: int = 3
+    # A transformers export of every N-th committed step, in the background, at <url>/<run_id>/exports/step_N (0: none).
+    export_every: int = 0
 
     def __post_init__(self) -> None:
         check_finite(self, "checkpoint")
@@ -412,6 +414,11 @@ class CheckpointConfig:
         if self.max_consecutive_failures < 1:
             raise ConfigError(f"checkpoint.max_consecutive_failures={self.max_consecutive_failures} must be >= 1 "
                               "(saves that may fail in a row before the run fails)")
+        e, i = self.export_every, self.interval_steps
+        if e < 0 or (e and (not i or e % i)):  # an export is made from a committed checkpoint
+            near = f"export_every={i * max(1, e // i)}, or " if i and e > 0 else ""
+            raise ConfigError(f"checkpoint.export_every={e} must be a multiple of checkpoint.interval_steps={i}; use "
+                              f"{near}interval_steps={max(e, 1)} or a divisor of it (export_every=0 exports nothing)")
         if self.faults:
             from checkpointing.faults import StorageFaults
 
@@ -501,6 +508,9 @@ class RunConfig:
             )
         if self.checkpoint.resume and not self.checkpoint.url:
             raise ConfigError("checkpoint.resume=true needs checkpoint.url")
+        if self.checkpoint.export_every and m.source == "python":
+            raise ConfigError('checkpoint.export_every writes transformers directories, which model.source="python" '
+                              "cannot be; set it to 0 and use `etrain ckpt export --format safetensors`")
         if t.global_batch % t.micro_batch:
             raise ConfigError(
                 f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "

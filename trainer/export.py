@@ -28,7 +28,15 @@ import sys
 import torch
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
-from checkpointing.export import ModelSource, prepare_out, write_hf_weights, write_safetensors, write_torch
+from checkpointing.export import (
+    EXPORT_MANIFEST,
+    EXPORTS,
+    ModelSource,
+    Output,
+    write_hf_weights,
+    write_safetensors,
+    write_torch,
+)
 
 from .config import ModelConfig
 from .config_load import build_section
@@ -157,29 +165,40 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     src = ModelSource.open(url)
-    specs, get, cfg = plan(src, fmt, DTYPES[dtype])
-    prepare_out(out, directory=fmt == "hf", overwrite=overwrite)
-    src.plan_reads(list(src.specs()))
     try:
-        files = _write(src, out, fmt, specs, get, cfg, shard_bytes)
+        specs, get, cfg = plan(src, fmt, DTYPES[dtype])
+        target = Output(out, directory=fmt == "hf")
+        try:
+            target.prepare(overwrite=overwrite)
+            src.plan_reads(list(src.specs()))
+            files = _write(src, target, fmt, specs, get, cfg, shard_bytes)
+            if fmt == "hf":  # the commit: written last, after every file is durable
+                target.commit({"run_id": src.manifest.run_id, "step": src.step, "source": src.url,
+                               "export_format": fmt, "dtype": dtype})
+                files.append(EXPORT_MANIFEST)
+        finally:
+            target.close()
     finally:
         src.close()
     return {"source": src.url, "step": src.step, "format": fmt, "dtype": dtype, "tensors": len(specs),
-            "bytes": sum(_nbytes(s) for s in specs), "files": files}
+            "bytes": sum(_nbytes(s) for s in specs), "files": files, "url": target.url}
 
 
-def _write(src: ModelSource, out: str, fmt: str, specs, get, cfg: dict, shard_bytes: int | None) -> list[str]:
-    if fmt == "safetensors":
-        write_safetensors(out, specs, get, {"etrain_source": src.url})
-        files = [out]
-    elif fmt == "torch":
-        write_torch(out, specs, get)
-        files = [out]
-    else:
-        kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
-        files = write_hf_weights(out, specs, get, **kw)
-        files += write_hf_extras(out, cfg)
-    return files
+def _write(src: ModelSource, target: Output, fmt: str, specs, get, cfg: dict, shard_bytes: int | None) -> list[str]:
+    """Every file of the export, each handed to ``target`` as it is complete (uploaded there)."""
+    if fmt in ("safetensors", "torch"):
+        if fmt == "safetensors":
+            write_safetensors(target.path(target.name), specs, get, {"etrain_source": src.url})
+        else:
+            write_torch(target.path(target.name), specs, get)
+        target.done(target.name)
+        return [target.out]
+    kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+    files = write_hf_weights(target.dir, specs, get, on_written=target.done, **kw)
+    extras = write_hf_extras(target.dir, cfg)
+    for name in extras:
+        target.done(name)
+    return files + extras
 
 
 def _nbytes(spec) -> int:
@@ -227,14 +246,31 @@ def copy_tokenizer(spec: str, out: str) -> list[str]:
         return []
     if os.path.isfile(spec):
         shutil.copyfile(spec, os.path.join(out, "tokenizer.json"))
-        return ["tokenizer.json"]
+        return ["tokenizer.json"] + _tokenizer_config(spec, out, ["tokenizer.json"])
     if not os.path.isdir(spec):
         raise ConfigError(f"the run's data.tokenizer={spec!r} is not on this machine; export where it is")
     names = []
     for path in tokenizer_files(spec):
         shutil.copyfile(path, os.path.join(out, os.path.basename(path)))
         names.append(os.path.basename(path))
-    return names
+    return names + _tokenizer_config(spec, out, names)
+
+
+def _tokenizer_config(spec: str, out: str, names: list[str]) -> list[str]:
+    """tokenizer_config.json beside a bare tokenizer.json: ``AutoTokenizer`` then loads the fast tokenizer
+    as it is (not the model type's own class, which may add a BOS), with the end-of-text token the run
+    appended after each document."""
+    if "tokenizer.json" not in names or "tokenizer_config.json" in names:
+        return []
+    from .tokenize import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    doc = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if tok.eos_id is not None and hasattr(tok, "tok"):
+        doc["eos_token"] = tok.tok.id_to_token(tok.eos_id)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+    return ["tokenizer_config.json"]
 
 
 def main(argv: list[str]) -> int:
@@ -242,7 +278,8 @@ def main(argv: list[str]) -> int:
                                  description="Write a checkpoint's model as a transformers directory, a safetensors "
                                              "file or a torch.save file (any layout; one tensor at a time).")
     ap.add_argument("url", help="<root>/<run_id>[/checkpoints/step_N] (no step: the newest committed)")
-    ap.add_argument("out", help="output: a directory (hf) or a file")
+    ap.add_argument("out", help="output: a directory (hf) or a file, a local path or a storage URL (s3://, gs://, "
+                                "file://); an hf directory ends with MANIFEST.json, written last")
     ap.add_argument("--format", default="hf", help="hf (default), safetensors or torch")
     ap.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
     ap.add_argument("--overwrite", action="store_true", help="write into an OUT that exists and is not empty")
@@ -279,7 +316,10 @@ class WeightSource:
         if os.path.isfile(path) and path.endswith(".safetensors"):
             self._index([path])
         elif os.path.isdir(path) and not os.path.isdir(os.path.join(path, "checkpoints")) and \
-                parse_step(path) is None:
+                (parse_step(path) is None or is_export_dir(path)):
+            if is_export_dir(path) and not os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
+                raise ConfigError(f"model.init_from={spec!r} is an incomplete export (no {EXPORT_MANIFEST}: it is "
+                                  "being written or its export failed); use another step or a checkpoint URL")
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.isfile(index):
                 with open(index) as f:
@@ -339,6 +379,12 @@ class WeightSource:
         with safe_open(self.files[name], framework="pt") as f:
             t = f.get_tensor(name)
         return from_hf(fqn, t, self.mcfg) if self.hf_names else t
+
+
+def is_export_dir(path: str) -> bool:
+    """Whether ``path`` is a ``<run>/exports/step_N`` directory of ``[checkpoint] export_every``."""
+    path = path.rstrip("/")
+    return parse_step(path) is not None and os.path.basename(os.path.dirname(path)) == EXPORTS
 
 
 def parse_step(path: str) -> int | None:

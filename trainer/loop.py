@@ -186,6 +186,8 @@ class Trainer:
             return None
         self.optimizer.after_load()
         self.load_train_state(manifest.trainer_state)
+        if manager.on_committed is not None:  # a due step resumed from is exported unless its export is complete
+            manager.on_committed(manifest.step)
         from checkpointing.manifest import config_changes
         from checkpointing.names import redact_config
 
@@ -383,6 +385,11 @@ def checkpoint_manager(cfg: RunConfig, world: World, *, epoch: int = 0, fence=No
         return None
     faults = StorageFaults.from_dict(c.faults) if c.faults else None
     storage = Storage(c.url, retry=RetryPolicy(deadline_s=c.timeout_s), concurrency=c.concurrency, faults=faults)
-    return CheckpointManager(c.url, cfg.run_id, rank=world.rank, world_size=world.size, async_save=c.async_save,
-                             when_busy=c.when_busy, keep_last=c.keep_last, keep_every=c.keep_every, epoch=epoch,
-                             fence=fence, storage=storage, commit_timeout_s=c.timeout_s)
+    mgr = CheckpointManager(c.url, cfg.run_id, rank=world.rank, world_size=world.size, async_save=c.async_save,
+                            when_busy=c.when_busy, keep_last=c.keep_last, keep_every=c.keep_every, epoch=epoch,
+                            fence=fence, storage=storage, commit_timeout_s=c.timeout_s)
+    if c.export_every and world.rank == 0:  # rank 0 commits, and exports what it committed
+        from .export_every import attach_exports
+
+        attach_exports(mgr, cfg)
+    return mgr
