@@ -14,8 +14,22 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from trainer.cli import clock, human
+
+from .phase import TERMINAL, Phase
+
+
+class _Eta(TimeRemainingColumn):
+    """``ETA 0:05:35`` while the run goes on, nothing once it has ended (stopped or suspended early, no time is
+    left); the bar sets its task's ``ended`` field."""
+
+    def __call__(self, task):
+        return Text("") if task.fields.get("ended") else super().__call__(task)
+
+    def render(self, task):
+        return Text.assemble("ETA ", super().render(task))
 
 
 class _Console(Console):
@@ -85,15 +99,15 @@ class Follower:
         self._last_line = 0.0
         self._last_phase = None
         self.progress = Progress(TextColumn("[bold]{task.fields[run]}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                 TimeRemainingColumn(), console=self.console, transient=False) if self.live else None
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), _Eta(),
+                                 console=self.console, transient=False) if self.live else None
         self.task = None
         self._rate_from: tuple[float, int] | None = None  # (time, step) of the first step seen, for the ETA
 
     def __enter__(self) -> Follower:
         if self.progress is not None:
             self.progress.start()
-            self.task = self.progress.add_task("run", total=self.total, run=self.run_id, info="starting")
+            self.task = self.progress.add_task("run", total=self.total, run=self.run_id, info="starting", ended=False)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,7 +123,8 @@ class Follower:
             return
         info = info_line(snap)
         if self.progress is not None:
-            self.progress.update(self.task, completed=snap.get("step") or 0, info=info)
+            self.progress.update(self.task, completed=snap.get("step") or 0, info=info,
+                                 ended=Phase.of(snap) in TERMINAL)
             return
         now = time.monotonic()
         step = snap.get("step") or 0
@@ -121,8 +136,10 @@ class Follower:
                                markup=False, highlight=False, soft_wrap=True)  # a log line is never wrapped
 
     def _eta(self, now: float, snap: dict) -> str:
-        """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included), or ""."""
-        if self._rate_from is None or not snap.get("total_steps") or (snap.get("step") or 0) >= snap["total_steps"]:
+        """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included); "" once every step is
+        done or the run has ended (stopped or suspended early)."""
+        if self._rate_from is None or not snap.get("total_steps") or (snap.get("step") or 0) >= snap["total_steps"] \
+                or Phase.of(snap) in TERMINAL:
             return ""
         t, s = self._rate_from
         rate = ((snap.get("step") or 0) - s) / (now - t) if now > t else 0.0

@@ -31,6 +31,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PASS_ENV = ("AWS_", "FSSPEC_", "ETRAIN_", "RAY_")
 
 
+def wait_for(pred, what: str, timeout: float = 120.0, poll_s: float = 0.1):
+    """``pred()`` once it is true (returned), polling every ``poll_s``; AssertionError naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

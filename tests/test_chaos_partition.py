@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import threading
-import time
 import uuid
 
 import pytest
@@ -29,6 +28,7 @@ from orchestrator.chaos.injector import Chaos
 from orchestrator.chaos.plan import load_plan
 from orchestrator.chaos.report import format_report
 from tests.cluster import start_run
+from tests.harness import wait_for
 from tests.netns_cluster import NetnsCluster, node_ns
 
 pytestmark = pytest.mark.ray
@@ -75,16 +75,6 @@ def worker_actor(run_id: str, pid: int):
             if ray.get(actor.ping.remote(), timeout=30) == pid:
                 return actor
     raise AssertionError(f"no worker of run {run_id} has pid {pid}")
-
-
-def wait_for(pred, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
 
 
 def read(path: str) -> str:
