@@ -73,8 +73,14 @@ def build_peak(payload: dict) -> dict:
             cfg = load_config(None, payload["base"] + overrides)
             dims = ParallelDims.from_config(cfg, world.size)
             mesh = dims.build_mesh("cpu")
-            with torch.device("meta"):
-                sizes = [p.numel() * p.element_size() for p in Transformer(cfg.model).parameters()]
+            if cfg.model.source == "builtin":
+                with torch.device("meta"):
+                    whole = Transformer(cfg.model)
+            else:
+                from trainer.models import build_model
+
+                whole = build_model(cfg, "meta")
+            sizes = [p.numel() * p.element_size() for p in whole.parameters()]
             gc.collect()
             with memory.StepMemory([], torch.optim.SGD([torch.zeros(1, requires_grad=True)])) as mem:
                 parts = build_model_parts(cfg, dims, mesh, world.rank, CPU)

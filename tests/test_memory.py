@@ -114,3 +114,21 @@ def test_a_rank_never_holds_the_whole_model_while_building_its_shards():
             assert r["held_bytes"] <= 0.51 * r["whole_bytes"], (name, rank, r)
             # the shards, the rotary table and a few whole tensors being drawn (the generator's temporaries)
             assert r["build_peak_bytes"] <= r["held_bytes"] + 5 * r["largest_tensor_bytes"], (name, rank, r)
+
+
+def test_a_model_loaded_from_init_from_is_never_whole_on_a_rank(tmp_path):
+    """A transformers model with ``model.init_from``: its parameters are built on the meta device, and
+    only this rank's FSDP shards are allocated (then filled from init_from before the first step)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
+    hf = ['model.source="hf"', f'model.hf_config="{tmp_path}"', "parallel.zero_stage=3"]
+    res = run_ranks("tests.memory_jobs:build_peak", 2, {"base": MEM, "layouts": [
+        ("built", hf), ("init_from", [*hf, f'model.init_from="{tmp_path}"'])]})
+    for rank, r in enumerate(res):
+        built, loaded = r["built"], r["init_from"]
+        assert built["build_peak_bytes"] >= built["whole_bytes"], (rank, built)  # drawn whole from the seed
+        assert loaded["held_bytes"] <= 0.51 * loaded["whole_bytes"], (rank, loaded)
+        assert loaded["build_peak_bytes"] <= 0.75 * loaded["whole_bytes"], (rank, loaded)

@@ -31,6 +31,7 @@ Sequence parallelism is for the built-in model only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import importlib
@@ -92,12 +93,16 @@ def load_hf_config(mcfg: ModelConfig):
     return config
 
 
-def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> nn.Module:
-    """The whole model of a hf/python source, its weights drawn from ``train.seed`` (same on every rank)."""
+def build_model(cfg: RunConfig, device: str | torch.device = "cpu", *, params_on_meta: bool = False) -> nn.Module:
+    """The whole model of a hf/python source, its weights drawn from ``train.seed`` (same on every rank).
+
+    ``params_on_meta``: its parameters on the meta device (each one exists on ``device`` only while it is
+    created) and its buffers (rotary tables, masks) on ``device``, for a model whose weights are loaded
+    later (``model.init_from``): :func:`materialize` allocates it once parallelized."""
     mcfg = cfg.model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
-        with torch.device(device):
+        with torch.device(device), (_parameters_on_meta() if params_on_meta else contextlib.nullcontext()):
             if mcfg.source == "hf":
                 from transformers import AutoModelForCausalLM
 
@@ -117,6 +122,42 @@ def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> nn.Module
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory={mcfg.factory!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered meanwhile moves to the meta device as it is registered."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def shares_parameters(model: nn.Module) -> bool:
+    """Whether one parameter is registered under two names (tied embeddings)."""
+    return len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Allocate a model built with ``params_on_meta`` (and parallelized: only this rank's shards) on
+    ``device``, zero-filled until its weights are loaded; its buffers keep their values."""
+    from torch.distributed.tensor import DTensor
+
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for p in model.parameters():
+        (p.to_local() if isinstance(p, DTensor) else p).zero_()
+    for m, name, b in buffers:
+        m._buffers[name] = b.to(device)
 
 
 def find_blocks(model: nn.Module, mcfg: ModelConfig) -> list[tuple[str, nn.Module]]:

@@ -178,22 +178,27 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
                        device: torch.device) -> ModelParts:
     """A hf/python model (:mod:`trainer.models`): built whole on the host from the seed, cut to this rank's
     pipeline stages, then TP from its plan, activation checkpointing and FSDP per block, or the compute
-    dtype for ZeRO 0-2."""
+    dtype for ZeRO 0-2. With ``model.init_from`` its weights are loaded later, so its parameters are
+    built on the meta device and only this rank's shards are allocated, once parallelized."""
     from . import models
 
     p = cfg.parallel
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
+    on_meta = bool(cfg.model.init_from)  # init_from (or a checkpoint on resume) fills every weight
     modules, local = [], 0
     for s in stage_ids:
-        model = models.build_model(cfg, "cpu")
+        model = models.build_model(cfg, "cpu", params_on_meta=on_meta)
+        if on_meta and models.shares_parameters(model):  # tied weights: built whole, as without init_from
+            on_meta, model = False, models.build_model(cfg, "cpu")
         named = models.find_blocks(model, cfg.model)
         blocks = [m for _, m in named]
         if dims.pp > 1:
             keep = models.stage_ranges([n for n, _ in named], n_stages, cfg.model.pp_split_points)[s]
             blocks = models.cut_hf_stage(model, keep, first=s == 0, last=s == n_stages - 1)
-        model.to(device)
+        if not on_meta:
+            model.to(device)
         if tp_mesh is not None:
             models.apply_tp_plan(model, cfg, tp_mesh)
         local += models.local_param_count(model)
@@ -201,7 +206,9 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
         if use_fsdp:
             shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device,
                          pipelined=dims.pp > 1)
-        else:
+        if on_meta:
+            models.materialize(model, "cpu" if use_fsdp and p.offload == "cpu" else device)
+        if not use_fsdp:
             if dtype != torch.float32:
                 models.cast_parameters(model, dtype)
             if tp_mesh is not None:
