@@ -112,19 +112,20 @@ UNREACHABLE, MISSING, UNREADABLE = "unreachable", "missing", "unreadable"
 NOT_A_STATUS = (UNREACHABLE, MISSING, UNREADABLE)
 
 
-def statuses(stores: list[str], registered: bool = True) -> list[dict]:
+def statuses(stores: list[str], registered: bool = True, strict: bool = False) -> list[dict]:
     """The status of every run of ``stores`` (each listed whole) and, with ``registered``, of every run in the
     registry, read from its own store; each row with ``store``, the store's URL (redacted). Stores are read at
-    once, each one's runs in id order; one that fails gives rows of phase :data:`UNREACHABLE` with a ``reason``."""
+    once, each one's runs in id order; one that fails gives rows of phase :data:`UNREACHABLE` with a ``reason``
+    (with ``strict``, the listing of one store named by the user: its error is raised instead)."""
     wanted: dict[str, list[str] | None] = {url: None for url in stores}  # None: every run of the store
     for e in entries() if registered else []:
         if wanted.get(e["store"], []) is not None:
             wanted.setdefault(e["store"], []).append(e["run_id"])
     with ThreadPoolExecutor(max_workers=min(8, len(wanted) or 1)) as pool:
-        return [row for rows in pool.map(lambda kv: _store_rows(*kv), wanted.items()) for row in rows]
+        return [row for rows in pool.map(lambda kv: _store_rows(*kv, strict), wanted.items()) for row in rows]
 
 
-def _store_rows(url: str, run_ids: list[str] | None) -> list[dict]:
+def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]:
     from .phase import Phase
     from .store import CorruptRunStore, StoreUnavailable, UnknownRun, open_store
 
@@ -140,8 +141,12 @@ def _store_rows(url: str, run_ids: list[str] | None) -> list[dict]:
                 rows.append({**row, "phase": MISSING, "reason": f"{where} no longer holds it (the run registry "
                                                                f"entry {runs_dir()}/{run_id}.json names it)"})
             except CorruptRunStore as e:
+                if strict:
+                    raise
                 rows.append({**row, "phase": UNREADABLE, "reason": str(e)})
     except (StoreUnavailable, EtrainError, OSError, ValueError, ImportError) as e:  # whatever stops this store
+        if strict:
+            raise
         done = {r["run_id"] for r in rows}
         reason = str(e) if isinstance(e, StoreUnavailable) else f"run store {where} is unreachable: {e}"
         rows += [{"run_id": r, "store": where, "phase": UNREACHABLE, "reason": reason}

@@ -144,8 +144,8 @@ def test_status_lists_the_registered_runs_of_every_store(tmp_path, monkeypatch, 
     # One store named: its runs only, as before.
     assert etrain(["status", "--store", b, "--json"]) == 0
     assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == ["b1"]
-    assert etrain(["status", "--store", gone]) == 1  # the one store asked for is not there
-    assert f"{gone}: etcd at {gone} is unreachable" in capsys.readouterr().out
+    assert etrain(["status", "--store", gone]) == 2  # the one store asked for is not there: an error, as before
+    assert f"etrain: etcd at {gone} is unreachable" in capsys.readouterr().err
 
 
 def test_registry_ignores_a_bad_entry(tmp_path, monkeypatch):
