@@ -250,6 +250,9 @@ def test_export_every_must_be_a_multiple_of_interval_steps(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert "checkpoint.export_every=4 must be a multiple of checkpoint.interval_steps=3" in err, err
     assert not os.path.exists(tmp_path / "ck")  # refused before anything was written
+    assert train(["--set", 'checkpoint.url="memory://ev"', "--set", "checkpoint.interval_steps=2", "--set",
+                  "checkpoint.export_every=2", "--set", "data.max_bytes=20000"]) == 2
+    assert "needs storage another process can read" in capsys.readouterr().err
 
 
 def test_export_to_s3_and_from_s3(run, s3_server, tmp_path):

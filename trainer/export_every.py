@@ -187,7 +187,13 @@ class ExportJobs:
 def attach_exports(manager, cfg) -> ExportJobs | None:
     """Start ``cfg.checkpoint.export_every``'s exports on ``manager``'s commits (None when it is 0)."""
     every = cfg.checkpoint.export_every
-    return ExportJobs.attach(manager, every) if manager is not None and every else None
+    if manager is None or not every:
+        return None
+    if manager.storage.url.startswith("memory://"):  # the export process would not see this process's memory
+        raise ConfigError(f"checkpoint.export_every={every} needs storage another process can read; "
+                          f"checkpoint.url={manager.storage.url} is this process's memory: use file:// or s3://, "
+                          "or set export_every=0")
+    return ExportJobs.attach(manager, every)
 
 
 def wait_for_exports(manager, *, quiet: bool = False) -> list[ExportResult]:
