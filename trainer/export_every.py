@@ -73,7 +73,6 @@ class ExportJobs:
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._running: int | None = None
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def attach(cls, manager, every: int) -> ExportJobs:
@@ -111,9 +110,8 @@ class ExportJobs:
             if self._running is None:
                 self._running = step
                 self._pin()
-                self._thread = threading.Thread(target=self._loop, args=(step,), name=f"etrain-export-{self.run_id}",
-                                                daemon=True)
-                self._thread.start()
+                threading.Thread(target=self._loop, args=(step,), name=f"etrain-export-{self.run_id}",
+                                 daemon=True).start()
                 return
             if self._pending is not None:
                 msg = (f"export of step {self._pending} skipped: the export of step {self._running} is still "
@@ -139,9 +137,7 @@ class ExportJobs:
             with self._cond:
                 self.results.append(res)
                 step, self._pending = self._pending, None
-                self._running = step
-                if step is None:
-                    self._thread = None
+                self._running = step  # the queued step next, by this thread; None: it ends
                 self._pin()
                 self._cond.notify_all()
 
