@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 import time
 
@@ -41,15 +42,28 @@ _URL_HELP = "the run's directory <checkpoint.url>/<run_id>[/checkpoints[/step_N]
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `ls | head -1`'s ls
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), no poll
+        return False
+
+
 def quiet_when_pipe_closes(fn, *args) -> int:
     """``fn(*args)``, its output flushed; when the reader of stdout has gone (``| head -1``), no
     BrokenPipeError traceback: stdout goes to /dev/null (so the interpreter's last flush cannot
-    fail either) and the status is :data:`EXIT_PIPE_CLOSED`."""
+    fail either) and the status is :data:`EXIT_PIPE_CLOSED`. A broken pipe elsewhere (a connection
+    to a server) is raised on as any other error."""
     try:
         code = fn(*args)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)

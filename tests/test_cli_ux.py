@@ -341,3 +341,15 @@ def test_a_listing_whose_reader_went_away_ends_quietly(argv, tmp_path):
     finally:
         os.close(write)
     assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error():
+    """A connection to a server that breaks is not a reader gone away: raised on, not turned into a quiet 141."""
+    from checkpointing.cli import quiet_when_pipe_closes
+
+    def talk_to_a_server():
+        raise BrokenPipeError(32, "Broken pipe (a socket)")
+
+    with pytest.raises(BrokenPipeError):
+        quiet_when_pipe_closes(talk_to_a_server)
+    assert quiet_when_pipe_closes(lambda: 3) == 3
