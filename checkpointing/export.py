@@ -419,8 +419,10 @@ def read_export_manifest(storage: Storage, rel: str) -> dict | None:
         and isinstance(f.get("crc32c"), str) and CRC_RE.match(f["crc32c"]) for f in files)
     if not ok:
         raise CheckpointError(f"{where}: files must list bare file names, each with a size and a crc32c")
-    if isinstance(doc.get("step"), bool) or not isinstance(doc.get("step"), int):
-        raise CheckpointError(f"{where}: step must be an integer")
+    named = parse_step_dir(rel.rstrip("/").rsplit("/", 1)[-1])
+    if isinstance(doc.get("step"), bool) or not isinstance(doc.get("step"), int) or named not in (None, doc["step"]):
+        raise CheckpointError(f"{where}: step must be the integer its directory names ({named}), got "
+                              f"{str(doc.get('step'))[:20]}")
     return doc
 
 

@@ -195,6 +195,11 @@ def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(
     after = {p: (exports_dir(root, 4) / p).read_bytes() for p in os.listdir(exports_dir(root, 4))}
     assert after.keys() == before.keys()
     assert all(after[p] == before[p] for p in before if p != EXPORT_MANIFEST)
+    # a manifest is data, checked before use: one of another step is corrupt
+    manifest = json.loads((exports_dir(root, 4) / EXPORT_MANIFEST).read_text())
+    (cut / EXPORT_MANIFEST).write_text(json.dumps(manifest))
+    assert list_exports(Storage(url), RUN)[12].startswith("corrupt: ") and "directory names (12)" in \
+        list_exports(Storage(url), RUN)[12]
     shutil.rmtree(cut)
 
 
