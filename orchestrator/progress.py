@@ -20,10 +20,13 @@ from trainer.cli import clock, human
 
 from .phase import TERMINAL, Phase
 
+# A run in these phases has no time left to show: it is ending (stopping, suspending) or has ended.
+ENDING = TERMINAL | {Phase.FINISHING, Phase.SUSPENDING}
+
 
 class _Eta(TimeRemainingColumn):
-    """``ETA 0:05:35`` while the run goes on, nothing once it has ended (stopped or suspended early, no time is
-    left); the bar sets its task's ``ended`` field."""
+    """``ETA 0:05:35`` while the run goes on, nothing once it is ending or has ended (stopped or suspended early,
+    no time is left); the bar sets its task's ``ended`` field."""
 
     def __call__(self, task):
         return Text("") if task.fields.get("ended") else super().__call__(task)
@@ -124,7 +127,7 @@ class Follower:
         info = info_line(snap)
         if self.progress is not None:
             self.progress.update(self.task, completed=snap.get("step") or 0, info=info,
-                                 ended=Phase.of(snap) in TERMINAL)
+                                 ended=Phase.of(snap) in ENDING)
             return
         now = time.monotonic()
         step = snap.get("step") or 0
@@ -137,9 +140,9 @@ class Follower:
 
     def _eta(self, now: float, snap: dict) -> str:
         """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included); "" once every step is
-        done or the run has ended (stopped or suspended early)."""
+        done or the run is ending or has ended (stopped or suspended early)."""
         if self._rate_from is None or not snap.get("total_steps") or (snap.get("step") or 0) >= snap["total_steps"] \
-                or Phase.of(snap) in TERMINAL:
+                or Phase.of(snap) in ENDING:
             return ""
         t, s = self._rate_from
         rate = ((snap.get("step") or 0) - s) / (now - t) if now > t else 0.0
