@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         if storage.list_dir(rel):  # an export cut short: never used without its manifest; written again
             storage.delete_tree(rel)
         summary = export(source, storage.join(rel), "hf", args.dtype)
+    except FileExistsError:  # its manifest is created exclusively: another export of the step committed first
+        print(json.dumps({"status": "exists", "url": storage.join(rel)}))
+        return 0
     except ConfigError as e:
         print(f"etrain export: {e}", file=sys.stderr)
         return 2
