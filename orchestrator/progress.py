@@ -3,8 +3,10 @@
     with Follower(run_id, total_steps=cfg.train.steps, live=True) as f:
         f.update(snapshot, new_events)     # as often as you like
 
-On a terminal the bar shows step, loss, tokens/s, world size and phase; in a
-log (``ray job logs``, CI) it prints one plain line every few seconds instead.
+On a terminal the bar shows step, loss, eval loss, tokens/s, world size, phase, time elapsed and
+``ETA`` (none once the run is ending); in a pipe or a log (``ray job logs``, CI) it prints one plain
+line every few seconds instead, with steps/s and the ETA. Events the user wants to see (failures,
+recoveries, resizes, evaluations: ``[eval] step 40 eval loss 4.1230``) are lines of their own in both.
 """
 
 from __future__ import annotations
