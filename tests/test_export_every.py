@@ -3,7 +3,7 @@
 One world-2 run (``python -m trainer``'s ``train_config`` in each rank process, interval_steps=2,
 export_every=4, 8 steps, keep_last=1, a word-level tokenizer trained here) leaves ``exports/step_000000004``
 and ``exports/step_000000008``, each committed by its manifest. ``transformers`` loads the export and
-its logits equal the model of the checkpoint of the same step; its files are bitwise those of
+its logits equal the model of the checkpoint of the same step (each export is a tracker event); its files are bitwise those of
 ``etrain ckpt export`` of that step; its tokenizer loads with ``AutoTokenizer`` and encodes as the
 run's. An export directory without its manifest is reported incomplete and refused, and is written
 again; a complete one is not; a resumed run exports the step it resumes from only when its export
@@ -105,7 +105,8 @@ def tok_dir(tmp_path_factory):
 def run(tmp_path_factory, tok_dir):
     root = tmp_path_factory.mktemp("every")
     t0 = time.monotonic()
-    res = run_ranks("tests.test_export_every:train_job", 2, {"overrides": base(root, tok_dir)}, timeout=300)
+    overrides = base(root, tok_dir) + [f'logging.tensorboard_dir="{root}/tb"']
+    res = run_ranks("tests.test_export_every:train_job", 2, {"overrides": overrides}, timeout=300)
     assert [r["exit"] for r in res] == [0, 0], res
     return {"root": root, "url": f"file://{root}/ck", "exports": res[0]["exports"], "seconds": time.monotonic() - t0}
 
@@ -126,6 +127,13 @@ def test_a_run_exports_every_4th_step_committed_by_a_manifest(run):
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(d))
     # keep_last=1 pruned the checkpoints behind it, never the one an export was reading
     assert CheckpointManager(run["url"], RUN).committed_steps()[-1] == 8
+    # each export is an event for the trackers, at the training step when it was written
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root / "tb" / RUN))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("events/export/step")] == [4.0, 8.0]
+    assert [e.value for e in acc.Scalars("events/export")] == [1.0, 2.0]
 
 
 def test_transformers_loads_the_export_with_the_logits_of_its_checkpoint(run, tmp_path):

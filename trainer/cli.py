@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m trainer") -> int:
 def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, quiet: bool = False) -> Outcome:
     """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
     from .data import load_splits
+    from .export_every import report_exports, wait_for_exports
     from .loop import Trainer, checkpoint_manager, checkpoint_preflight
     from .models import model_preflight
     from .parallel_dims import ParallelDims, resolve_device
@@ -358,6 +359,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             if ckpt is not None and s.step == total:
                 final_save = s.step
             saves = report_saves(ckpt, world)
+            report_exports(ckpt, trackers, s.step)
             if metrics is not None:
                 metrics.after_step(s, trainer, ckpt, saves)
         verdict = ""
@@ -374,9 +376,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             elif final_save is not None and ckpt.failed_in_a_row:
                 verdict = f"the final checkpoint (step {final_save}) failed: {ckpt.last_error}"
             verdict = _agree_on(verdict if world.is_main else "", world)
-            from .export_every import wait_for_exports  # after the last collective: rank 0 alone waits
-
-            wait_for_exports(ckpt, quiet=args.quiet)
+            wait_for_exports(ckpt, quiet=args.quiet)  # after the last collective: rank 0 alone waits
+            report_exports(ckpt, trackers, trainer.step)
         done = Outcome(0, step=trainer.step, first_loss=first.loss if first else None,
                        loss=last.loss if last else None, seconds=time.monotonic() - t0,
                        eval_loss=trainer.last_eval[1] if trainer.last_eval else None)

@@ -73,6 +73,7 @@ class ExportJobs:
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._running: int | None = None
+        self._reported = 0  # results already handed to report_exports
 
     @classmethod
     def attach(cls, manager, every: int) -> ExportJobs:
@@ -203,6 +204,22 @@ def wait_for_exports(manager, *, quiet: bool = False) -> list[ExportResult]:
         print(f"etrain: waiting for the export of step {', '.join(map(str, busy))}", flush=True)
     jobs.wait()
     return list(jobs.results)
+
+
+def report_exports(manager, trackers, step: int) -> None:
+    """Exports written or failed since the last call, as tracker events at ``step`` (the training step
+    now, so trackers see steps in order): ``export`` and ``export_failed``, each with its step and
+    seconds, and the URL (and the error) in the event's text. Rank 0; nothing without trackers."""
+    jobs = ExportJobs.of(manager)
+    if jobs is None or not trackers:
+        return
+    with jobs._cond:
+        new, jobs._reported = jobs.results[jobs._reported:], len(jobs.results)
+    for r in new:
+        if r.status in ("exported", "failed"):
+            fields = {"step": r.step, "seconds": round(r.seconds, 3), "url": r.url}
+            trackers.log_event(step, "export" if r.status == "exported" else "export_failed",
+                               fields | ({"error": r.error[-300:]} if r.error else {}))
 
 
 # --- the export process ---------------------------------------------------------------------------
