@@ -1,0 +1,72 @@
+"""Copies of each rank's memory snapshot in its peers' host memory.
+
+    peers = {r: replica_peers(r, world, replicas=1, node_ids=nodes) for r in range(world)}
+    received = replicate(snapshot, replica_group, peers)   # {source rank: MemorySnapshot}, each checked
+
+Every rank calls :func:`replicate` with its own agreed snapshot of the same step:
+it sends its snapshot's bytes (:meth:`MemorySnapshot.to_bytes`) to each of its
+peers and receives the snapshots of the ranks whose peer it is, with
+point-to-point sends of byte tensors (sizes first, then the bytes, all
+non-blocking so no pair waits on another).
+
+Why this transport: a process group of its own (a gloo group made with
+``dist.new_group(backend="gloo")`` beside the training group), used only from
+the tier's background thread, so the copies never queue behind or in between
+training collectives, and never touch the accelerator. Ray's object store was
+the other choice, but a Ray object fate-shares with its owner: when the rank
+that put it dies, the object goes with it, so the peer would have to fetch and
+hold its own copy anyway, which is what a send to the peer does in one hop.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .dcp_format import CorruptCheckpointError
+from .memory_snapshot import MemorySnapshot
+
+
+def senders_to(rank: int, peers: Mapping[int, Sequence[int]]) -> list[int]:
+    """The ranks whose copies ``rank`` holds."""
+    return sorted(src for src, dsts in peers.items() if rank in dsts and src != rank)
+
+
+def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]]) -> dict[int, MemorySnapshot]:
+    """Send this rank's ``snapshot`` to ``peers[rank]`` and receive the snapshots sent to it, over ``group``
+    (collective over the ranks that send or receive; every rank passes the same ``peers``). Each received
+    snapshot is checked (:meth:`MemorySnapshot.from_bytes`) and must be of the same step; a bad one raises
+    CorruptCheckpointError naming its source."""
+    me = dist.get_rank(group)
+    blob = snapshot.to_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: gloo only reads what it sends
+        payload = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    sources = senders_to(me, peers)
+    dsts = [d for d in peers.get(me, ()) if d != me]
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
+    _exchange([(size, d) for d in dsts], list(sizes.items()), group)
+    bufs = {s: torch.empty(int(n.item()), dtype=torch.uint8) for s, n in sizes.items()}
+    _exchange([(payload, d) for d in dsts], list(bufs.items()), group)
+    out = {}
+    for s, buf in bufs.items():
+        snap = MemorySnapshot.from_bytes(buf.numpy().tobytes(), f"the copy of rank {s}'s snapshot")
+        if snap.step != snapshot.step or snap.rank != s:
+            raise CorruptCheckpointError(f"the copy from rank {s} is rank {snap.rank}'s step {snap.step}, "
+                                         f"expected step {snapshot.step}")
+        out[s] = snap
+    return out
+
+
+def _exchange(sends: list, recvs: list, group) -> None:
+    """Post every receive and send at once, then wait for all (peers' ranks are group ranks)."""
+    ops = [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, src), group) for src, t in recvs]
+    ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, dst), group) for t, dst in sends]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

@@ -1,0 +1,324 @@
+"""The memory tier: each rank's training state in host memory, its own and copies in its peers', in the
+format durable checkpoints use, so a restore from memory reshards exactly as a restore from storage.
+
+    tier = MemoryTier(rank, world_size, replicas=1, memory_budget_bytes=8 << 30, node_ids=nodes)  # collective
+    res = tier.take(step, state_dict, trainer_state)     # collective; res.status "agreed", "failed" or "refused"
+    fut = tier.replicate_async(res.snapshot)             # background thread, a gloo group of its own
+    tier.held_bytes()                                    # own snapshots + the copies held for peers
+    plan = plan_restore({0: tier.holdings(), ...}, tier.needed())   # memory_snapshot; None: use storage
+    load_from_memory(state_dict, sources, snapshot)      # collective; resharded like a durable load
+
+:meth:`MemoryTier.take` saves ``state_dict`` (what the checkpoint manager saves:
+the optimizer's ``checkpoint_state()``) with ``dcp.save`` through the durable
+writer (:class:`checkpointing.dcp_io.EtrainWriter`) into a
+:class:`checkpointing.memory_snapshot.MemoryStorage`: the same shard files
+(format 3, standard DCP) and the same DCP metadata, as ``{name: bytes}`` in
+this rank's memory. Then one ``all_gather`` over the tier's own gloo group is
+the agreement, as the manifest is for a durable save: every rank's (step, ok,
+files with size and crc32c), and the coordinator's metadata. A step is agreed
+only when every rank copied its files completely for that same step; every
+rank then holds the whole step's table, which a restore checks every byte
+against. A snapshot that did not reach agreement is dropped and never used.
+
+Memory: at most two own snapshots per rank (the newest restorable one and the
+one being made or copied) and the copies held for peers at those steps.
+``memory_budget_bytes`` (0: no bound) is checked before a snapshot is taken,
+on every rank, and one refusal refuses it on all (the result's reason names
+the rank and the bytes). A step becomes restorable once agreed and, with
+replicas, once every rank holds its peers' copies of it (:meth:`replicate_async`,
+which ends with a second agreement on the replica group).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dcp_format import CorruptCheckpointError
+from .errors import CheckpointError
+from .manifest import METADATA_NAME, FileEntry
+from .memory_snapshot import MemorySnapshot, MemoryStorage, Source, replica_peers
+from .retry import describe
+
+log = logging.getLogger("etrain")
+
+_REL = "memory"
+
+
+@dataclass
+class SnapshotResult:
+    """What became of one :meth:`MemoryTier.take`."""
+
+    step: int
+    status: str  # "agreed", "failed" (some rank could not copy: never used) or "refused" (over budget)
+    reason: str = ""
+    snapshot: MemorySnapshot | None = None  # this rank's, when agreed
+    seconds: float = 0.0  # the whole take, training blocked
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "agreed"
+
+
+@dataclass
+class ReplicationResult:
+    step: int
+    ok: bool
+    reason: str = ""
+    seconds: float = 0.0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+
+def state_bytes(state_dict) -> int:
+    """The bytes of this rank's tensors in ``state_dict`` (local shards of DTensors): what a snapshot holds,
+    less a few hundred bytes of envelope per tensor and the metadata."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state_dict, dict):
+        return sum(state_bytes(v) for v in state_dict.values())
+    if isinstance(state_dict, DTensor):
+        state_dict = state_dict._local_tensor
+    return state_dict.numel() * state_dict.element_size() if isinstance(state_dict, torch.Tensor) else 0
+
+
+class MemoryTier:
+    """One rank's memory tier. Construction is collective when distributed (two gloo groups: one for
+    snapshots and their agreement, used by the caller's thread; one for the copies, used only by the
+    tier's background thread)."""
+
+    def __init__(self, rank: int, world_size: int, *, replicas: int = 1, memory_budget_bytes: int = 0,
+                 node_ids: list | None = None, group=None, replica_group=None):
+        import torch.distributed as dist
+
+        if replicas < 0 or memory_budget_bytes < 0:
+            raise ValueError("replicas and memory_budget_bytes must be >= 0 (0 bytes: no bound)")
+        self.rank, self.world_size = rank, world_size
+        self.replicas = min(replicas, world_size - 1)
+        self.memory_budget_bytes = memory_budget_bytes
+        self.peers = {r: replica_peers(r, world_size, self.replicas, node_ids) for r in range(world_size)}
+        distributed = world_size > 1 and dist.is_initialized()
+        self.group = group if group is not None or not distributed else dist.new_group(backend="gloo")
+        self.replica_group = None
+        if distributed and self.replicas:
+            self.replica_group = replica_group if replica_group is not None else dist.new_group(backend="gloo")
+        self.snapshots: dict[int, MemorySnapshot] = {}  # own, by step (agreed only)
+        self.copies: dict[int, dict[int, MemorySnapshot]] = {}  # step -> source rank -> its snapshot
+        self.restorable: int | None = None  # newest step every rank holds completely (own + copies)
+        self.last_reason = ""
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier")
+        self._inflight: Future | None = None
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy")  # the writer's copy threads
+
+    # --- taking a snapshot -------------------------------------------------------------
+
+    def take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None = None) -> SnapshotResult:
+        """Copy this rank's ``state_dict`` to host memory as step ``step`` and agree on it with every rank.
+        Collective. Waits for the previous snapshot's copies to peers first (bounded memory)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .dcp_io import EtrainWriter
+
+        t0 = time.monotonic()
+        if self._inflight is not None:
+            self._inflight.result()
+        phases = {"wait_copies": time.monotonic() - t0}
+        self._prune()
+        refusal = self._over_budget(state_bytes(state_dict))
+        refusals = [r for r in self._gather(refusal) if r]
+        if refusals:
+            self.last_reason = f"memory snapshot of step {step} not taken: {'; '.join(refusals)}"
+            return SnapshotResult(step, "refused", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
+        storage = MemoryStorage()
+        writer = EtrainWriter(storage, f"{_REL}/{step}", token=uuid.uuid4().hex[:8], executor=self._io)
+        ok, why, entries, metadata = True, "", [], None
+        t1 = time.monotonic()
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.group,
+                     no_dist=self.group is None)
+            phases["plan"] = time.monotonic() - t1
+            entries = writer.upload()  # the copy: every file joined into bytes in this rank's memory
+            if writer.is_coordinator:
+                metadata = pickle.dumps(writer.metadata)
+        except (Exception, CheckpointException) as e:
+            ok, why = False, describe(e)
+        finally:
+            writer.release()
+        phases["copy"] = time.monotonic() - t1 - phases.get("plan", 0.0)
+        t2 = time.monotonic()
+        everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], metadata))
+        phases["agree"] = time.monotonic() - t2
+        failed = {r: f"{w or 'not ok'}" for r, (s, o, w, _, _) in enumerate(everyone) if not o or s != step}
+        md = everyone[0][4]
+        if not failed and md is None:
+            failed = {0: "the coordinator has no DCP metadata"}
+        if failed:
+            self.last_reason = f"memory snapshot of step {step} not agreed: " + "; ".join(
+                f"rank {r}: {w}" for r, w in sorted(failed.items()))
+            return SnapshotResult(step, "failed", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
+        table, owners = {}, {}
+        for r, (_, _, _, files, _) in enumerate(everyone):
+            for path, size, crc in files:
+                table[path], owners[path] = FileEntry(path, size, crc), r
+        files = {e.path: storage.objects[f"{_REL}/{step}/{e.path}"] for e in entries}
+        snap = MemorySnapshot(step, self.rank, self.world_size, files, md, table, owners,
+                              dict(trainer_state or {}), agreed=True)
+        with self._lock:
+            self.snapshots[step] = snap
+            if self.replica_group is None:
+                self.restorable = step
+        if self.replica_group is None:
+            self._prune()
+        return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases)
+
+    def _gather(self, value) -> list:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return [value]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _over_budget(self, new_bytes: int) -> str:
+        """Why a snapshot of ``new_bytes`` (and the copies it brings from peers, sized alike) would exceed
+        the budget; "" when it fits or there is none."""
+        if not self.memory_budget_bytes:
+            return ""
+        incoming = new_bytes * len([s for s, d in self.peers.items() if self.rank in d])
+        after = self.held_bytes() + new_bytes + incoming
+        if after <= self.memory_budget_bytes:
+            return ""
+        return (f"rank {self.rank} would hold {after} bytes (its snapshot {new_bytes}, copies for peers {incoming}, "
+                f"kept {self.held_bytes()}), over memory_budget_bytes={self.memory_budget_bytes}")
+
+    def _prune(self) -> None:
+        """Keep only the restorable step (before a new snapshot, and once a newer one became restorable)."""
+        with self._lock:
+            keep = {self.restorable}
+            self.snapshots = {s: v for s, v in self.snapshots.items() if s in keep}
+            self.copies = {s: v for s, v in self.copies.items() if s in keep}
+
+    # --- copies to peers -------------------------------------------------------------
+
+    def replicate_async(self, snapshot: MemorySnapshot) -> Future:
+        """Send ``snapshot`` to this rank's peers and take theirs, in the background; every rank calls it
+        with its snapshot of the same agreed step, in the same order. The future gives a
+        :class:`ReplicationResult`; when every rank got all its copies the step becomes restorable."""
+        if self.replica_group is None or not snapshot.agreed:
+            fut: Future = Future()
+            fut.set_result(ReplicationResult(snapshot.step, snapshot.agreed, "" if snapshot.agreed else "not agreed"))
+            return fut
+        self._inflight = self._thread.submit(self._replicate, snapshot)
+        return self._inflight
+
+    def _replicate(self, snapshot: MemorySnapshot) -> ReplicationResult:
+        import torch.distributed as dist
+
+        from .memory_replicate import replicate
+
+        t0 = time.monotonic()
+        got: dict[int, MemorySnapshot] = {}
+        why = ""
+        try:
+            got = replicate(snapshot, self.replica_group, self.peers)
+        except Exception as e:  # a failed copy leaves the previous restorable step in place
+            why = describe(e)
+        votes = [None] * self.world_size
+        dist.all_gather_object(votes, why, group=self.replica_group)
+        bad = {r: w for r, w in enumerate(votes) if w}
+        with self._lock:
+            if not bad:
+                self.copies[snapshot.step] = got
+                self.restorable = snapshot.step
+        if not bad:
+            self._prune()
+        sent = snapshot.nbytes * len(self.peers[self.rank])
+        reason = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+        if reason:
+            log.warning("copies of the memory snapshot of step %d failed (%s)", snapshot.step, reason)
+        return ReplicationResult(snapshot.step, not bad, reason, time.monotonic() - t0, sent,
+                                 sum(s.nbytes for s in got.values()))
+
+    def wait(self) -> None:
+        if self._inflight is not None:
+            self._inflight.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._thread.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+
+    # --- what the tier holds -------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """Host bytes held by this rank's tier: its own snapshots and the copies it holds for peers."""
+        with self._lock:
+            own = sum(s.nbytes for s in self.snapshots.values())
+            return own + sum(c.nbytes for per in self.copies.values() for c in per.values())
+
+    def holdings(self) -> dict[int, set[str]]:
+        """Per step, the files this rank can give a restore (its own, its copies, the metadata)."""
+        with self._lock:
+            out = {s: snap.names() for s, snap in self.snapshots.items()}
+            for s, per in self.copies.items():
+                for c in per.values():
+                    out.setdefault(s, {METADATA_NAME}).update(c.names())
+            return out
+
+    def needed(self) -> dict[int, set[str]]:
+        """Per step this rank knows agreed, every file of that step (what plan_restore must find)."""
+        with self._lock:
+            return {s: set(snap.file_table()) for s, snap in self.snapshots.items()}
+
+    def sources(self, step: int) -> dict[str, bytes]:
+        """The files of ``step`` this rank holds, its own and its copies', for :func:`load_from_memory`."""
+        with self._lock:
+            out = dict(self.snapshots[step].sources()) if step in self.snapshots else {}
+            for c in self.copies.get(step, {}).values():
+                out.update(c.sources())
+            return out
+
+
+def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], snapshot: MemorySnapshot, *,
+                     process_group=None) -> None:
+    """Load step ``snapshot.step`` into ``state_dict`` in place, resharded to its layout, from ``sources``
+    (file name -> bytes, or a callable that fetches them: this rank's own files, the copies it holds, files
+    of another holder). Collective. ``snapshot`` (any rank's of that step, its files may be left out)
+    gives the agreed table and the DCP metadata: every file is checked against the table before use, and
+    the metadata is read with the restricted unpickler. Goes through the durable reader and planner
+    (:class:`checkpointing.dcp_read.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
+    load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .dcp_read import EtrainReader, SafeLoadPlanner
+    from .manager import _load_failure
+
+    if not snapshot.agreed:
+        raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "
+                              "restore from the durable checkpoint")
+    rel = f"{_REL}/step_{snapshot.step}"
+    storage = MemoryStorage({f"{rel}/{k}": v for k, v in {METADATA_NAME: snapshot.metadata, **sources}.items()})
+    reader = EtrainReader(storage, rel, snapshot.file_table())
+    reader.read_metadata()  # checked here (the restricted unpickler), before DCP sees it
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        cause = _load_failure(e)
+        if isinstance(cause, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"cannot restore step {snapshot.step} from memory: {cause}") from e
+        raise
