@@ -223,3 +223,20 @@ def test_a_snapshot_one_rank_failed_to_copy_is_never_used(world2):
         assert r["status"] == "failed" and "rank 1: OSError: host memory copy failed (injected)" in r["reason"]
         assert r["held"] == 0 and r["needed"] == {} and r["restorable"] is None
     assert plan_restore({0: ranks[0]["holdings"], 1: ranks[1]["holdings"]}, ranks[0]["needed"]) is None
+
+
+def test_copies_go_to_another_node_at_world3(world2):
+    base, _, _ = world2
+    ranks = run_ranks("tests.memory_tier_jobs:snapshot", 3,
+                      {"base": base, "layout": ZERO3, "train": 1, "run_id": "w3", "durable": False, "state": False,
+                       "node_ids": ["a", "a", "b"]})
+    assert all(r["status"] == "agreed" and r["replicated"] for r in ranks)
+    # Ranks 0 and 1 (node a) copy to rank 2 (node b), rank 2 to rank 0: rank 1 holds no copy.
+    assert [sorted(r["copies"]) for r in ranks] == [[2], [], [0, 1]]
+    assert ranks[2]["held"] > ranks[0]["held"] > ranks[1]["held"] > 0
+    # Node a lost (ranks 0 and 1): rank 2 alone holds the whole step.
+    plan = plan_restore({2: ranks[2]["holdings"]}, ranks[2]["needed"])
+    assert plan is not None and plan.step == 1
+    # Node b lost (rank 2): its files are on rank 0.
+    plan = plan_restore({0: ranks[0]["holdings"], 1: ranks[1]["holdings"]}, ranks[0]["needed"])
+    assert plan is not None and {plan.where[n] for n in MemorySnapshot.from_bytes(ranks[2]["snapshot"]).files} == {0}
