@@ -14,6 +14,8 @@ what ``etrain plan --calibrate`` runs, into a temporary ``$ETRAIN_HOME``; ``--no
 the stored fit or the default CPU profile). A table, then one JSON line, last:
 ``{"memory_rel_err_p50", "memory_rel_err_max", "step_time_spearman", "layouts": [...]}``.
 ``--quick``: 12 layouts and 3 timed steps each (a few minutes here); otherwise 15 layouts, 6 steps.
+``--rescore OUTPUT``: no training; the measured rows of an earlier run's output predicted again (after a
+change to the planner, without measuring again).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="12 layouts, 3 timed steps each")
     ap.add_argument("--no-calibrate", action="store_true", help="use the stored fit (or the default CPU profile)")
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)  # set by the parent for its ranks
+    ap.add_argument("--rescore", metavar="OUTPUT", help="no runs: predict again for the measured rows of an earlier "
+                                                         "run's output (its last line), with the current planner")
     return ap.parse_args()
 
 
@@ -146,14 +150,19 @@ def main(args: argparse.Namespace) -> int:
     from trainer.plan.calibrate import apply, calibrate, load
     from trainer.plan.cost import DEVICES, custom
 
-    if not args.no_calibrate:
+    if not args.no_calibrate:  # the fit stays in a temporary $ETRAIN_HOME: the user's is left alone
         os.environ["ETRAIN_HOME"] = tempfile.mkdtemp(prefix="plan-accuracy-")
-        fit = calibrate(load_config(None, BASE + TINY), "cpu", "cpu")
+        fit = calibrate(load_config(None, BASE + SMALL), "cpu", "cpu")  # the larger model dominates
     else:
         fit = load("cpu")
     dev = apply(custom(DEVICES["cpu"], gpus_per_node=4), fit)
     rows = []
-    for world in (4, 2):
+    if args.rescore:
+        with open(args.rescore) as f:
+            last = [line for line in f if line.startswith("{")][-1]
+        keep = ("name", "world", "overrides", "measured_peak_bytes", "measured_peak_by_rank", "measured_step_s")
+        rows = [{k: r[k] for k in keep} for r in json.loads(last)["rows"]]
+    for world in () if args.rescore else (4, 2):
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         os.environ["PLAN_ACCURACY_OUT"] = path
@@ -177,7 +186,8 @@ def main(args: argparse.Namespace) -> int:
               f"{r['predicted_step_s']:8.4f} {r['measured_step_s']:8.4f}")
     rho = spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows])
     out = {"bench": "plan_accuracy", "quick": args.quick, "layouts": len(rows),
-           "calibration": {k: fit[k] for k in ("flops", "bandwidth", "latency")} if fit else None,
+           "calibration": {k: fit.get(k) for k in ("flops", "flops_per_core", "bandwidth", "latency", "cores",
+                                                   "crowded_call_s")} if fit else None,
            "memory_rel_err_p50": round(statistics.median(errs), 4), "memory_rel_err_max": round(max(errs), 4),
            "step_time_spearman": round(rho, 4), "rows": rows}
     print(json.dumps(out), flush=True)

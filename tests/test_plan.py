@@ -20,7 +20,7 @@ from trainer.memory import paper_bytes_per_param, predict
 from trainer.plan.accounting import Layout, block_activation_elems, korthikanti_bytes, rank_memory
 from trainer.plan.cli import main as plan_main
 from trainer.plan.cli import parse_bytes, parse_workers
-from trainer.plan.cost import DEVICES
+from trainer.plan.cost import DEVICES, step_flops
 from trainer.plan.search import evaluate, plan_elastic, plan_size, resize_bytes, shard_overlap
 from trainer.plan.shape import LLAMA3, model_shape
 
@@ -221,3 +221,27 @@ def test_fit_warning_names_a_layout_that_fits():
     msg = fit_warning(cfg, 4, cpu, memory_bytes=300 * 2**20)
     assert msg and "predicted to need" in msg and "predicted to fit" in msg and "set parallel." in msg
     assert "no layout" in fit_warning(cfg, 4, cpu, memory_bytes=2**20)
+
+
+# --- calibration ---------------------------------------------------------------------------------------
+
+
+def test_calibration_is_stored_under_etrain_home_and_reused(tmp_path, monkeypatch):
+    from trainer.plan.calibrate import apply, load, save, store_path
+    from trainer.plan.cost import step_time
+
+    monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
+    assert load("cpu") is None
+    fit = {"flops": 4e10, "bandwidth": 2e9, "latency": 5e-5, "cores": 2, "crowded_call_s": 0.004}
+    assert save("cpu", fit) == store_path() and store_path().startswith(str(tmp_path))
+    assert load("cpu") == fit and load("h100") is None
+    dev = apply(DEVICES["cpu"], load("cpu"))
+    assert dev.flops == 4e10 and dev.intra_bw == 2e9 and dev.cores == 2
+    cfg = load_config(None, TINY + ["parallel.zero_stage=1"])
+    new, dims = Layout.of(cfg, 4).apply(cfg, 4)
+    crowded = step_time(new, dims, 0, dev)  # 4 ranks on 2 cores: each call waits for the scheduler
+    calm = step_time(new, dims, 0, apply(DEVICES["cpu"], {**fit, "crowded_call_s": 1e-9}))
+    calls = sum(c["calls"] for c in crowded["comm"])
+    assert crowded["comm_s"] - calm["comm_s"] == pytest.approx(calls * 0.004, rel=0.01)
+    # The host's rate is shared by its ranks: each of 4 ranks computes at a quarter of it.
+    assert crowded["compute_s"] == pytest.approx(step_flops(new, dims, 0) / (4e10 / 4))

@@ -170,14 +170,41 @@ def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
 RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = lambda cfg, dims, rank: 0  # noqa: E731
 
 
+def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, transient: int) -> int:
+    """What the model-state buffers hold while backward's activations peak (its start).
+
+    ZeRO-2: a bucket. ZeRO-3 (FSDP2): the gathered root (embedding, head) and the last block (kept
+    gathered after forward), or every gathered parameter under a pipeline; with several micro-batches
+    and no ``reduce_every_microbatch``, also the whole unsharded gradients it accumulates into."""
+    from ..memory import _local_counts
+
+    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    if stage == 2:
+        return transient
+    if stage != 3:
+        return 0
+    block, total = _local_counts(cfg, dims, rank)
+    n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
+    from ..model import layer_split
+
+    blocks = sum(len(layer_split(cfg.model.n_layers, n_stages)[s]) for s in stages)
+    p = 2 if mixed else 4
+    gathered = p * total if dims.pp > 1 else p * (total - blocks * block + block)
+    n_micro = dims.pp_microbatches(cfg) if dims.pp > 1 else dims.local_batch(cfg) // cfg.train.micro_batch
+    accumulated = p * total if n_micro > 1 and not cfg.parallel.reduce_every_microbatch else 0
+    return gathered + accumulated
+
+
 def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
     """Device bytes of ``rank`` at the step's peak, by part, and ``total``; ``host_staging`` (the async
     checkpoint's host copy of this rank's state) is host memory, outside ``total``.
 
-    The peak is the model states, the transient buffers and the recovery tier, plus the larger of
-    two moments: backward's (activations, logits, workspace) and the optimizer step's, whose
-    foreach AdamW makes one fp32 temporary the size of what this rank updates (``optimizer_step``;
-    measured here: for the small preset at micro-batch 2 it is the step that peaks)."""
+    The peak is the model states and the recovery tier, plus the largest of three moments: the
+    model-state buffers' own peak (``transient``, :func:`trainer.memory.transient_bytes`),
+    backward's start (activations, logits, workspace and what the buffers hold then,
+    ``with_activations``), and the optimizer step, whose foreach AdamW makes one fp32 temporary the
+    size of what this rank updates (``optimizer_step``; for the small preset at micro-batch 2 it is
+    the step that peaks)."""
     from ..memory import local_param_count
 
     states = predict(cfg, dims, rank, mixed)
@@ -187,8 +214,10 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
            **{k: round(v) for k, v in act.items()}, "optimizer_step": 4 * count // shard,
            "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
-    step = max(out["activations"] + out["logits"] + out["workspace"], out["optimizer_step"])
-    out["total"] = sum(states.values()) + out["transient"] + out["recovery_tier"] + step
+    out["with_activations"] = _alongside_activations(cfg, dims, rank, mixed, out["transient"])
+    backward = out["activations"] + out["logits"] + out["workspace"] + out["with_activations"]
+    out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward,
+                                                                      out["optimizer_step"])
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
     out["param_count"] = count
     return out

@@ -23,7 +23,7 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.optim`, :mod:`t
 * pipeline parallelism: one send/recv of a micro-batch's boundary activations per micro-batch in
   forward and one of their gradients in backward.
 
-``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
+``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
 
 The bubble (Narayanan et al. 2021, section 2.2): ``(p - 1) / (v m)`` of the ideal time for ``p``
@@ -64,9 +64,12 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
     out: list[dict] = []
 
+    sizes = {"dp": dims.dp, "dp_shard": n, "dp_replicate": r, "tp": dims.tp, "pp": 2}
+
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
-            out.append({"kind": kind, "axis": axis, "bytes": round(size), "calls": calls, "overlaps": overlaps})
+            out.append({"kind": kind, "axis": axis, "bytes": round(size), "calls": calls, "overlaps": overlaps,
+                        "ranks": sizes[axis]})
 
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:

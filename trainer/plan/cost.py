@@ -7,10 +7,14 @@ Compute: ``6 N T`` FLOPs for ``N`` parameters this rank computes with over ``T``
 step (Kaplan et al. 2020; forward 2, backward 4), ``+ 2 N T`` for the blocks it recomputes under
 activation checkpointing, plus attention's ``6 s`` FLOPs per token per layer and width (its
 ``QK^T`` and ``AV``, causal: half of Narayanan et al. 2021's ``12 s h``), at the profile's
-achieved rate (peak x efficiency, or the calibrated rate). A pipeline stretches it by the bubble.
+achieved rate (peak x efficiency, or the calibrated rate; on the CPU profile the host's rate, shared
+by the ranks it runs). A pipeline stretches it by the bubble.
 
 Communication: each collective of :func:`trainer.plan.comm.step_comm` takes ``bytes / bandwidth +
-calls x latency`` on its axis's link class: an axis whose group fits in one node
+calls x hops x latency`` (a ring's hops: 2 (n - 1) for an all-reduce, n - 1 for an all-gather or a
+reduce-scatter, 1 for a send/recv) on its axis's link class (on a CPU host running more ranks than
+it has cores, each call takes the calibrated ``crowded_call_s`` instead of its hops' latency: the
+ranks wait for the scheduler, not the wire): an axis whose group fits in one node
 (``--gpus-per-node``) uses the intra-node figures (NVLink), else the inter-node ones (the NIC per GPU).
 Ranks are laid out as :class:`trainer.parallel_dims.ParallelDims` lays them out: tp innermost, then
 dp_shard, dp_replicate, pp. Exposed communication: all of it, except the collectives marked
@@ -44,6 +48,9 @@ class Device:
     inter_lat: float
     gpus_per_node: int = 8
     mixed: bool = True  # bf16 compute with fp32 masters (GPUs); fp32 on the CPU
+    shared_host: bool = False  # the CPU: the ranks of one node share its cores and so its FLOP rate
+    cores: int = 0  # shared_host: the host's cores (0: not known)
+    crowded_call_s: float = 0.0  # shared_host: one collective's time when the host runs more ranks than cores
     calibrated: str = ""  # where a calibrated profile came from
 
     @property
@@ -63,7 +70,8 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device("h100", 80 * GiB, 989e12, 0.4, 360e9, 40e9, 5e-6, 15e-6),
     "a100": Device("a100", 80 * GiB, 312e12, 0.4, 240e9, 20e9, 5e-6, 15e-6),
-    "cpu": Device("cpu", 16 * GiB, 100e9, 0.3, 1e9, 1e9, 100e-6, 100e-6, gpus_per_node=4, mixed=False),
+    "cpu": Device("cpu", 16 * GiB, 100e9, 0.3, 1e9, 1e9, 100e-6, 100e-6, gpus_per_node=4, mixed=False,
+                  shared_host=True),
 }
 
 
@@ -111,7 +119,9 @@ def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
 
 def step_time(cfg: RunConfig, dims: ParallelDims, rank: int, dev: Device) -> dict:
     """Predicted seconds of one step on ``rank`` (module docstring), with its parts."""
-    compute = step_flops(cfg, dims, rank) / dev.flops
+    share = min(dims.world_size, dev.gpus_per_node) if dev.shared_host else 1
+    crowded = bool(dev.shared_host and dev.cores and dev.crowded_call_s and share > dev.cores)
+    compute = step_flops(cfg, dims, rank) / (dev.flops / share)
     bubble = bubble_fraction(cfg, dims)
     compute_total = compute / (1 - bubble)
     mb = max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
@@ -122,7 +132,9 @@ def step_time(cfg: RunConfig, dims: ParallelDims, rank: int, dev: Device) -> dic
     for c in comm:
         cls = link(dims, c["axis"], dev)
         bw, lat = (dev.intra_bw, dev.intra_lat) if cls == "intra" else (dev.inter_bw, dev.inter_lat)
-        seconds = c["bytes"] / bw + c["calls"] * lat
+        hops = 1 if c["kind"] == "send_recv" else (2 if c["kind"] == "all_reduce" else 1) * (c["ranks"] - 1)
+        per_call = dev.crowded_call_s if crowded else hops * lat
+        seconds = c["bytes"] / bw + c["calls"] * per_call
         c["link"], c["seconds"] = cls, seconds
         by_axis[c["axis"]] = by_axis.get(c["axis"], 0.0) + seconds
         exposed += max(0.0, seconds - window) if c["overlaps"] == "compute" else seconds
