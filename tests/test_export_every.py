@@ -244,6 +244,18 @@ def test_one_export_at_a_time_and_a_newer_step_replaces_a_waiting_one(tmp_path):
     assert jobs.export_url(12) == f"file://{tmp_path}/q/exports/step_000000012"
 
 
+def test_a_failed_export_is_reported_and_never_raised(run, caplog):
+    """A real export process that fails (step 12 was never committed): a result and a warning with the
+    process's own message; nothing raised, nothing left behind."""
+    jobs = ExportJobs(run["url"], RUN, 4)
+    jobs.submit(12)
+    assert jobs.wait(120)
+    (failed,) = jobs.results
+    assert failed.status == "failed" and failed.step == 12 and "never committed" in failed.error, failed
+    assert "export of step 12 to " in caplog.text and "failed (training goes on)" in caplog.text
+    assert list_exports(Storage(run["url"]), RUN) == {4: "complete", 8: "complete"}
+
+
 def test_export_every_must_be_a_multiple_of_interval_steps(tmp_path, monkeypatch, capsys):
     url = f'checkpoint.url="file://{tmp_path}/ck"'
     with pytest.raises(ConfigError, match=r"checkpoint.export_every=5 must be a multiple of "
