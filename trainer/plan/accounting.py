@@ -51,6 +51,7 @@ class Layout:
     micro_batch: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    reduce_every: bool = False  # ZeRO-3 with several micro-batches: reduce-scatter after each (sharded accumulation)
 
     @property
     def world(self) -> int:
@@ -67,14 +68,15 @@ class Layout:
         fixed = p.dp_replicate * p.tp * p.pp
         shard = world // fixed if p.dp_shard == -1 else p.dp_shard
         return cls(p.dp_replicate, shard, p.tp, p.pp, p.zero_stage, p.sequence_parallel, p.activation_checkpoint,
-                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank)
+                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank, p.reduce_every_microbatch)
 
     def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:
         """``cfg`` with this layout, checked by the config and :class:`ParallelDims` exactly as a run is."""
         p = dataclasses.replace(cfg.parallel, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
                                 pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp,
                                 activation_checkpoint=self.ac, pp_schedule=self.schedule,
-                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=0)
+                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=0,
+                                reduce_every_microbatch=self.reduce_every)
         new = dataclasses.replace(cfg, parallel=p, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch))
         return new, ParallelDims.from_config(new, world or self.world)
 
@@ -82,6 +84,8 @@ class Layout:
         mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"
         extra = [f"ZeRO-{self.zero}"] + (["SP"] if self.sp else []) + ([f"AC {self.ac}"] if self.ac != "none" else [])
         extra.append(f"mb {self.micro_batch}")
+        if self.reduce_every:
+            extra.append("reduce every mb")
         if self.pp > 1:
             extra.append(self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
         return f"{mesh}, {', '.join(extra)}"

@@ -255,9 +255,16 @@ def print_plan(doc: dict) -> None:
             print(f"  config:    {_describe(own)}{'' if own['fits'] else ' - DOES NOT FIT'}")
     if len(doc["sizes"]) > 1 or not doc["sizes"][0]["valid"]:
         print("\nsizes (the config's layout; the best with its tp x pp):")
-        for s in doc["sizes"]:
-            if not s["valid"]:
-                print(f"  {s['world']:>5}  invalid: {s['reason']}")
+        sizes = doc["sizes"]
+        for i, s in enumerate(sizes):
+            if not s["valid"]:  # a run of invalid sizes: one line, its first reason
+                if i and not sizes[i - 1]["valid"]:
+                    continue
+                j = i
+                while j + 1 < len(sizes) and not sizes[j + 1]["valid"]:
+                    j += 1
+                span = f"{s['world']}" if j == i else f"{s['world']}-{sizes[j]['world']}"
+                print(f"  {span:>5}  invalid: {s['reason']}")
                 continue
             own, best = s["config_layout"], s["best"]
             fit = "fits" if own["fits"] else "DOES NOT FIT"

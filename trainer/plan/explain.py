@@ -45,7 +45,8 @@ def explain(cfg: RunConfig, shape: Shape, world: int, dev: Device) -> list[str]:
         fit = sorted((c for c in valid if c.fits), key=lambda c: c.step_s)
         return fit[0] if fit else min(valid, key=lambda c: c.memory["total"], default=None)
 
-    dp = {z: best_of([Layout(1, world, 1, 1, z, False, ac, mb) for ac in ("none", "full")]) for z in range(4)}
+    dp = {z: best_of([Layout(1, world, 1, 1, z, False, ac, mb, reduce_every=every) for ac in ("none", "full")
+                      for every in ((False, True) if z == 3 else (False,))]) for z in range(4)}
     if dp[0] is not None and dp[0].fits:
         lines.append(f"Plain DP (ZeRO-0) fits ({_gib(dp[0].memory['total'])}): it wins when its one all-reduce "
                      "costs less than ZeRO-3's gathers; the search below compares them.")

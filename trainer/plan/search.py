@@ -116,7 +116,10 @@ def enumerate_layouts(cfg: RunConfig, world: int) -> list[Layout]:
                 for ac in c["ac"]:
                     for mb in c["mb"]:
                         for sched, v in c["sched"]:
-                            out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v))
+                            # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
+                            many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
+                            for every in (False, True) if many else (False,):
+                                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every))
     return out
 
 
@@ -128,7 +131,7 @@ def _cost(c: Candidate, dev: Device) -> float:
 
 
 def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
-    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched"))
+    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every"))
     if what == "mesh":
         axes = ["dp_replicate", "dp_shard", "tp", "pp"]
         src, dst = rng.sample(axes, 2)
@@ -144,6 +147,8 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
         return replace(cur, sp=rng.choice(c["sp"]))
     if what == "ac":
         return replace(cur, ac=rng.choice(c["ac"]))
+    if what == "every":
+        return replace(cur, reduce_every=not cur.reduce_every)
     if what == "mb":
         return replace(cur, micro_batch=rng.choice(c["mb"]))
     sched, v = rng.choice(c["sched"])
@@ -158,6 +163,8 @@ def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
         lay = replace(lay, sp=False)
     if lay.dp == 1:
         lay = replace(lay, zero=0)
+    if lay.zero != 3 or lay.pp > 1 or cfg.train.global_batch // max(1, lay.dp) <= lay.micro_batch:
+        lay = replace(lay, reduce_every=False)
     return lay
 
 
@@ -251,7 +258,10 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
         key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.zero)
         if c is not best and c is not runner and key not in fam and c.valid:
             fam[key] = c
-    lost = list(fam.values())[:losers]
+    # The closest families first, then (a third of the list) families that do not fit, so both reasons show.
+    nofit = [c for c in fam.values() if not c.fits]
+    lost = [c for c in fam.values() if c.fits][:losers - min(len(nofit), losers // 3)]
+    lost += nofit[:losers - len(lost)]
     for c in lost + ([runner] if runner else []):
         c.reason = why_lost(c, best, dev)
     return {"world": world, "best": best, "runner_up": runner, "losers": lost, "searched": len(seen),

@@ -42,7 +42,7 @@ def model_shape(cfg: RunConfig) -> Shape:
     m = cfg.model
     if m.source == "builtin":
         block = count_params(dataclasses.replace(m, n_layers=2)) - count_params(dataclasses.replace(m, n_layers=1))
-        return Shape(m, count_params(m), block, "config", f"built-in decoder (preset {m.preset})")
+        return Shape(m, count_params(m), block, "config", f"built-in decoder (dim {m.dim}, {m.n_layers} layers)")
     import torch
 
     from ..models import build_model, find_blocks, model_vocab_size
