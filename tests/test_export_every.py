@@ -192,6 +192,10 @@ def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(
     mcfg = model_config(CheckpointManager(url, RUN).read_manifest(8).config)
     with pytest.raises(ConfigError, match="incomplete export"):
         WeightSource(str(cut), mcfg)
+    from trainer.generate import load as load_for_generate
+
+    with pytest.raises(ConfigError, match="incomplete export"):  # etrain generate refuses it too
+        load_for_generate(str(cut))
     assert WeightSource(str(exports_dir(root, 4)), mcfg).hf_names  # a complete one is a transformers directory
     # the export of step 4 again, as export_every runs it: a complete one is left alone ...
     assert export_step([url, RUN, "4"]) == 0

@@ -317,9 +317,7 @@ class WeightSource:
             self._index([path])
         elif os.path.isdir(path) and not os.path.isdir(os.path.join(path, "checkpoints")) and \
                 (parse_step(path) is None or is_export_dir(path)):
-            if is_export_dir(path) and not os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
-                raise ConfigError(f"model.init_from={spec!r} is an incomplete export (no {EXPORT_MANIFEST}: it is "
-                                  "being written or its export failed); use another step or a checkpoint URL")
+            refuse_incomplete_export(path, f"model.init_from={spec!r}")
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.isfile(index):
                 with open(index) as f:
@@ -385,6 +383,13 @@ def is_export_dir(path: str) -> bool:
     """Whether ``path`` is a ``<run>/exports/step_N`` directory of ``[checkpoint] export_every``."""
     path = path.rstrip("/")
     return parse_step(path) is not None and os.path.basename(os.path.dirname(path)) == EXPORTS
+
+
+def refuse_incomplete_export(path: str, what: str) -> None:
+    """ConfigError (exit 2) when ``path`` is an ``export_every`` directory without its manifest."""
+    if is_export_dir(path) and not os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
+        raise ConfigError(f"{what} is an incomplete export (no {EXPORT_MANIFEST}: it is being written or its "
+                          "export failed); use another step or a checkpoint URL")
 
 
 def parse_step(path: str) -> int | None:

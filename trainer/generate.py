@@ -29,7 +29,7 @@ import torch
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.export import ModelSource
 
-from .export import model_config, run_config, tokenizer_files
+from .export import model_config, refuse_incomplete_export, run_config, tokenizer_files
 from .tokenize import ByteTokenizer, load_tokenizer
 
 
@@ -47,6 +47,7 @@ def load(source: str, device: str | torch.device = "cpu") -> Loaded:
     """The model and tokenizer of a checkpoint URL or an export directory (module docstring)."""
     device = torch.device(device)
     path = os.path.expanduser(source)
+    refuse_incomplete_export(path, source)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return _load_export(path, device)
     src = ModelSource.open(source)
