@@ -104,6 +104,12 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
         rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
                      "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
                      "samples_consumed": m.trainer_state.get("samples_consumed")})
+    from .export import list_exports
+
+    exports = list_exports(mgr.storage, mgr.run_id)  # [checkpoint] export_every: kept when checkpoints go
+    for r in rows:
+        if r["step"] in exports:
+            r["export"] = exports[r["step"]]
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0 if rows else 1
@@ -120,6 +126,10 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
         print(f"{r['step']:>10}  {'committed':<11} {r['epoch']:>5} {r['world_size']:>5}  {desc:<28} "
               f"{_size(r['bytes']):>10}  {when}")
+    if exports:
+        print(f"exports under {mgr.storage.join(mgr.run_id)}/exports (transformers directories):")
+        for step, state in exports.items():
+            print(f"{step:>10}  {state}")
     return 0
 
 

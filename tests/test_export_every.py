@@ -179,7 +179,7 @@ def test_the_export_tokenizer_encodes_as_the_run_did(run, tok_dir):
     assert auto.eos_token == EOS and auto.convert_tokens_to_ids(EOS) == ours.eos_id
 
 
-def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(run, tmp_path):
+def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(run, tmp_path, capsys):
     from trainer.export import WeightSource, model_config
 
     root, url = run["root"], run["url"]
@@ -188,6 +188,13 @@ def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(
     shutil.copytree(exports_dir(root, 4), cut)
     os.remove(cut / EXPORT_MANIFEST)
     assert list_exports(Storage(url), RUN) == {4: "complete", 8: "complete", 12: "incomplete"}
+    from checkpointing.cli import main as ckpt
+
+    assert ckpt(["ls", url, "--run", RUN, "--json"]) == 0  # etrain ckpt ls shows them beside the checkpoints
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[8]["export"] == "complete" and "export" not in rows.get(6, {})
+    assert ckpt(["ls", url, "--run", RUN]) == 0
+    assert "        12  incomplete" in capsys.readouterr().out
     assert read_export_manifest(Storage(url), f"{RUN}/exports/step_000000012") is None
     mcfg = model_config(CheckpointManager(url, RUN).read_manifest(8).config)
     with pytest.raises(ConfigError, match="incomplete export"):
