@@ -4,6 +4,8 @@ format durable checkpoints use, so a restore from memory reshards exactly as a r
     tier = MemoryTier(rank, world_size, replicas=1, memory_budget_bytes=8 << 30, node_ids=nodes)  # collective
     res = tier.take(step, state_dict, trainer_state)     # collective; res.status "agreed", "failed" or "refused"
     fut = tier.replicate_async(res.snapshot)             # background thread, a gloo group of its own
+    fut = tier.take_async(step, state_dict, trainer_state)   # or: waits for a host copy only, the rest (copies
+                                                             # to peers included) in the background thread
     tier.held_bytes()                                    # own snapshots + the copies held for peers
     plan = plan_restore({0: tier.holdings(), ...}, tier.needed())   # memory_snapshot; None: use storage
     load_from_memory(state_dict, sources, snapshot)      # collective; resharded like a durable load
@@ -19,9 +21,15 @@ files with size and crc32c), and the coordinator's metadata. A step is agreed
 only when every rank copied its files completely for that same step; every
 rank then holds the whole step's table, which a restore checks every byte
 against. A snapshot that did not reach agreement is dropped and never used.
+As the checkpoint manager does, a snapshot whose every rank still holds the
+layout the last one was planned for reuses that plan (no DCP planning, no
+object collectives but the one vote); :meth:`MemoryTier.take_async` blocks
+training only for the copy into host buffers kept from one snapshot to the
+next (the async durable checkpoint's snapshot).
 
 Memory: at most two own snapshots per rank (the newest restorable one and the
-one being made or copied) and the copies held for peers at those steps.
+one being made or copied), the copies held for peers at those steps and, with
+``take_async``, one host copy of the state.
 ``memory_budget_bytes`` (0: no bound) is checked before a snapshot is taken,
 on every rank, and one refusal refuses it on all (the result's reason names
 the rank and the bytes). A step becomes restorable once agreed and, with
@@ -45,26 +53,11 @@ from .errors import CheckpointError
 from .manifest import METADATA_NAME, FileEntry
 from .memory_snapshot import MemorySnapshot, MemoryStorage, Source, replica_peers
 from .retry import describe
+from .transaction import SaveTransaction, _layout_fingerprint, _PlannedLayout
 
 log = logging.getLogger("etrain")
 
 _REL = "memory"
-
-
-@dataclass
-class SnapshotResult:
-    """What became of one :meth:`MemoryTier.take`."""
-
-    step: int
-    status: str  # "agreed", "failed" (some rank could not copy: never used) or "refused" (over budget)
-    reason: str = ""
-    snapshot: MemorySnapshot | None = None  # this rank's, when agreed
-    seconds: float = 0.0  # the whole take, training blocked
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "agreed"
 
 
 @dataclass
@@ -75,6 +68,37 @@ class ReplicationResult:
     seconds: float = 0.0
     sent_bytes: int = 0
     received_bytes: int = 0
+
+
+@dataclass
+class SnapshotResult:
+    """What became of one :meth:`MemoryTier.take`."""
+
+    step: int
+    status: str  # "agreed", "failed" (some rank could not copy: never used) or "refused" (over budget)
+    reason: str = ""
+    snapshot: MemorySnapshot | None = None  # this rank's, when agreed
+    seconds: float = 0.0  # the whole snapshot, start to agreement (and copies, in take_async)
+    phases: dict[str, float] = field(default_factory=dict)
+    blocking_s: float = 0.0  # of which training waited (take: all; take_async: the host copy)
+    planned: bool = False  # laid out by dcp.save's planning (else by the last plan: the layout held)
+    replication: ReplicationResult | None = None  # take_async's copies to peers
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "agreed"
+
+
+class _HostCopy:
+    """Host buffers for the state, kept from one snapshot to the next: the async durable checkpoint's
+    snapshot (the same copy, DTensors rewrapped over their buffers)."""
+
+    _snapshot = SaveTransaction._snapshot
+    _snapshot_tree = SaveTransaction._snapshot_tree
+
+    def __init__(self):
+        self._snap_cache: dict = {}
+        self._snap_views: dict = {}
 
 
 def state_bytes(state_dict) -> int:
@@ -118,43 +142,105 @@ class MemoryTier:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier")
         self._inflight: Future | None = None
         self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy")  # the writer's copy threads
+        self._token = uuid.uuid4().hex[:8]  # in every file name (each snapshot has a storage of its own)
+        self._plan: _PlannedLayout | None = None  # the last planned snapshot, reused while the layout holds
+        self._host = _HostCopy()
 
     # --- taking a snapshot -------------------------------------------------------------
 
     def take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None = None) -> SnapshotResult:
-        """Copy this rank's ``state_dict`` to host memory as step ``step`` and agree on it with every rank.
-        Collective. Waits for the previous snapshot's copies to peers first (bounded memory)."""
+        """Copy this rank's ``state_dict`` to host memory as step ``step`` and agree on it with every rank,
+        in the calling thread (training waits for all of it). Collective. Waits for the previous snapshot's
+        background work first (bounded memory); copies to peers are :meth:`replicate_async`'s."""
+        t0 = time.monotonic()
+        self.wait()
+        waited = time.monotonic() - t0
+        res = self._take(step, state_dict, trainer_state)
+        res.phases["wait_previous"] = waited
+        res.seconds = res.blocking_s = time.monotonic() - t0
+        return res
+
+    def take_async(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None = None, *,
+                   replicate: bool = True) -> Future:
+        """Like :meth:`take`, but training waits only for a copy of this rank's tensors into host buffers
+        kept from one snapshot to the next (what the async durable checkpoint waits for), after the
+        previous snapshot's background work if that is still running. Laying the files out, the
+        agreement and (``replicate``) the copies to peers run in the tier's background thread, in order.
+        Collective: every rank calls it for the same steps in the same order. The future gives the
+        :class:`SnapshotResult` (``blocking_s``: what training waited; ``replication``)."""
+        t0 = time.monotonic()
+        self.wait()
+        waited = time.monotonic() - t0
+        copy = self._host._snapshot(state_dict)
+        blocking = time.monotonic() - t0
+
+        def run() -> SnapshotResult:
+            res = self._take(step, copy, trainer_state)
+            res.phases.update(wait_previous=waited, host_copy=blocking - waited)
+            res.blocking_s = blocking
+            if res.ok and replicate and self.replica_group is not None:
+                res.replication = self._replicate(res.snapshot)
+            res.seconds = time.monotonic() - t0
+            return res
+
+        self._inflight = self._thread.submit(run)
+        return self._inflight
+
+    @property
+    def busy(self) -> bool:
+        """Whether a snapshot or a copy is still running in the background (a caller may skip a step)."""
+        return self._inflight is not None and not self._inflight.done()
+
+    def _take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None) -> SnapshotResult:
+        """Lay out (by the last plan when every rank's layout still matches it, else with ``dcp.save``),
+        copy into files, agree. Collective on ``self.group``; never raises for one rank's failure."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_io import EtrainWriter
+        from .dcp_io import EtrainWriter, PlannedItems
 
         t0 = time.monotonic()
-        if self._inflight is not None:
-            self._inflight.result()
-        phases = {"wait_copies": time.monotonic() - t0}
+        phases: dict[str, float] = {}
         self._prune()
+        storage = MemoryStorage()
         refusal = self._over_budget(state_bytes(state_dict))
-        refusals = [r for r in self._gather(refusal) if r]
+        layout = _layout_fingerprint(state_dict)
+        writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
+        votes = self._gather((refusal, plan_id))
+        refusals = [r for r, _ in votes if r]
         if refusals:
+            if writer is not None:
+                writer.release()
             self.last_reason = f"memory snapshot of step {step} not taken: {'; '.join(refusals)}"
             return SnapshotResult(step, "refused", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
-        storage = MemoryStorage()
-        writer = EtrainWriter(storage, f"{_REL}/{step}", token=uuid.uuid4().hex[:8], executor=self._io)
-        ok, why, entries, metadata = True, "", [], None
+        reuse = plan_id is not None and all(p == plan_id for _, p in votes)
+        ok, why, entries = True, "", []
         t1 = time.monotonic()
+        phases["lay_out"] = t1 - t0
         try:
-            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.group,
-                     no_dist=self.group is None)
+            if not reuse:
+                if writer is not None:
+                    writer.release()
+                self._plan = None
+                writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
+                planner = DefaultSavePlanner()
+                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.group,
+                         no_dist=self.group is None)
+                paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
+                md = pickle.dumps(writer.metadata) if writer.is_coordinator else None
+                if paths is not None:
+                    self._plan = _PlannedLayout(f"planned at step {step}", layout, writer.plan, paths, writer.results,
+                                                writer.is_coordinator, md, ())
             phases["plan"] = time.monotonic() - t1
             entries = writer.upload()  # the copy: every file joined into bytes in this rank's memory
-            if writer.is_coordinator:
-                metadata = pickle.dumps(writer.metadata)
+            metadata = self._plan.metadata if reuse else md
         except (Exception, CheckpointException) as e:
-            ok, why = False, describe(e)
+            ok, why, metadata = False, describe(e), None
+            self._plan = None
         finally:
-            writer.release()
+            if writer is not None:
+                writer.release()
         phases["copy"] = time.monotonic() - t1 - phases.get("plan", 0.0)
         t2 = time.monotonic()
         everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], metadata))
@@ -180,7 +266,27 @@ class MemoryTier:
                 self.restorable = step
         if self.replica_group is None:
             self._prune()
-        return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases)
+        return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases,
+                              planned=not reuse)
+
+    def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
+        """This rank's files laid out by the last plan (views of the state, nothing copied yet) when its
+        layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote."""
+        from .dcp_io import EtrainWriter, PlannedItems, same_results
+
+        planned = self._plan
+        if planned is None or planned.layout != layout:
+            return None, None
+        writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
+        try:
+            writer.is_coordinator = planned.is_coordinator
+            writer.write_data(planned.plan, PlannedItems(planned.paths, state_dict))
+            if same_results(writer.results, planned.results):
+                return writer, planned.plan_id
+        except Exception as e:
+            log.debug("memory snapshot of step %d: cannot reuse the last plan (%s)", step, describe(e))
+        writer.release()
+        return None, None
 
     def _gather(self, value) -> list:
         import torch.distributed as dist
@@ -263,10 +369,12 @@ class MemoryTier:
     # --- what the tier holds -------------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """Host bytes held by this rank's tier: its own snapshots and the copies it holds for peers."""
+        """Host bytes held by this rank's tier: its own snapshots, the copies it holds for peers, and the host
+        buffers :meth:`take_async` copies the state into (kept from one snapshot to the next)."""
+        buffers = sum(t.numel() * t.element_size() for t in self._host._snap_cache.values())
         with self._lock:
             own = sum(s.nbytes for s in self.snapshots.values())
-            return own + sum(c.nbytes for per in self.copies.values() for c in per.values())
+            return buffers + own + sum(c.nbytes for per in self.copies.values() for c in per.values())
 
     def holdings(self) -> dict[int, set[str]]:
         """Per step, the files this rank can give a restore (its own, its copies, the metadata)."""

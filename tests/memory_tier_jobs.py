@@ -38,9 +38,15 @@ def snapshot(payload: dict) -> dict:
     put_parts = MemoryStorage.put_parts  # the rank processes are reused: any injected fault is undone
     try:
         trainer = _trainer(payload, world)
-        for _ in range(payload.get("train", 2)):
+        tier = MemoryTier(world.rank, world.size, replicas=payload.get("replicas", 1),
+                          memory_budget_bytes=payload.get("budget", 0), node_ids=payload.get("node_ids"))
+        for _ in range(payload.get("train", 2) - 1):
             trainer.train_step()
         out: dict = {}
+        if payload.get("async"):  # one snapshot before the last step: the one after reuses its plan
+            first = tier.take_async(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
+            out["first"] = (first.result().status, first.result().planned)
+        trainer.train_step()
         if payload.get("durable", True):
             mgr = checkpoint_manager(trainer.cfg, world)
             t0 = time.monotonic()
@@ -48,20 +54,20 @@ def snapshot(payload: dict) -> dict:
             out["durable_blocking_s"] = res.blocking_s if res is not None else time.monotonic() - t0
             mgr.wait()
             out["saves"] = [(r.step, r.status, r.blocking_s) for r in mgr.poll()]
-        tier = MemoryTier(world.rank, world.size, replicas=payload.get("replicas", 1),
-                          memory_budget_bytes=payload.get("budget", 0), node_ids=payload.get("node_ids"))
         if world.rank == payload.get("fail_copy_on"):
             def fail(self, rel, parts, *, exclusive=False):
                 raise OSError("host memory copy failed (injected)")
             MemoryStorage.put_parts = fail
-        t0 = time.monotonic()
-        res = tier.take(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
-        out.update(status=res.status, reason=res.reason, snapshot_s=time.monotonic() - t0, phases=res.phases)
+        state, train_state = trainer.optimizer.checkpoint_state(), trainer.train_state()
+        if payload.get("async"):
+            res = tier.take_async(trainer.step, state, train_state).result()
+            rep = res.replication
+        else:
+            res = tier.take(trainer.step, state, train_state)
+            rep = tier.replicate_async(res.snapshot).result() if res.ok else None
+        out.update(status=res.status, reason=res.reason, planned=res.planned, phases=res.phases)
         if res.ok:
-            t0 = time.monotonic()
-            rep = tier.replicate_async(res.snapshot).result()
-            out.update(replicate_s=time.monotonic() - t0, replicated=rep.ok, replicate_reason=rep.reason,
-                       snapshot=res.snapshot.to_bytes(),
+            out.update(replicated=rep.ok, replicate_reason=rep.reason, snapshot=res.snapshot.to_bytes(),
                        copies={s: c.to_bytes() for s, c in tier.copies.get(res.snapshot.step, {}).items()})
         out.update(held=tier.held_bytes(), holdings=tier.holdings(), needed=tier.needed(),
                    restorable=tier.restorable, step=trainer.step)

@@ -164,17 +164,21 @@ def _all_sources(ranks: list[dict]) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    """A world-2 ZeRO-3 run: a durable checkpoint and a memory snapshot (with copies) of step 2."""
+    """A world-2 ZeRO-3 run: a durable checkpoint and a memory snapshot (with copies) of step 2, taken in the
+    background (take_async), after one of step 1."""
     url = f"file://{tmp_path_factory.mktemp('mem-tier')}"
     base = BASE + [f'checkpoint.url="{url}"']
     ranks = run_ranks("tests.memory_tier_jobs:snapshot", 2,
-                      {"base": base, "layout": ZERO3, "train": 2, "run_id": "w2"}, timeout=300)
+                      {"base": base, "layout": ZERO3, "train": 2, "run_id": "w2", "async": True}, timeout=300)
     return base, url, ranks
 
 
 def test_a_world2_snapshot_restores_at_world3_bitwise_as_the_durable_checkpoint(world2, tmp_path):
     base, url, ranks = world2
-    assert [r["status"] for r in ranks] == ["agreed"] * 2 and all(r["replicated"] for r in ranks)
+    # Taken with take_async: training waited for a host copy; the second snapshot reused the first's plan.
+    assert [r["first"] for r in ranks] == [("agreed", True)] * 2
+    assert [(r["status"], r["planned"]) for r in ranks] == [("agreed", False)] * 2
+    assert all(r["replicated"] for r in ranks)
     assert all(r["restorable"] == 2 and r["held"] > 0 for r in ranks)
     snap = ranks[1]["snapshot"]
     out = run_ranks("tests.memory_tier_jobs:restore", 3, {"base": base, "layout": ZERO3, "run_id": "w2",
