@@ -245,3 +245,18 @@ def test_calibration_is_stored_under_etrain_home_and_reused(tmp_path, monkeypatc
     assert crowded["comm_s"] - calm["comm_s"] == pytest.approx(calls * 0.004, rel=0.01)
     # The host's rate is shared by its ranks: each of 4 ranks computes at a quarter of it.
     assert crowded["compute_s"] == pytest.approx(step_flops(new, dims, 0) / (4e10 / 4))
+
+
+def test_elastic_section_gives_the_sizes_and_its_errors_exit_2(tmp_path, capsys):
+    from orchestrator.cli import main as etrain_main
+
+    base = open("examples/tiny.toml").read()
+    good = tmp_path / "good.toml"
+    good.write_text(base + "\n[elastic]\nworkers = 4\nmin_workers = 3\nmax_workers = 6\n")
+    assert etrain_main(["plan", str(good), "--device", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workers"] == [3, 6] and [s["world"] for s in doc["sizes"]] == [3, 4, 5, 6]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(base + "\n[elastic]\nmin_workers = 8\nmax_workers = 4\n")
+    assert etrain_main(["plan", str(bad), "--device", "cpu"]) == 2
+    assert "elastic.max_workers" in capsys.readouterr().err

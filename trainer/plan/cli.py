@@ -199,7 +199,8 @@ def _size_doc(s: dict) -> dict:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB, or MiB below 1 GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _human_bytes(n: float) -> str:
