@@ -143,7 +143,9 @@ class MemoryTier:
         self._inflight: Future | None = None
         self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy")  # the writer's copy threads
         self._token = uuid.uuid4().hex[:8]  # in every file name (each snapshot has a storage of its own)
-        self._plan: _PlannedLayout | None = None  # the last planned snapshot, reused while the layout holds
+        # The last planned snapshot of each of the last two layouts (the live state's, take; the host
+        # copy's, take_async), reused while that layout holds.
+        self._plans: dict[str, _PlannedLayout] = {}
         self._host = _HostCopy()
 
     # --- taking a snapshot -------------------------------------------------------------
@@ -222,7 +224,7 @@ class MemoryTier:
             if not reuse:
                 if writer is not None:
                     writer.release()
-                self._plan = None
+                self._plans.pop(layout, None)
                 writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
                 planner = DefaultSavePlanner()
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.group,
@@ -230,14 +232,16 @@ class MemoryTier:
                 paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
                 md = pickle.dumps(writer.metadata) if writer.is_coordinator else None
                 if paths is not None:
-                    self._plan = _PlannedLayout(f"planned at step {step}", layout, writer.plan, paths, writer.results,
-                                                writer.is_coordinator, md, ())
+                    self._plans[layout] = _PlannedLayout(f"planned at step {step}", layout, writer.plan, paths,
+                                                         writer.results, writer.is_coordinator, md, ())
+                    while len(self._plans) > 2:
+                        del self._plans[next(iter(self._plans))]
             phases["plan"] = time.monotonic() - t1
             entries = writer.upload()  # the copy: every file joined into bytes in this rank's memory
-            metadata = self._plan.metadata if reuse else md
+            metadata = self._plans[layout].metadata if reuse else md
         except (Exception, CheckpointException) as e:
             ok, why, metadata = False, describe(e), None
-            self._plan = None
+            self._plans.pop(layout, None)
         finally:
             if writer is not None:
                 writer.release()
@@ -274,8 +278,8 @@ class MemoryTier:
         layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote."""
         from .dcp_io import EtrainWriter, PlannedItems, same_results
 
-        planned = self._plan
-        if planned is None or planned.layout != layout:
+        planned = self._plans.get(layout)
+        if planned is None:
             return None, None
         writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
         try:
