@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -362,8 +363,10 @@ class MemoryTier:
                                  sum(s.nbytes for s in got.values()))
 
     def wait(self) -> None:
+        """Until the background work in flight (a snapshot, copies to peers) ended; its outcome, an error
+        included, is its future's."""
         if self._inflight is not None:
-            self._inflight.result()
+            wait_all([self._inflight])
 
     def close(self) -> None:
         self.wait()
