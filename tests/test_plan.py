@@ -115,7 +115,7 @@ def test_llama3_70b_on_64_h100_lands_on_the_megatron_layout_family():
 
 def test_search_of_1024_devices_is_quick():
     t0 = time.monotonic()
-    res = plan_size(llama("70b", 8192, 1024), 1024, DEVICES["h100"], budget_s=3.0)
+    res = plan_size(llama("70b", 8192, 1024), 1024, DEVICES["h100"], budget_s=2.0)
     assert time.monotonic() - t0 < 10
     assert res["method"].startswith("simulator-guided") and res["best"] is not None and res["best"].fits
     assert res["best"].layout.tp <= 8  # never tensor parallelism across nodes
@@ -260,3 +260,17 @@ def test_elastic_section_gives_the_sizes_and_its_errors_exit_2(tmp_path, capsys)
     bad.write_text(base + "\n[elastic]\nmin_workers = 8\nmax_workers = 4\n")
     assert etrain_main(["plan", str(bad), "--device", "cpu"]) == 2
     assert "elastic.max_workers" in capsys.readouterr().err
+
+
+def test_a_factory_model_is_offered_only_what_it_can_take():
+    cfg = load_config(None, ['model.source="python"', 'model.factory="tests.custom_model:build"',
+                             "model.args.width=48", "model.args.depth=4", "data.seq_len=32", "train.global_batch=8",
+                             "train.micro_batch=1"])
+    from trainer.plan.shape import planning_config
+
+    res = plan_size(planning_config(cfg), 4, DEVICES["cpu"])
+    seen = [c.layout for c in [res["best"], res["runner_up"], *res["losers"]]]
+    assert all(lay.pp == 1 and lay.tp == 1 and not lay.sp for lay in seen)  # no pipeline cut, no TP plan given
+    with_plan = planning_config(load_config(None, ['model.source="python"', 'model.factory="tests.custom_model:build"',
+                                                   'model.tp_plan="tests.custom_model:tp_plan"', "data.seq_len=32"]))
+    assert "tp" in with_plan.plan_allows and "pp" not in with_plan.plan_allows

@@ -156,14 +156,10 @@ def build_plan(cfg, lo: int, hi: int, dev, *, explain_too: bool = False, budget_
     """The whole plan as one JSON-able document (see docs/planning.md for its keys)."""
     from .explain import explain
     from .search import evaluate, plan_elastic, plan_size
-    from .shape import model_shape
+    from .shape import model_shape, planning_config
 
     shape = model_shape(cfg)
-    plan_cfg = cfg
-    if cfg.model.source != "builtin":
-        import dataclasses
-
-        plan_cfg = dataclasses.replace(cfg, model=shape.model)
+    plan_cfg = planning_config(cfg, shape)
     el = plan_elastic(plan_cfg, lo, hi, dev, budget_s=budget_s if lo != hi else 0.5)
     doc: dict = {
         "model": {"name": shape.name, "params": shape.n_params, "counted": shape.how, "block_params": shape.block_params,

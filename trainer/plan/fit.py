@@ -11,8 +11,6 @@ finds that fits at the same world size, as the config fields to set.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..config import RunConfig
 from .accounting import Layout
 from .cost import DEVICES, custom
@@ -44,11 +42,11 @@ def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | Non
             return None
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
     from ..parallel_dims import resolve_precision
-    from .shape import model_shape
+    from .shape import planning_config
 
     mixed = resolve_precision(cfg.parallel, torch.device(getattr(device, "type", "cpu"))) == torch.bfloat16
     dev = custom(DEVICES["h100"], name=str(device), memory=int(memory_bytes), mixed=mixed)
-    plan_cfg = cfg if cfg.model.source == "builtin" else dataclasses.replace(cfg, model=model_shape(cfg).model)
+    plan_cfg = planning_config(cfg)
     own = evaluate(plan_cfg, Layout.of(plan_cfg, world_size), dev)
     if not own.valid or own.fits:
         return None

@@ -74,9 +74,8 @@ def _divisors(n: int) -> list[int]:
 
 def _allowed(cfg: RunConfig) -> dict:
     """What the model source allows (trainer.models.inspect_model refuses the rest)."""
-    src = cfg.model.source
-    return {"tp": src == "builtin" or src == "hf" or bool(cfg.model.tp_plan), "pp": src != "python",
-            "sp": src == "builtin"}
+    allows = getattr(cfg, "plan_allows", ("tp", "pp", "sp"))  # trainer.plan.shape.planning_config sets it
+    return {k: k in allows for k in ("tp", "pp", "sp")}
 
 
 def _choices(cfg: RunConfig, dp: int, tp: int, pp: int) -> dict:

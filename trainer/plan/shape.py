@@ -28,6 +28,16 @@ class Shape:
     block_params: int  # one repeated block's parameters, as counted
     how: str  # "config" or "meta device"
     name: str
+    allows: tuple[str, ...] = ("tp", "pp", "sp")  # what trainer.models.inspect_model lets this model use
+
+
+def planning_config(cfg: RunConfig, shape: Shape | None = None) -> RunConfig:
+    """``cfg`` with the built-in-equivalent model, remembering what the real model allows
+    (``plan_allows``: the search offers tp, pp and sp only where the model source takes them)."""
+    shape = shape or model_shape(cfg)
+    out = cfg if cfg.model.source == "builtin" else dataclasses.replace(cfg, model=shape.model)
+    out.plan_allows = shape.allows
+    return out
 
 
 def _hf_dims(hf) -> dict:
@@ -72,7 +82,9 @@ def model_shape(cfg: RunConfig) -> Shape:
                                 n_layers=len(blocks), n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn, vocab_size=vocab,
                                 max_seq_len=max(m.max_seq_len, cfg.data.seq_len), init_from="")
     name = type(model).__name__
-    return Shape(equiv, n_params, block, "meta device", f"{m.source} model {name}")
+    tp_ok = bool(m.tp_plan) or (m.source == "hf" and bool(getattr(model, "_tp_plan", None)))
+    allows = (("tp",) if tp_ok else ()) + (("pp",) if m.source == "hf" else ())  # SP: the built-in model only
+    return Shape(equiv, n_params, block, "meta device", f"{m.source} model {name}", allows)
 
 
 # Public shapes for the worked examples and tests (Llama 3 model card / config.json: dim, layers, heads, kv heads,
