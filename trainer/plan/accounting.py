@@ -171,7 +171,11 @@ def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
 
 # Device bytes the recovery tiers hold on a rank (cfg, dims, rank) -> bytes. The peer-memory and local
 # tiers keep their copies in host memory, so 0 today; a tier that stages on the device sets this.
-RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = lambda cfg, dims, rank: 0  # noqa: E731
+def _no_device_tier(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:
+    return 0
+
+
+RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = _no_device_tier
 
 
 def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, transient: int) -> int:

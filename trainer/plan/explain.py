@@ -32,12 +32,12 @@ def explain(cfg: RunConfig, shape: Shape, world: int, dev: Device) -> list[str]:
     p = shape.n_params
     usable = HEADROOM * dev.memory
     mb = cfg.train.micro_batch
-    lines = [f"Model states: {p / 1e6:,.1f}M parameters x 16 bytes (bf16 weights and gradients, fp32 master, "
-             f"Adam m and v: the ZeRO paper's 16P) = {_gib(16 * p)} before activations; "
-             f"{_gib(usable)} usable per {dev.name} device."]
+    lines = [(f"Model states: {p / 1e6:,.1f}M parameters x 16 bytes (bf16 weights and gradients, fp32 master, "
+              f"Adam m and v: the ZeRO paper's 16P) = {_gib(16 * p)} before activations; "
+              f"{_gib(usable)} usable per {dev.name} device.")]
     per_stage = {z: paper_bytes_per_param(z, world, True) * p for z in range(4)}
-    lines.append("Per device at N = " + str(world) + ": " + ", ".join(
-        f"ZeRO-{z} {_gib(b)}" for z, b in per_stage.items()) + " (16P, 4P + 12P/N, 2P + 14P/N, 16P/N).")
+    stages = ", ".join(f"ZeRO-{z} {_gib(b)}" for z, b in per_stage.items())
+    lines.append(f"Per device at N = {world}: {stages} (16P, 4P + 12P/N, 2P + 14P/N, 16P/N).")
 
     def best_of(layouts: list[Layout]):
         cands = [evaluate(cfg, lay, dev) for lay in layouts]

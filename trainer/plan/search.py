@@ -15,6 +15,7 @@ restarts from the config's layout and from the usual seeds (FSDP alone, TP in a 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -279,7 +280,7 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
     from ..memory import predict
 
     ca, da = Layout.of(cfg, a).apply(cfg, a)
-    cb, db = Layout.of(cfg, b).apply(cfg, b)
+    _, db = Layout.of(cfg, b).apply(cfg, b)
     stage = cfg.parallel.zero_stage
     slices = da.tp * da.pp * da.dp_replicate
     sa = predict(ca, da, 0, dev.mixed)
@@ -309,7 +310,7 @@ def plan_elastic(cfg: RunConfig, lo: int, hi: int, dev: Device, budget_s: float 
         best = plan_size(cfg, n, dev, budget_s=per, fixed_mp=True, losers=0)
         sizes.append({"world": n, "valid": True, "config_layout": own, "best": best["best"]})
         valid.append(n)
-    moves = [{"from": x, "to": y, "bytes": resize_bytes(cfg, x, y, dev)} for x, y in zip(valid, valid[1:])]
+    moves = [{"from": x, "to": y, "bytes": resize_bytes(cfg, x, y, dev)} for x, y in itertools.pairwise(valid)]
     if len(valid) > 2:
         moves += [{"from": valid[-1], "to": valid[0], "bytes": resize_bytes(cfg, valid[-1], valid[0], dev)},
                   {"from": valid[0], "to": valid[-1], "bytes": resize_bytes(cfg, valid[0], valid[-1], dev)}]

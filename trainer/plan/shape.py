@@ -41,7 +41,9 @@ def planning_config(cfg: RunConfig, shape: Shape | None = None) -> RunConfig:
 
 
 def _hf_dims(hf) -> dict:
-    get = lambda *names: next((int(getattr(hf, n)) for n in names if isinstance(getattr(hf, n, None), int)), None)  # noqa: E731
+    def get(*names: str) -> int | None:
+        return next((int(getattr(hf, n)) for n in names if isinstance(getattr(hf, n, None), int)), None)
+
     return {"dim": get("hidden_size", "n_embd", "d_model"), "n_heads": get("num_attention_heads", "n_head"),
             "n_kv_heads": get("num_key_value_heads", "num_attention_heads", "n_head"),
             "ffn_hidden": get("intermediate_size", "n_inner"), "vocab_size": get("vocab_size")}
@@ -90,9 +92,10 @@ def model_shape(cfg: RunConfig) -> Shape:
 # Public shapes for the worked examples and tests (Llama 3 model card / config.json: dim, layers, heads, kv heads,
 # ffn, vocabulary). Built-in decoders of these sizes count 8.03e9 and 70.55e9 parameters, as Meta states.
 LLAMA3 = {
-    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256, max_seq_len=8192),
-    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab_size=128256,
-                max_seq_len=8192),
-    "7b2": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008, vocab_size=32000,
-                max_seq_len=4096),  # Llama 2 7B
+    "8b": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336, "vocab_size": 128256,
+           "max_seq_len": 8192},
+    "70b": {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_hidden": 28672, "vocab_size": 128256,
+            "max_seq_len": 8192},
+    "7b2": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 11008, "vocab_size": 32000,
+            "max_seq_len": 4096},  # Llama 2 7B
 }
