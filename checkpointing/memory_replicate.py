@@ -41,25 +41,32 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
     snapshot is checked (:meth:`MemorySnapshot.from_bytes`) and must be of the same step; a bad one raises
     CorruptCheckpointError naming its source."""
     me = dist.get_rank(group)
-    blob = snapshot.to_bytes()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only buffer: gloo only reads what it sends
-        payload = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    payload = _as_tensor(snapshot.to_bytes())
     sources = senders_to(me, peers)
     dsts = [d for d in peers.get(me, ()) if d != me]
-    size = torch.tensor([len(blob)], dtype=torch.int64)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
     sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
     _exchange([(size, d) for d in dsts], list(sizes.items()), group)
-    bufs = {s: torch.empty(int(n.item()), dtype=torch.uint8) for s, n in sizes.items()}
-    _exchange([(payload, d) for d in dsts], list(bufs.items()), group)
+    # Received straight into the buffers the copies keep (their files are views of them).
+    bufs = {s: bytearray(int(n.item())) for s, n in sizes.items()}
+    _exchange([(payload, d) for d in dsts], [(s, _as_tensor(b)) for s, b in bufs.items()], group)
     out = {}
     for s, buf in bufs.items():
-        snap = MemorySnapshot.from_bytes(buf.numpy().tobytes(), f"the copy of rank {s}'s snapshot")
+        snap = MemorySnapshot.from_bytes(buf, f"the copy of rank {s}'s snapshot")
         if snap.step != snapshot.step or snap.rank != s:
             raise CorruptCheckpointError(f"the copy from rank {s} is rank {snap.rank}'s step {snap.step}, "
                                          f"expected step {snapshot.step}")
         out[s] = snap
     return out
+
+
+def _as_tensor(buf: bytes | bytearray) -> torch.Tensor:
+    """A uint8 tensor over ``buf``'s memory (a read-only ``bytes`` is only ever sent from)."""
+    if not buf:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bytes are read-only: gloo only reads what it sends
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _exchange(sends: list, recvs: list, group) -> None:

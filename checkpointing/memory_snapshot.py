@@ -112,7 +112,7 @@ class MemorySnapshot:
     step: int
     rank: int
     world_size: int
-    files: dict[str, bytes]  # this rank's shard files
+    files: dict[str, bytes | memoryview]  # this rank's shard files (views of the received bytes in a copy)
     metadata: bytes  # the DCP metadata of the step (pickled, as stock DCP writes it)
     table: dict[str, FileEntry]  # every rank's shard files of the step
     owners: dict[str, int]  # which rank wrote each file of the table
@@ -133,7 +133,7 @@ class MemorySnapshot:
         """The files a restore can take from this snapshot: its own shards and the metadata."""
         return {*self.files, METADATA_NAME}
 
-    def sources(self) -> dict[str, bytes]:
+    def sources(self) -> dict[str, bytes | memoryview]:
         return {**self.files, METADATA_NAME: self.metadata}
 
     def verify(self, where: str = "") -> None:
@@ -163,7 +163,7 @@ class MemorySnapshot:
         return b"".join([MAGIC, _LEN.pack(len(head)), head, self.metadata, *(self.files[n] for n in own)])
 
     @classmethod
-    def from_bytes(cls, blob: bytes, where: str = "a memory snapshot") -> MemorySnapshot:
+    def from_bytes(cls, blob: bytes | bytearray, where: str = "a memory snapshot") -> MemorySnapshot:
         """A snapshot from :meth:`to_bytes`' bytes, checked: the header's schema, every file against the
         table, and the DCP metadata through the restricted unpickler, its items inside the table's
         files. CorruptCheckpointError naming what is wrong otherwise."""
@@ -185,7 +185,7 @@ class MemorySnapshot:
         if checksum(snap.metadata) != h["metadata"][1]:
             raise CorruptCheckpointError(f"{where}: its DCP metadata fails its checksum")
         for name, size in zip(h["own"], sizes[1:]):
-            snap.files[name] = bytes(view[pos : pos + size])
+            snap.files[name] = view[pos : pos + size]  # no copy: the files stay in the received buffer
             pos += size
         snap.verify(where)
         check_locations(load_metadata(snap.metadata, f"{where}: {METADATA_NAME}"), snap.file_table(), where)

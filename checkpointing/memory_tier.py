@@ -121,7 +121,9 @@ class MemoryTier:
     tier's background thread)."""
 
     def __init__(self, rank: int, world_size: int, *, replicas: int = 1, memory_budget_bytes: int = 0,
-                 node_ids: list | None = None, group=None, replica_group=None):
+                 node_ids: list | None = None, group=None, replica_group=None, timeout_s: float = 300.0):
+        import datetime
+
         import torch.distributed as dist
 
         if replicas < 0 or memory_budget_bytes < 0:
@@ -131,10 +133,14 @@ class MemoryTier:
         self.memory_budget_bytes = memory_budget_bytes
         self.peers = {r: replica_peers(r, world_size, self.replicas, node_ids) for r in range(world_size)}
         distributed = world_size > 1 and dist.is_initialized()
-        self.group = group if group is not None or not distributed else dist.new_group(backend="gloo")
+        # A rank that died mid-snapshot fails the others' agreement after timeout_s (never agreed).
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = group if group is not None or not distributed else dist.new_group(backend="gloo",
+                                                                                       timeout=timeout)
         self.replica_group = None
         if distributed and self.replicas:
-            self.replica_group = replica_group if replica_group is not None else dist.new_group(backend="gloo")
+            self.replica_group = replica_group if replica_group is not None else dist.new_group(
+                backend="gloo", timeout=timeout)
         self.snapshots: dict[int, MemorySnapshot] = {}  # own, by step (agreed only)
         self.copies: dict[int, dict[int, MemorySnapshot]] = {}  # step -> source rank -> its snapshot
         self.restorable: int | None = None  # newest step every rank holds completely (own + copies)

@@ -155,10 +155,15 @@ def test_plan_restore_takes_the_newest_complete_step_else_none():
 # --- real process groups ---------------------------------------------------------------------------
 
 
+def _plain(sources: dict) -> dict[str, bytes]:
+    """Sources as ``bytes`` (a snapshot's files are views of the bytes it was read from) for a job's payload."""
+    return {k: bytes(v) for k, v in sources.items()}
+
+
 def _all_sources(ranks: list[dict]) -> dict[str, bytes]:
     out = {}
     for r in ranks:
-        out.update(MemorySnapshot.from_bytes(r["snapshot"]).sources())
+        out.update(_plain(MemorySnapshot.from_bytes(r["snapshot"]).sources()))
     return out
 
 
@@ -210,7 +215,7 @@ def test_rank1_restores_from_rank0s_copy_alone_into_zero1(world2):
     assert set(plan.where) == set(own.file_table())
     out = run_ranks("tests.memory_tier_jobs:restore", 2, {"base": base, "layout": ZERO1, "run_id": "w2",
                                                           "snapshot": ranks[0]["snapshot"],
-                                                          "sources": {**own.sources(), **copy.sources()}})
+                                                          "sources": _plain({**own.sources(), **copy.sources()})})
     for r in out:
         assert_same(r["memory"], r["durable"], "world 2 ZeRO-1")
         assert r["memory_loss"] == r["durable_loss"]
