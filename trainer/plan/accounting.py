@@ -12,7 +12,8 @@ Model states (parameters, gradients, optimizer state) and the step's transient b
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (MLSys 2023), section 4: per layer, the tensors a block saves for backward, sharded by
 tensor parallelism inside the tensor-parallel regions and, with sequence parallelism, outside them
-too; full recomputation keeps a block's input alone, plus one block's worth while it is recomputed.
+too; full recomputation keeps a block's input alone, plus one block's worth while it is recomputed
+(``recompute``, when the loss's logits are already freed).
 :func:`korthikanti_bytes` is the paper's own formula (GPT blocks, 16-bit, dropout);
 :func:`block_activation_elems` is the same count for this trainer's Llama block (RMSNorm, rotary
 SDPA with no materialized scores, SwiGLU, no dropout). A pipeline stage holds several micro-batches
@@ -130,8 +131,9 @@ def _in_flight(dims: ParallelDims, cfg: RunConfig, stage: int) -> float:
 
 
 def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: int) -> dict[str, float]:
-    """``activations`` (blocks, all micro-batches in flight), ``logits`` (the last stage's loss) and
-    ``workspace`` (backward's largest temporaries) of ``rank``, in bytes."""
+    """``activations`` (blocks, all micro-batches in flight), ``logits`` (the last stage's loss),
+    ``workspace`` (backward's largest temporaries) and ``recompute`` (a checkpointed block's
+    activations while backward recomputes it) of ``rank``, in bytes."""
     from ..model import layer_split
 
     p, m = cfg.parallel, cfg.model
@@ -141,11 +143,12 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     layers = sum(len(split[s]) for s in stages)
     full = block_activation_elems(cfg, dims.tp, p.sequence_parallel) * tokens * act_bytes
     kept = m.dim * tokens * act_bytes / (dims.tp if p.sequence_parallel else 1)
+    recompute = 0.0  # one checkpointed block's activations, again, while backward recomputes it
     if p.activation_checkpoint == "full":
-        per_mb = layers * kept + full
+        per_mb, recompute = layers * kept, full
     elif p.activation_checkpoint == "every_k":
         ck = sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0)
-        per_mb = ck * kept + (layers - ck) * full + (full if ck else 0)
+        per_mb, recompute = ck * kept + (layers - ck) * full, (full if ck else 0.0)
     else:
         per_mb = layers * full
     pp_coord = dims.coords(rank)["pp"]
@@ -154,7 +157,7 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     logits = tokens * m.vocab_size / (dims.tp if p.loss_parallel else 1) * (act_bytes + 8) if last else 0
     final = 2 * m.dim * tokens * act_bytes if last else 0
     workspace = tokens * (2 * m.ffn_hidden / dims.tp + 2 * m.dim) * act_bytes
-    return {"activations": acts + final, "logits": logits, "workspace": workspace}
+    return {"activations": acts + final, "logits": logits, "workspace": workspace, "recompute": recompute}
 
 
 def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
@@ -178,12 +181,15 @@ def _no_device_tier(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:
 RECOVERY_TIER: Callable[[RunConfig, ParallelDims, int], int] = _no_device_tier
 
 
-def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, transient: int) -> int:
+def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, transient: int,
+                           recomputing: bool = False) -> int:
     """What the model-state buffers hold while backward's activations peak (its start).
 
     ZeRO-2: a bucket. ZeRO-3 (FSDP2): the gathered root (embedding, head) and the last block (kept
     gathered after forward), or every gathered parameter under a pipeline; with several micro-batches
-    and no ``reduce_every_microbatch``, also the whole unsharded gradients it accumulates into."""
+    and no ``reduce_every_microbatch``, also the whole unsharded gradients it accumulates into.
+    ``recomputing``: while backward recomputes a checkpointed block, which is gathered, with that
+    block's unsharded gradients and their fp32 reduce-scatter copy beside it."""
     from ..memory import _local_counts
 
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
@@ -200,6 +206,8 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     gathered = p * total if dims.pp > 1 else p * (total - blocks * block + block)
     n_micro = dims.pp_microbatches(cfg) if dims.pp > 1 else dims.local_batch(cfg) // cfg.train.micro_batch
     accumulated = p * total if n_micro > 1 and not cfg.parallel.reduce_every_microbatch else 0
+    if recomputing:  # a block recomputed in backward: gathered with its unsharded and fp32 reduced gradients
+        gathered += (p + 4) * block
     return gathered + accumulated
 
 
@@ -210,7 +218,8 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     The peak is the model states and the recovery tier, plus the largest of three moments: the
     model-state buffers' own peak (``transient``, :func:`trainer.memory.transient_bytes`),
     backward's start (activations, logits, workspace and what the buffers hold then,
-    ``with_activations``), and the optimizer step, whose foreach AdamW makes one fp32 temporary the
+    ``with_activations``), a checkpointed block's recomputation (the activations kept, that block's
+    again, the workspace, the buffers with that block gathered and its gradients), and the optimizer step, whose foreach AdamW makes one fp32 temporary the
     size of what this rank updates (``optimizer_step``; for the small preset at micro-batch 2 it is
     the step that peaks)."""
     from ..memory import local_param_count
@@ -224,7 +233,11 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
            "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
     out["with_activations"] = _alongside_activations(cfg, dims, rank, mixed, out["transient"])
     backward = out["activations"] + out["logits"] + out["workspace"] + out["with_activations"]
-    out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward,
+    recompute = 0
+    if out["recompute"]:  # the loss and its logits are gone by then
+        recompute = out["activations"] + out["recompute"] + out["workspace"] + _alongside_activations(
+            cfg, dims, rank, mixed, out["transient"], recomputing=True)
+    out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
     out["param_count"] = count
