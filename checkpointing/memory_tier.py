@@ -308,17 +308,23 @@ class MemoryTier:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def _over_budget(self, new_bytes: int) -> str:
-        """Why a snapshot of ``new_bytes`` (and the copies it brings from peers, sized alike) would exceed
-        the budget; "" when it fits or there is none."""
+    def _over_budget(self, tensor_bytes: int) -> str:
+        """Why the next snapshot would take this rank's tier over the budget; "" when it fits or there is
+        none. Sized by the last snapshot and copies of each (the same layout, envelopes and metadata
+        included), else by ``tensor_bytes`` for each."""
         if not self.memory_budget_bytes:
             return ""
-        incoming = new_bytes * len([s for s, d in self.peers.items() if self.rank in d])
-        after = self.held_bytes() + new_bytes + incoming
+        with self._lock:
+            last = self.snapshots[max(self.snapshots)].nbytes if self.snapshots else 0
+            copies = {src: c.nbytes for per in self.copies.values() for src, c in per.items()}
+        new = max(tensor_bytes, last)
+        incoming = sum(max(tensor_bytes, copies.get(s, 0)) for s, d in self.peers.items() if self.rank in d)
+        kept = self.held_bytes()
+        after = kept + new + incoming
         if after <= self.memory_budget_bytes:
             return ""
-        return (f"rank {self.rank} would hold {after} bytes (its snapshot {new_bytes}, copies for peers {incoming}, "
-                f"kept {self.held_bytes()}), over memory_budget_bytes={self.memory_budget_bytes}")
+        return (f"rank {self.rank} would hold {after} bytes (its snapshot {new}, copies for peers {incoming}, "
+                f"kept {kept}), over memory_budget_bytes={self.memory_budget_bytes}")
 
     def _prune(self) -> None:
         """Keep only the restorable step (before a new snapshot, and once a newer one became restorable)."""

@@ -71,6 +71,12 @@ def snapshot(payload: dict) -> dict:
                        copies={s: c.to_bytes() for s, c in tier.copies.get(res.snapshot.step, {}).items()})
         out.update(held=tier.held_bytes(), holdings=tier.holdings(), needed=tier.needed(),
                    restorable=tier.restorable, step=trainer.step)
+        if payload.get("budget_after") and res.ok:  # a budget of that many times the largest snapshot
+            biggest = torch.tensor([res.snapshot.nbytes])
+            torch.distributed.all_reduce(biggest, op=torch.distributed.ReduceOp.MAX)
+            tier.memory_budget_bytes = int(payload["budget_after"] * biggest.item())
+            again = tier.take(trainer.step + 1, state, train_state)
+            out["again"] = (again.status, again.reason, tier.held_bytes(), tier.restorable)
         if payload.get("state", True):
             out["state"] = full_state(trainer)
         tier.close()

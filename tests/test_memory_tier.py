@@ -238,7 +238,7 @@ def test_copies_go_to_another_node_at_world3(world2):
     base, _, _ = world2
     ranks = run_ranks("tests.memory_tier_jobs:snapshot", 3,
                       {"base": base, "layout": ZERO3, "train": 1, "run_id": "w3", "durable": False, "state": False,
-                       "node_ids": ["a", "a", "b"]})
+                       "node_ids": ["a", "a", "b"], "budget_after": 3})
     assert all(r["status"] == "agreed" and r["replicated"] for r in ranks)
     # Ranks 0 and 1 (node a) copy to rank 2 (node b), rank 2 to rank 0: rank 1 holds no copy.
     assert [sorted(r["copies"]) for r in ranks] == [[2], [], [0, 1]]
@@ -249,3 +249,9 @@ def test_copies_go_to_another_node_at_world3(world2):
     # Node b lost (rank 2): its files are on rank 0.
     plan = plan_restore({0: ranks[0]["holdings"], 1: ranks[1]["holdings"]}, ranks[0]["needed"])
     assert plan is not None and {plan.where[n] for n in MemorySnapshot.from_bytes(ranks[2]["snapshot"]).files} == {0}
+    # A budget of 3 snapshots: rank 1 (its own kept and the next) fits; ranks 0 and 2 (the copies they keep
+    # and receive) do not, and one rank's refusal refuses the snapshot on every rank.
+    for r in ranks:
+        status, reason, held, restorable = r["again"]
+        assert status == "refused" and held == r["held"] and restorable == 1
+        assert "rank 0 would hold" in reason and "rank 2 would hold" in reason and "rank 1 " not in reason
