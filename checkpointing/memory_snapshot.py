@@ -70,7 +70,7 @@ class MemoryStorage(Storage):
                 raise FileExistsError(rel)
             self.objects[rel] = data
 
-    def get_many(self, rels: Iterable[str]) -> dict[str, bytes]:
+    def get_many(self, rels: Iterable[str]) -> dict[str, bytes | bytearray | memoryview]:
         out = {}
         for rel in dict.fromkeys(rels):
             with self._objects_lock:
@@ -80,7 +80,7 @@ class MemoryStorage(Storage):
             data = src() if callable(src) else src
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise CorruptCheckpointError(f"the source of {rel} gave a {type(data).__name__}, not bytes")
-            out[rel] = bytes(data) if not isinstance(data, bytes) else data
+            out[rel] = data  # a view is read in place (the reader only copies out of it)
         return out
 
     def list_dir(self, rel: str = "") -> dict[str, int | None]:

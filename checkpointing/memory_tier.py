@@ -116,9 +116,9 @@ def state_bytes(state_dict) -> int:
 
 
 class MemoryTier:
-    """One rank's memory tier. Construction is collective when distributed (two gloo groups: one for
-    snapshots and their agreement, used by the caller's thread; one for the copies, used only by the
-    tier's background thread)."""
+    """One rank's memory tier. Construction is collective when distributed: two gloo groups beside the
+    training group, one for snapshots and their agreement, one for the copies to peers (each used by one
+    thread at a time: :meth:`take` runs in the caller's thread once the background work ended)."""
 
     def __init__(self, rank: int, world_size: int, *, replicas: int = 1, memory_budget_bytes: int = 0,
                  node_ids: list | None = None, group=None, replica_group=None, timeout_s: float = 300.0):
