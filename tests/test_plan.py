@@ -275,3 +275,11 @@ def test_a_factory_model_is_offered_only_what_it_can_take():
     with_plan = planning_config(load_config(None, ['model.source="python"', 'model.factory="tests.custom_model:build"',
                                                    'model.tp_plan="tests.custom_model:tp_plan"', "data.seq_len=32"]))
     assert "tp" in with_plan.plan_allows and "pp" not in with_plan.plan_allows
+
+
+def test_calibration_times_real_steps_of_the_model():
+    from trainer.plan.calibrate import measure_compute
+
+    fit = measure_compute(load_config(None, TINY), "cpu")
+    assert fit["steps"] >= 2 and fit["step_seconds"] > 0 and fit["flops_per_core"] > 1e6
+    assert fit["flops"] == pytest.approx(fit["step_flops"] / fit["step_seconds"] * (fit["flops"] / fit["flops_per_core"]))

@@ -3,7 +3,8 @@
     fit = calibrate(cfg, "cpu")          # two training steps, then timed all-reduces; stored and returned
     dev = apply(DEVICES["cpu"], load("cpu"))
 
-Compute: the model (the built-in decoder of the planner's shape, :mod:`.shape`) trains two steps
+Compute: the model (the built-in preset, or the ``transformers`` or factory model itself; the
+planner's FLOP count is its built-in-equivalent shape's, :mod:`.shape`) trains two steps
 of one micro-batch (forward, backward, AdamW) on this machine in one process (more steps, up to 8
 in 3 s, when they are quick); the fastest step after the first, against
 :func:`trainer.plan.cost.step_flops`, gives the achieved FLOP rate. On the CPU the step runs on one thread and the host's rate is that
@@ -89,11 +90,13 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     from .cost import step_flops
     from .shape import model_shape
 
-    m = model_shape(cfg).model
+    shape = model_shape(cfg)
+    m = shape.model
     note = ""
-    if m.n_layers * 12 * m.dim * m.dim > 200e6:
+    real = cfg.model.source != "builtin"  # a transformers or factory model: that model itself
+    if shape.n_params > 200e6:
         m = dataclasses.replace(m, **MODEL_PRESETS["small"], vocab_size=min(m.vocab_size, 32000))
-        note = "the model is over 200M parameters: measured at the small preset's size"
+        note, real = "the model is over 200M parameters: measured at the small preset's size", False
     seq = min(cfg.data.seq_len, m.max_seq_len)
     one = dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, seq_len=seq),
                               parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1, pp=1,
@@ -106,8 +109,19 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     if device == "cpu":  # one core, times the cores: threads that contend for a busy host measure the contention
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Transformer(m).to(dev, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if real:
+        from ..models import build_model, logits_of
+
+        net = build_model(cfg, "cpu").to(dev, dtype)
+
+        def model(tokens):
+            return logits_of(net(tokens))
+
+        params = net.parameters()
+    else:
+        model = Transformer(m).to(dev, dtype)
+        params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=1e-4)
     x = torch.randint(0, m.vocab_size, (one.train.micro_batch, seq + 1), device=dev)
     times: list[float] = []
     t_end = time.monotonic() + 3.0
