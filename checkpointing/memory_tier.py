@@ -216,7 +216,10 @@ class MemoryTier:
         refusal = self._over_budget(state_bytes(state_dict))
         layout = _layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
-        votes = self._gather((refusal, plan_id))
+        try:
+            votes = self._gather((refusal, plan_id))
+        except Exception as e:  # a rank gone: this step is never agreed
+            return self._unagreed(step, writer, f"the vote before it failed ({describe(e)})", t0, phases)
         refusals = [r for r, _ in votes if r]
         if refusals:
             if writer is not None:
@@ -254,7 +257,10 @@ class MemoryTier:
                 writer.release()
         phases["copy"] = time.monotonic() - t1 - phases.get("plan", 0.0)
         t2 = time.monotonic()
-        everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], metadata))
+        try:
+            everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], metadata))
+        except Exception as e:
+            return self._unagreed(step, None, f"the agreement failed ({describe(e)})", t0, phases)
         phases["agree"] = time.monotonic() - t2
         failed = {r: f"{w or 'not ok'}" for r, (s, o, w, _, _) in enumerate(everyone) if not o or s != step}
         md = everyone[0][4]
@@ -279,6 +285,13 @@ class MemoryTier:
             self._prune()
         return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases,
                               planned=not reuse)
+
+    def _unagreed(self, step: int, writer, why: str, t0: float, phases: dict) -> SnapshotResult:
+        if writer is not None:
+            writer.release()
+        self.last_reason = f"memory snapshot of step {step} not agreed: {why}"
+        log.warning("%s", self.last_reason)
+        return SnapshotResult(step, "failed", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
 
     def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
         """This rank's files laid out by the last plan (views of the state, nothing copied yet) when its

@@ -39,7 +39,8 @@ def snapshot(payload: dict) -> dict:
     try:
         trainer = _trainer(payload, world)
         tier = MemoryTier(world.rank, world.size, replicas=payload.get("replicas", 1),
-                          memory_budget_bytes=payload.get("budget", 0), node_ids=payload.get("node_ids"))
+                          memory_budget_bytes=payload.get("budget", 0), node_ids=payload.get("node_ids"),
+                          timeout_s=payload.get("timeout_s", 300))
         for _ in range(payload.get("train", 2) - 1):
             trainer.train_step()
         out: dict = {}
@@ -58,32 +59,50 @@ def snapshot(payload: dict) -> dict:
             def fail(self, rel, parts, *, exclusive=False):
                 raise OSError("host memory copy failed (injected)")
             MemoryStorage.put_parts = fail
+        if world.rank == payload.get("die_in_copy_on"):
+            def die(self, rel, parts, *, exclusive=False):
+                raise _Gone()
+            MemoryStorage.put_parts = die
         state, train_state = trainer.optimizer.checkpoint_state(), trainer.train_state()
-        if payload.get("async"):
-            res = tier.take_async(trainer.step, state, train_state).result()
-            rep = res.replication
-        else:
-            res = tier.take(trainer.step, state, train_state)
-            rep = tier.replicate_async(res.snapshot).result() if res.ok else None
-        out.update(status=res.status, reason=res.reason, planned=res.planned, phases=res.phases)
-        if res.ok:
-            out.update(replicated=rep.ok, replicate_reason=rep.reason, snapshot=res.snapshot.to_bytes(),
-                       copies={s: c.to_bytes() for s, c in tier.copies.get(res.snapshot.step, {}).items()})
-        out.update(held=tier.held_bytes(), holdings=tier.holdings(), needed=tier.needed(),
-                   restorable=tier.restorable, step=trainer.step)
-        if payload.get("budget_after") and res.ok:  # a budget of that many times the largest snapshot
-            biggest = torch.tensor([res.snapshot.nbytes])
-            torch.distributed.all_reduce(biggest, op=torch.distributed.ReduceOp.MAX)
-            tier.memory_budget_bytes = int(payload["budget_after"] * biggest.item())
-            again = tier.take(trainer.step + 1, state, train_state)
-            out["again"] = (again.status, again.reason, tier.held_bytes(), tier.restorable)
-        if payload.get("state", True):
-            out["state"] = full_state(trainer)
-        tier.close()
-        return out
+        try:
+            return _snapshot_now(payload, trainer, tier, state, train_state, out)
+        except _Gone:  # this rank leaves mid-copy: its group's connections close, as a killed rank's do
+            shutdown_distributed()
+            tier.close()
+            return {"gone": True}
     finally:
         MemoryStorage.put_parts = put_parts
         shutdown_distributed()
+
+
+class _Gone(BaseException):
+    """A rank that dies mid-copy (raised through the tier, as nothing there catches it)."""
+
+
+def _snapshot_now(payload, trainer, tier, state, train_state, out: dict) -> dict:
+    """Take the snapshot the test asked for (after the durable one) and report what the tier holds."""
+    if payload.get("async"):
+        res = tier.take_async(trainer.step, state, train_state).result()
+        rep = res.replication
+    else:
+        res = tier.take(trainer.step, state, train_state)
+        rep = tier.replicate_async(res.snapshot).result() if res.ok else None
+    out.update(status=res.status, reason=res.reason, planned=res.planned, phases=res.phases)
+    if res.ok:
+        out.update(replicated=rep.ok, replicate_reason=rep.reason, snapshot=res.snapshot.to_bytes(),
+                   copies={s: c.to_bytes() for s, c in tier.copies.get(res.snapshot.step, {}).items()})
+    out.update(held=tier.held_bytes(), holdings=tier.holdings(), needed=tier.needed(),
+               restorable=tier.restorable, step=trainer.step)
+    if payload.get("budget_after") and res.ok:  # a budget of that many times the largest snapshot
+        biggest = torch.tensor([res.snapshot.nbytes])
+        torch.distributed.all_reduce(biggest, op=torch.distributed.ReduceOp.MAX)
+        tier.memory_budget_bytes = int(payload["budget_after"] * biggest.item())
+        again = tier.take(trainer.step + 1, state, train_state)
+        out["again"] = (again.status, again.reason, tier.held_bytes(), tier.restorable)
+    if payload.get("state", True):
+        out["state"] = full_state(trainer)
+    tier.close()
+    return out
 
 
 def restore(payload: dict) -> dict:

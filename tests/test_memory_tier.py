@@ -234,6 +234,17 @@ def test_a_snapshot_one_rank_failed_to_copy_is_never_used(world2):
     assert plan_restore({0: ranks[0]["holdings"], 1: ranks[1]["holdings"]}, ranks[0]["needed"]) is None
 
 
+def test_a_rank_gone_mid_copy_leaves_the_step_unagreed(world2):
+    base, _, _ = world2
+    ranks = run_ranks("tests.memory_tier_jobs:snapshot", 2,
+                      {"base": base, "layout": ZERO3, "train": 1, "run_id": "w2g", "durable": False, "state": False,
+                       "die_in_copy_on": 1, "timeout_s": 20}, timeout=120)
+    assert ranks[1] == {"gone": True}
+    r = ranks[0]
+    assert r["status"] == "failed" and "not agreed: the agreement failed" in r["reason"], r["reason"]
+    assert r["held"] == 0 and r["needed"] == {} and r["restorable"] is None
+
+
 def test_copies_go_to_another_node_at_world3(world2):
     base, _, _ = world2
     ranks = run_ranks("tests.memory_tier_jobs:snapshot", 3,
