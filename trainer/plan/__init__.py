@@ -1,7 +1,7 @@
 """``etrain plan``: memory, communication and step time of every layout and every size a run can take.
 
     from trainer.plan.search import plan_size
-    result = plan_size(cfg, world=64, device=DEVICES["h100"])     # fastest layout that fits, runner-up, losers
+    result = plan_size(cfg, 64, DEVICES["h100"])     # the fastest layout that fits, its runner-up, the losers
 
 Modules, bottom up: :mod:`.shape` (the model as the planner sees it, counted on the meta device),
 :mod:`.accounting` (per-rank bytes: the ZeRO paper's model states from :mod:`trainer.memory`,
