@@ -372,8 +372,11 @@ class MemoryTier:
         except Exception as e:  # a failed copy leaves the previous restorable step in place
             why = describe(e)
         votes = [None] * self.world_size
-        dist.all_gather_object(votes, why, group=self.replica_group)
-        bad = {r: w for r, w in enumerate(votes) if w}
+        try:
+            dist.all_gather_object(votes, why, group=self.replica_group)
+            bad = {r: w for r, w in enumerate(votes) if w}
+        except Exception as e:  # a rank gone: the copies of this step are not complete everywhere
+            bad = {self.rank: why or f"the agreement on the copies failed ({describe(e)})"}
         with self._lock:
             if not bad:
                 self.copies[snapshot.step] = got
