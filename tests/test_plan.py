@@ -180,7 +180,7 @@ def test_json_document(capsys):
     assert [s["world"] for s in doc["sizes"]] == [4, 5, 6] and not doc["sizes"][1]["valid"]
     best = doc["plan"]["best"]
     assert set(best["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "transient",
-                                         "recovery_tier", "host_staging", "total"}
+                                         "recovery_tier", "host_staging", "host_recovery_tier", "total"}
     assert set(best["time"]) >= {"compute_s", "bubble", "comm_s", "exposed_s", "step_s"}
     assert all(set(c) >= {"kind", "axis", "bytes", "link"} for c in best["comm"])
     assert doc["plan"]["runner_up"]["reason"] and doc["explain"]

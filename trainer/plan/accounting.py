@@ -20,8 +20,9 @@ SDPA with no materialized scores, SwiGLU, no dropout). A pipeline stage holds se
 at once (1F1B: pp - stage index; GPipe: all; interleaved: Narayanan et al. 2021's factor
 1 + (p - 1) / (p v)).
 
-Checkpoint staging is host memory (the async save's blocking copy); the recovery tier is a hook,
-:data:`RECOVERY_TIER`, 0 device bytes today (the peer-memory tier keeps its copy on the host).
+Checkpoint staging is host memory (the async save's blocking copy), and so is the memory tier of
+recovery (:mod:`checkpointing.memory_tier`: at most two own snapshots and two of a peer's,
+``host_recovery_tier``); its device bytes are a hook, :data:`RECOVERY_TIER`, 0 today.
 """
 
 from __future__ import annotations
@@ -211,9 +212,14 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     return gathered + accumulated
 
 
+# Host copies of a rank's state the memory tier holds at most: two own snapshots, two of a peer's (one replica).
+MEMORY_TIER_COPIES = 4
+
+
 def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
     """Device bytes of ``rank`` at the step's peak, by part, and ``total``; ``host_staging`` (the async
-    checkpoint's host copy of this rank's state) is host memory, outside ``total``.
+    checkpoint's host copy of this rank's state) and ``host_recovery_tier`` (the memory tier's copies,
+    at most) are host memory, outside ``total``.
 
     The peak is the model states and the recovery tier, plus the largest of three moments: the
     model-state buffers' own peak (``transient``, :func:`trainer.memory.transient_bytes`),
@@ -240,6 +246,9 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
+    # The memory tier (checkpointing.memory_tier), in host memory: at most two own snapshots and, with one
+    # replica, the copies of a peer's at those steps: four times the state at most.
+    out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]
     out["param_count"] = count
     return out
 

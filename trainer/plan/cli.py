@@ -236,7 +236,8 @@ def print_plan(doc: dict) -> None:
             parts = ", ".join(f"{k} {_gib(mem[k])}" for k in ("params", "grads", "optimizer", "activations",
                                                               "logits", "workspace", "optimizer_step", "transient",
                                                               "recovery_tier"))
-            print(f"             {parts}; checkpoint staging {_gib(mem['host_staging'])} of host memory")
+            print(f"             {parts}; host memory: checkpoint staging {_gib(mem['host_staging'])}, "
+                  f"memory tier up to {_gib(mem['host_recovery_tier'])}")
             comm = ", ".join(f"{c['kind']} {c['axis']} {_human_bytes(c['bytes'])} ({c['link']})" for c in b["comm"])
             print(f"             per step: {comm or 'no communication'}")
             if plan["runner_up"]:
