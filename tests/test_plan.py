@@ -166,6 +166,7 @@ def test_parse_sizes_and_ranges():
     (["--inter-node-bw", "fast"], "--inter-node-bw"),
     (["--set", "parallel.tp=3"], "parallel.tp"),
     (["--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--budget-s", "0"], "--budget-s"),
 ])
 def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
     assert plan_main(["examples/tiny.toml", "--device", "cpu", "--workers", "2", *argv]) == 2

@@ -123,6 +123,8 @@ def _device(args):
 def _run(args, elastic: Callable) -> int:
     from trainer.config_load import config_from_dict, load_raw
 
+    if not args.budget_s > 0:
+        raise ConfigError(f"--budget-s {args.budget_s} must be > 0 (seconds the random search may take per size)")
     for flag in ("device_memory", "intra_node_bw", "inter_node_bw"):  # bad flags before any work
         value = getattr(args, flag)
         if value:
