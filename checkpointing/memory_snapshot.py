@@ -1,10 +1,9 @@
-"""One rank's in-memory snapshot of the training state, its wire format, and where its files live.
+"""One rank's in-memory snapshot of the training state, its wire format, and which peers hold copies of it.
 
     snap = MemorySnapshot(step, rank, world, files, metadata, table, owners, trainer_state)
     blob = snap.to_bytes()                               # for a peer's memory (replication)
     snap = MemorySnapshot.from_bytes(blob, "replica of rank 1")  # checked; stored bytes never run code
     peers = replica_peers(rank, world_size, replicas=1, node_ids=["a", "a", "b", "b"])
-    plan = plan_restore({holder: {step: names}}, {step: names})  # None: use the durable checkpoint
 
 A snapshot holds the same files a durable checkpoint of the step holds (checkpoint
 format 3: stock DCP shard files and DCP ``.metadata``, see docs/checkpoint-format.md),
@@ -26,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .dcp_format import CorruptCheckpointError
@@ -218,7 +217,7 @@ class MemorySnapshot:
         return snap, [nat(h["metadata"][0]), *(table[p].size for p in own)]
 
 
-# --- where copies go, and where a restore finds them -------------------------------------
+# --- where copies go -------------------------------------------------------------------
 
 
 def replica_peers(rank: int, world_size: int, replicas: int = 1, node_ids: list | None = None) -> list[int]:
@@ -232,40 +231,3 @@ def replica_peers(rank: int, world_size: int, replicas: int = 1, node_ids: list 
         order = ([r for r in order if node_ids[r] != node_ids[rank]]
                  + [r for r in order if node_ids[r] == node_ids[rank]])
     return order[: max(0, replicas)]
-
-
-@dataclass(frozen=True)
-class RestorePlan:
-    """Where each file of step ``step`` is taken from: ``where[name]`` is a holder (a rank, a worker)."""
-
-    step: int
-    where: dict[str, Hashable]
-    reason: str  # why this step (and not a newer one), for the recovery event
-
-
-def plan_restore(holdings: Mapping[Hashable, Mapping[int, Iterable[str]]],
-                 needed: Mapping[int, Iterable[str]]) -> RestorePlan | None:
-    """The newest agreed step whose every file is held by someone, and where each file is.
-
-    ``holdings``: per holder (in order of preference: a restore takes each file from
-    the first holder listed that has it), the files it holds per step, its own and
-    its replicas. ``needed``: per agreed step, every file of that step (its agreed
-    table and the DCP metadata, :meth:`MemorySnapshot.file_table`). None when no
-    step is complete: the caller restores from the durable checkpoint.
-    """
-    held: dict[int, dict[str, Hashable]] = {}
-    for holder, steps in holdings.items():
-        for step, names in steps.items():
-            for name in names:
-                held.setdefault(step, {}).setdefault(name, holder)
-    skipped = []
-    for step in sorted(needed, reverse=True):
-        want = set(needed[step])
-        have = held.get(step, {})
-        missing = sorted(want - set(have))
-        if not want or missing:
-            skipped.append(f"step {step} lacks {len(missing)} file(s) ({', '.join(missing[:3])})")
-            continue
-        why = "the newest agreed step" if not skipped else "newer steps incomplete: " + "; ".join(skipped)
-        return RestorePlan(step, {name: have[name] for name in sorted(want)}, why)
-    return None

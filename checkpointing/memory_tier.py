@@ -7,7 +7,7 @@ format durable checkpoints use, so a restore from memory reshards exactly as a r
     fut = tier.take_async(step, state_dict, trainer_state)   # or: waits for a host copy only, the rest (copies
                                                              # to peers included) in the background thread
     tier.held_bytes()                                    # own snapshots + the copies held for peers
-    plan = plan_restore({0: tier.holdings(), ...}, tier.needed())   # memory_snapshot; None: use storage
+    plan = plan_restore({0: tier.holdings(), ...}, tier.needed())   # None: use the durable checkpoint
     load_from_memory(state_dict, sources, snapshot)      # collective; resharded like a durable load
 
 :meth:`MemoryTier.take` saves ``state_dict`` (what the checkpoint manager saves:
@@ -49,10 +49,9 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dcp_format import CorruptCheckpointError
-from .errors import CheckpointError
 from .manifest import METADATA_NAME, FileEntry
-from .memory_snapshot import MemorySnapshot, MemoryStorage, Source, replica_peers
+from .memory_restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
+from .memory_snapshot import MemorySnapshot, MemoryStorage, replica_peers
 from .retry import describe
 from .transaction import SaveTransaction, _layout_fingerprint, _PlannedLayout
 
@@ -432,36 +431,3 @@ class MemoryTier:
             for c in self.copies.get(step, {}).values():
                 out.update(c.sources())
             return out
-
-
-def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], snapshot: MemorySnapshot, *,
-                     process_group=None) -> None:
-    """Load step ``snapshot.step`` into ``state_dict`` in place, resharded to its layout, from ``sources``
-    (file name -> bytes, or a callable that fetches them: this rank's own files, the copies it holds, files
-    of another holder). Collective. ``snapshot`` (any rank's of that step, its files may be left out)
-    gives the agreed table and the DCP metadata: every file is checked against the table before use, and
-    the metadata is read with the restricted unpickler. Goes through the durable reader and planner
-    (:class:`checkpointing.dcp_read.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
-    load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from .dcp_read import EtrainReader, SafeLoadPlanner
-    from .manager import _load_failure
-
-    if not snapshot.agreed:
-        raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "
-                              "restore from the durable checkpoint")
-    rel = f"{_REL}/step_{snapshot.step}"
-    storage = MemoryStorage({f"{rel}/{k}": v for k, v in {METADATA_NAME: snapshot.metadata, **sources}.items()})
-    reader = EtrainReader(storage, rel, snapshot.file_table())
-    reader.read_metadata()  # checked here (the restricted unpickler), before DCP sees it
-    try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
-                 no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:
-        cause = _load_failure(e)
-        if isinstance(cause, CorruptCheckpointError):
-            raise CorruptCheckpointError(f"cannot restore step {snapshot.step} from memory: {cause}") from e
-        raise

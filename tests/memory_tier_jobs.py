@@ -13,8 +13,9 @@ import time
 
 import torch
 
+from checkpointing.memory_restore import load_from_memory
 from checkpointing.memory_snapshot import MemorySnapshot, MemoryStorage
-from checkpointing.memory_tier import MemoryTier, load_from_memory
+from checkpointing.memory_tier import MemoryTier
 from tests.ckpt_jobs import full_state
 from trainer.config_load import load_config
 from trainer.data import load_corpus

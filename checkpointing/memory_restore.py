@@ -1,0 +1,96 @@
+"""Restoring from the memory tier: which holder gives each file, and the load itself.
+
+    plan = plan_restore({rank: tier.holdings(), ...}, tier.needed())   # None: use the durable checkpoint
+    load_from_memory(state_dict, {name: bytes or fetch()}, snapshot)   # collective, resharded
+
+A restore from memory is a durable restore with another storage under it: the
+files come from host memory (this rank's own snapshot, the copies it holds for
+peers, files fetched from another holder), and are read by the durable reader
+(:class:`checkpointing.dcp_read.EtrainReader`, every file checked against the
+step's agreed table before use, the DCP metadata through the restricted
+unpickler) with the durable load planner, so the result is bitwise what a
+durable load of the same state gives, into any world size or layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .dcp_format import CorruptCheckpointError
+from .errors import CheckpointError
+from .manifest import METADATA_NAME
+from .memory_snapshot import MemorySnapshot, MemoryStorage, Source
+
+_REL = "memory"
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where each file of step ``step`` is taken from: ``where[name]`` is a holder (a rank, a worker)."""
+
+    step: int
+    where: dict[str, Hashable]
+    reason: str  # why this step (and not a newer one), for the recovery event
+
+
+def plan_restore(holdings: Mapping[Hashable, Mapping[int, Iterable[str]]],
+                 needed: Mapping[int, Iterable[str]]) -> RestorePlan | None:
+    """The newest agreed step whose every file is held by someone, and where each file is.
+
+    ``holdings``: per holder (in order of preference: a restore takes each file from
+    the first holder listed that has it), the files it holds per step, its own and
+    its replicas. ``needed``: per agreed step, every file of that step (its agreed
+    table and the DCP metadata, :meth:`MemorySnapshot.file_table`). None when no
+    step is complete: the caller restores from the durable checkpoint.
+    """
+    held: dict[int, dict[str, Hashable]] = {}
+    for holder, steps in holdings.items():
+        for step, names in steps.items():
+            for name in names:
+                held.setdefault(step, {}).setdefault(name, holder)
+    skipped = []
+    for step in sorted(needed, reverse=True):
+        want = set(needed[step])
+        have = held.get(step, {})
+        missing = sorted(want - set(have))
+        if not want or missing:
+            skipped.append(f"step {step} lacks {len(missing)} file(s) ({', '.join(missing[:3])})")
+            continue
+        why = "the newest agreed step" if not skipped else "newer steps incomplete: " + "; ".join(skipped)
+        return RestorePlan(step, {name: have[name] for name in sorted(want)}, why)
+    return None
+
+
+def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], snapshot: MemorySnapshot, *,
+                     process_group=None) -> None:
+    """Load step ``snapshot.step`` into ``state_dict`` in place, resharded to its layout, from ``sources``
+    (file name -> bytes, or a callable that fetches them: this rank's own files, the copies it holds, files
+    of another holder). Collective. ``snapshot`` (any rank's of that step, its files may be left out)
+    gives the agreed table and the DCP metadata: every file is checked against the table before use, and
+    the metadata is read with the restricted unpickler. Goes through the durable reader and planner
+    (:class:`checkpointing.dcp_read.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
+    load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .dcp_read import EtrainReader, SafeLoadPlanner
+    from .manager import _load_failure
+
+    if not snapshot.agreed:
+        raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "
+                              "restore from the durable checkpoint")
+    rel = f"{_REL}/step_{snapshot.step}"
+    storage = MemoryStorage({f"{rel}/{k}": v for k, v in {METADATA_NAME: snapshot.metadata, **sources}.items()})
+    reader = EtrainReader(storage, rel, snapshot.file_table())
+    reader.read_metadata()  # checked here (the restricted unpickler), before DCP sees it
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        cause = _load_failure(e)
+        if isinstance(cause, CorruptCheckpointError):
+            raise CorruptCheckpointError(f"cannot restore step {snapshot.step} from memory: {cause}") from e
+        raise
