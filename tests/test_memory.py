@@ -132,3 +132,19 @@ def test_a_model_loaded_from_init_from_is_never_whole_on_a_rank(tmp_path):
         assert built["build_peak_bytes"] >= built["whole_bytes"], (rank, built)  # drawn whole from the seed
         assert loaded["held_bytes"] <= 0.51 * loaded["whole_bytes"], (rank, loaded)
         assert loaded["build_peak_bytes"] <= 0.75 * loaded["whole_bytes"], (rank, loaded)
+
+
+def test_zero3_with_replicas_and_a_shard_group_of_one_replicates():
+    """HSDP (parallel.dp_replicate=2) at world 2 leaves a dp_shard group of 1: FSDP2 gets the 2-D mesh and
+    replicates the parameters across dp_replicate (each rank holds them whole, as trainer.memory.predict
+    says), where a 1-D mesh would have sharded them across the replicas."""
+    from trainer import memory
+    from trainer.config_load import load_config
+    from trainer.parallel_dims import ParallelDims
+
+    layout = ["parallel.dp_replicate=2", "parallel.zero_stage=3"]
+    res = run_ranks("tests.memory_jobs:build_peak", 2, {"base": MEM, "layouts": [("hsdp", layout)]})
+    cfg = load_config(None, MEM + layout)
+    predicted = memory.predict(cfg, ParallelDims.from_config(cfg, 2), 0)["params"]
+    for rank, r in enumerate(res):
+        assert r["hsdp"]["held_bytes"] == r["hsdp"]["whole_bytes"] == predicted, (rank, r)

@@ -145,12 +145,13 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """A named mesh over the axes of size > 1 (None on a single process).
+        """A named mesh over the axes of size > 1 (None on a single process), and ``dp_shard`` of size 1
+        beside a ``dp_replicate`` > 1 (:func:`fsdp_mesh`: HSDP replicates across it, shards within 1).
 
         When both data-parallel axes are > 1 the flattened ``dp`` axis is
         created too (for the loss and norm reductions and ZeRO 0/1).
         """
-        names = tuple(a for a in AXES if self.size(a) > 1)
+        names = tuple(a for a in AXES if self.size(a) > 1 or (a == "dp_shard" and self.dp_replicate > 1))
         if not names:
             return None
         mesh = init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
@@ -187,6 +188,15 @@ def sub_mesh(mesh: DeviceMesh | None, dims: ParallelDims, *axes: str) -> DeviceM
     if mesh is None or not keep:
         return None
     return mesh[keep if len(keep) > 1 else keep[0]]
+
+
+def fsdp_mesh(mesh: DeviceMesh | None, dims: ParallelDims) -> DeviceMesh | None:
+    """The mesh ZeRO-3 (FSDP2) shards over: 2-D (dp_replicate, dp_shard) whenever dp_replicate > 1, so
+    that parameters are replicated across ``dp_replicate`` and sharded within ``dp_shard``, even when
+    ``dp_shard`` is 1 (without that axis FSDP2 would shard across the replicas instead)."""
+    if mesh is not None and dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return sub_mesh(mesh, dims, "dp_shard")
 
 
 def axis_group(mesh: DeviceMesh | None, dims: ParallelDims, axis: str):

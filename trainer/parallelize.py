@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
 from .model import Transformer, cut_stage
-from .parallel_dims import ParallelDims, axis_group, resolve_precision, sub_mesh
+from .parallel_dims import ParallelDims, axis_group, fsdp_mesh, resolve_precision, sub_mesh
 from .tensor_parallel import apply_tp, grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
@@ -91,7 +91,7 @@ def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, me
         apply_tp(model, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
     apply_ac(model, pcfg.activation_checkpoint, pcfg.ac_every_k)
     if use_fsdp:
-        apply_fsdp(model, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), pcfg, device, pipelined=dims.pp > 1)
+        apply_fsdp(model, fsdp_mesh(mesh, dims), pcfg, device, pipelined=dims.pp > 1)
     # FSDP's CPU offload keeps the sharded parameters in host memory.
     model.to_empty(device="cpu" if use_fsdp and pcfg.offload == "cpu" else device)
     model.init_weights(seed)
@@ -204,7 +204,7 @@ def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | No
         local += models.local_param_count(model)
         models.apply_block_ac(blocks, p.activation_checkpoint, p.ac_every_k)
         if use_fsdp:
-            shard_blocks(model, blocks, sub_mesh(mesh, dims, "dp_replicate", "dp_shard"), p, device,
+            shard_blocks(model, blocks, fsdp_mesh(mesh, dims), p, device,
                          pipelined=dims.pp > 1)
         if on_meta:
             models.materialize(model, "cpu" if use_fsdp and p.offload == "cpu" else device)
