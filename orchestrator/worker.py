@@ -128,6 +128,10 @@ class TrainWorker:
         self._teardown()
         world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
         device = resolve_device(self.cfg.parallel, 0)
+        if rank == 0:  # at every size the group forms at: does the layout fit the device?
+            from trainer.plan.fit import warn_if_not_fitting
+
+            warn_if_not_fitting(self.cfg, world_size, device)
         t1 = time.monotonic()
         if rank == 0 and self._store is not None and self._store.port == master_port:
             store = self._store

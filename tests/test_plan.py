@@ -224,6 +224,20 @@ def test_fit_warning_names_a_layout_that_fits():
     assert "no layout" in fit_warning(cfg, 4, cpu, memory_bytes=2**20)
 
 
+def test_the_fit_warning_is_printed_on_stderr_and_never_stops_a_run(capsys):
+    """What python -m trainer and a Ray group's rank 0 call before the first step at each size."""
+    import torch
+
+    from trainer.plan.fit import warn_if_not_fitting
+
+    cfg = load_config(None, ['model.preset="small"', "data.seq_len=64", "train.global_batch=8",
+                             "train.micro_batch=2", "parallel.zero_stage=0"])
+    msg = warn_if_not_fitting(cfg, 4, torch.device("cpu"), memory_bytes=300 * 2**20)
+    assert capsys.readouterr().err == f"etrain: warning: {msg}\n" and "predicted to need" in msg
+    assert warn_if_not_fitting(cfg, 3, torch.device("cpu"), memory_bytes=300 * 2**20) is None  # no plan at 3
+    assert warn_if_not_fitting(cfg, 4, torch.device("cpu")) is None and capsys.readouterr().err == ""
+
+
 # --- calibration ---------------------------------------------------------------------------------------
 
 

@@ -236,21 +236,6 @@ class Outcome:
     seconds: float = 0.0
 
 
-def _warn_if_not_fitting(cfg: RunConfig, world: World, device, quiet: bool) -> None:
-    """Rank 0, before the first step: the planner's warning when the layout is predicted not to fit the GPU."""
-    if quiet or not world.is_main:
-        return
-    try:
-        from .plan.fit import fit_warning
-
-        msg = fit_warning(cfg, world.size, device)
-    except Exception as e:  # noqa: BLE001 - a prediction must never stop a run
-        logging.getLogger("etrain").debug("fit check skipped: %s", e)
-        return
-    if msg:
-        print(f"etrain: warning: {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m trainer") -> int:
     args = parse_args(argv, prog)
     pick_threads(args.quiet)
@@ -281,7 +266,10 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         model_info = model_preflight(cfg)
-        _warn_if_not_fitting(cfg, world, device, args.quiet)
+        if world.is_main and not args.quiet:
+            from .plan.fit import warn_if_not_fitting
+
+            warn_if_not_fitting(cfg, world.size, device)
         if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any process group
             from .export import init_from_preflight
 

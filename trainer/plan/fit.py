@@ -1,6 +1,7 @@
 """The pre-flight fit check: warn before the first step when the layout is predicted not to fit the device.
 
     msg = fit_warning(cfg, world_size, device)            # None when it fits, or on a CPU
+    warn_if_not_fitting(cfg, world_size, device)          # printed to stderr (python -m trainer, Ray workers)
     msg = fit_warning(cfg, 8, device, memory_bytes=80 * 2**30)   # with the device's memory given
 
 On a GPU the device's memory is read from CUDA; on the CPU nothing is checked unless
@@ -60,4 +61,20 @@ def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | Non
                 f"{_settings(b.layout, cfg)} (etrain plan CONFIG shows why)")
     else:
         msg += f"; no layout at world size {world_size} is predicted to fit: add devices (etrain plan CONFIG)"
+    return msg
+
+
+def warn_if_not_fitting(cfg: RunConfig, world_size: int, device, memory_bytes: int | None = None) -> str | None:
+    """Print :func:`fit_warning`'s text to stderr, if any (rank 0, before the first step at each size);
+    a failed prediction never stops a run."""
+    import logging
+    import sys
+
+    try:
+        msg = fit_warning(cfg, world_size, device, memory_bytes)
+    except Exception as e:  # noqa: BLE001 - a prediction must never stop a run
+        logging.getLogger("etrain").debug("fit check skipped: %s", e)
+        return None
+    if msg:
+        print(f"etrain: warning: {msg}", file=sys.stderr, flush=True)
     return msg
