@@ -35,6 +35,7 @@ def train_layouts(payload: dict) -> dict:
     from trainer.telemetry import comm_meter
 
     meter = comm_meter()
+    meter.enabled = True  # a python -m trainer run earlier in this pooled process may have turned it off
     world = World.from_env()
     init_distributed(world, CPU)
     try:
@@ -76,6 +77,7 @@ def comm_volume(payload: dict) -> dict:
 
     meter = comm_meter()
     meter.reset()
+    meter.enabled = True  # a python -m trainer run earlier in this pooled process may have turned it off
     world = World.from_env()
     init_distributed(world, CPU)
     try:
