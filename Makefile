@@ -28,14 +28,15 @@ sysdeps:
 demo: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/etrain demo
 
-# Unit, multi-process (gloo), real etcd, S3 (moto) and Prometheus tests: about 8 minutes here.
+# Unit, multi-process (gloo), real etcd, S3 (moto) and Prometheus tests: about 10 minutes here.
 test: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -q -m "not ray and not soak" tests
+	$(BIN)/python -m pytest -q -m "not ray and not soak and not slow" tests
 
 # The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/test_orchestrator.py,
-# tests/test_chaos.py): about 12 minutes here. CI runs it after `make test`.
+# tests/test_chaos.py, tests/test_terminal.py, ...), and the few long multi-process tests marked
+# slow: about 16 minutes here. CI runs it after `make test`.
 test-ray: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -q -m "ray and not soak" tests
+	$(BIN)/python -m pytest -q -m "(ray or slow) and not soak" tests
 
 # The chaos soak in its bounded form (1-2 minutes): a worker killed every 10-20 s over 200 steps.
 # ETRAIN_SOAK_STEPS=3000 makes it a long soak.

@@ -512,6 +512,7 @@ def test_a_full_disk_fails_the_save_and_leaves_no_partial_files(tmp_path):
         _umount(disk)
 
 
+@pytest.mark.slow
 def test_consecutive_failed_saves_and_a_failed_final_save_fail_the_run(tmp_path):
     url = f"file://{tmp_path}/ck"
     failing = '--set', 'checkpoint.faults={error_rate = 1.0, ops = ["put"], path_contains = ".distcp"}'
@@ -556,6 +557,7 @@ def test_a_garbage_fence_is_an_error_naming_it(tmp_path):
 # --- the busy-save decision ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_busy_save_decision_holds_beside_a_cpu_hog(tmp_path):
     """The skip/wait branch is one vote for all ranks: 10 rounds beside a CPU hog, never a hang."""
     hog = subprocess.Popen([PY, "-c", "while True: pass"])

@@ -205,6 +205,7 @@ def test_stages_shard_what_they_claim(layouts):
     assert m["zero3_dp4"]["params"] < m["zero2_dp4"]["params"] / 3
 
 
+@pytest.mark.slow
 def test_3d_layout_at_world_8(reference):
     """tp 2 x pp 2 x dp 2 on 8 processes: ZeRO 1 with interleaved 1F1B, and FSDP with sequence
     parallelism and 1F1B (fresh processes: a pool of 8 would idle on 2 cores for the rest of the session)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -113,10 +112,9 @@ def test_llama3_70b_on_64_h100_lands_on_the_megatron_layout_family():
     assert not dp.fits
 
 
-def test_search_of_1024_devices_is_quick():
-    t0 = time.monotonic()
+def test_search_of_1024_devices_is_simulator_guided():
+    """Its time is bench/plan_accuracy.py's search_1024_devices_s (under 10 s)."""
     res = plan_size(llama("70b", 8192, 1024), 1024, DEVICES["h100"], budget_s=2.0)
-    assert time.monotonic() - t0 < 10
     assert res["method"].startswith("simulator-guided") and res["best"] is not None and res["best"].fits
     assert res["best"].layout.tp <= 8  # never tensor parallelism across nodes
 
