@@ -34,7 +34,7 @@ test: sysdeps $(STAMP)
 
 # The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/test_orchestrator.py,
 # tests/test_chaos.py, tests/test_terminal.py, ...), and the few long multi-process tests marked
-# slow: about 16 minutes here. CI runs it after `make test`.
+# slow: about 11 minutes here. CI runs it after `make test`.
 test-ray: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "(ray or slow) and not soak" tests
 
