@@ -78,6 +78,10 @@ def parse_url(url: str) -> tuple[str, str, int | None]:
         parts = parts[:-1]
     if parts[-1] == "checkpoints":
         parts = parts[:-1]
+    elif parts[-1] == "exports" and step is not None and len(parts) >= 3:
+        root, run = "/".join(parts[:-2]), parts[-2]
+        raise EtrainError(f"{url!r} is an export of run {run!r} (a transformers directory), not a checkpoint; "
+                          f"`etrain ckpt ls {root} --run {run}` lists the run's checkpoints and exports")
     if len(parts) < 2 or not parts[-1] or parts[-1].endswith(":"):
         raise EtrainError(f"{url!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
     return "/".join(parts[:-1]), parts[-1], step
