@@ -39,9 +39,9 @@ import torch
 from .dcp_format import chunk_of, item_tensor
 from .dcp_read import EtrainReader, _path
 from .errors import CheckpointError, ConfigError
+from .layout import RunRoot
 from .manager import CheckpointManager
-from .manifest import CRC_RE, Manifest, checksum, parse_step_dir, step_dir
-from .names import validate_run_id
+from .manifest import CRC_RE, Manifest, checksum, parse_step_dir
 from .storage import MiB, Storage
 
 MODEL_PREFIX = "model."
@@ -305,7 +305,6 @@ def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
 
 # --- where an export goes, and its commit -----------------------------------------------------
 
-EXPORTS = "exports"  # <root>/<run_id>/exports/step_<NNNNNNNNN>/: what [checkpoint] export_every writes
 EXPORT_MANIFEST = "MANIFEST.json"  # written last: an export directory without it is incomplete
 EXPORT_FORMAT = "etrain-export"
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
@@ -313,8 +312,8 @@ _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 
 def export_rel(run_id: str, step: int) -> str:
     """The key of one step's export under the checkpoint root, ``<run_id>/exports/step_<NNNNNNNNN>``:
-    the checkpoints' zero-padded step name (:func:`checkpointing.manifest.step_dir`)."""
-    return f"{validate_run_id(run_id)}/{EXPORTS}/{step_dir(step)}"
+    the checkpoints' zero-padded step name (:meth:`checkpointing.layout.RunRoot.export`)."""
+    return RunRoot(run_id).export(step)
 
 
 class Output:
@@ -426,11 +425,20 @@ def read_export_manifest(storage: Storage, rel: str) -> dict | None:
     return doc
 
 
+def export_complete(storage: Storage, rel: str) -> bool:
+    """Whether the export directory ``rel`` is committed and its manifest sound (a corrupt one: not
+    complete, so it is written again)."""
+    try:
+        return read_export_manifest(storage, rel) is not None
+    except CheckpointError:
+        return False
+
+
 def list_exports(storage: Storage, run_id: str) -> dict[int, str]:
     """{step: "complete" | "incomplete" | "corrupt: <why>"} of the run's ``exports/`` directories. Only
     a complete one (its manifest present and sound) may be used."""
     out = {}
-    rel = f"{validate_run_id(run_id)}/{EXPORTS}"
+    rel = RunRoot(run_id).exports
     for name, size in storage.list_dir(rel).items():
         step = parse_step_dir(name)
         if size is not None or step is None:

@@ -2,6 +2,7 @@
 
     run = RunRoot("tiny")
     run.step(1000)          # "tiny/checkpoints/step_000001000"
+    run.export(2000)        # "tiny/exports/step_000002000"
     run.fence               # "tiny/FENCE": the newest epoch, {"epoch": N}
     epoch = parse_fence(blob)             # ValueError saying what is wrong
     storage.put(run.fence, fence_blob(4))
@@ -12,6 +13,7 @@
       FENCE                     the newest controller epoch (fencing token)
       LOCK/<generation>.json    the writer lock (checkpointing.lock)
       checkpoints/step_<N>/     one checkpoint (checkpointing.manifest)
+      exports/step_<N>/         one transformers export of [checkpoint] export_every (checkpointing.export)
       control/                  the embedded run store's documents (orchestrator.store)
       _probe/                   write probes before a run starts
 
@@ -29,6 +31,7 @@ from .names import validate_run_id
 FENCE = "FENCE"
 LOCK_DIR = "LOCK"
 CHECKPOINTS = "checkpoints"
+EXPORTS = "exports"
 CONTROL = "control"
 PROBE_DIR = "_probe"
 
@@ -41,11 +44,15 @@ class RunRoot:
         self.fence = f"{run_id}/{FENCE}"
         self.lock_dir = f"{run_id}/{LOCK_DIR}"
         self.checkpoints = f"{run_id}/{CHECKPOINTS}"
+        self.exports = f"{run_id}/{EXPORTS}"
         self.control = f"{run_id}/{CONTROL}"
         self.probe_dir = f"{run_id}/{PROBE_DIR}"
 
     def step(self, step: int) -> str:
         return f"{self.checkpoints}/{step_dir(step)}"
+
+    def export(self, step: int) -> str:
+        return f"{self.exports}/{step_dir(step)}"
 
 
 def fence_blob(epoch: int) -> bytes:

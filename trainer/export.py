@@ -30,13 +30,13 @@ import torch
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.export import (
     EXPORT_MANIFEST,
-    EXPORTS,
     ModelSource,
     Output,
     write_hf_weights,
     write_safetensors,
     write_torch,
 )
+from checkpointing.layout import EXPORTS
 
 from .config import ModelConfig
 from .config_load import build_section

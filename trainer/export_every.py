@@ -42,8 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from checkpointing.errors import CheckpointError, ConfigError, EtrainError
-from checkpointing.manifest import step_dir
+from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.retry import describe
 
 log = logging.getLogger("etrain")
@@ -143,17 +142,15 @@ class ExportJobs:
                 self._cond.notify_all()
 
     def _export(self, step: int) -> ExportResult:
-        from checkpointing.export import export_rel, read_export_manifest
+        from checkpointing.export import export_complete, export_rel
         from checkpointing.storage import Storage
 
         url, t0 = self.export_url(step), time.monotonic()
         storage = Storage(self.url)
         try:
-            if read_export_manifest(storage, export_rel(self.run_id, step)) is not None:
+            if export_complete(storage, export_rel(self.run_id, step)):  # no process for a complete one
                 log.info("export of step %d is complete already: %s", step, url)
                 return ExportResult(step, "exists", url)
-        except CheckpointError:
-            pass  # a corrupt manifest: the export is written again
         finally:
             storage.close()
         log.info("export of step %d started: %s", step, url)
@@ -234,21 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("step", type=int)
     ap.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
     args = ap.parse_args(argv)
-    from checkpointing.export import export_rel, read_export_manifest
+    from checkpointing.export import export_complete, export_rel
+    from checkpointing.layout import RunRoot
     from checkpointing.storage import Storage
 
     from .export import export
 
     url = args.url.rstrip("/")
     rel = export_rel(args.run_id, args.step)
-    source = f"{url}/{args.run_id}/checkpoints/{step_dir(args.step)}"
+    source = f"{url}/{RunRoot(args.run_id).step(args.step)}"
     storage = Storage(url)
     try:
-        try:
-            done = read_export_manifest(storage, rel) is not None
-        except CheckpointError:
-            done = False
-        if done:
+        if export_complete(storage, rel):
             print(json.dumps({"status": "exists", "url": storage.join(rel)}))
             return 0
         if storage.list_dir(rel):  # an export cut short: never used without its manifest; written again
