@@ -158,6 +158,11 @@ def log_path(run_id: str) -> str:
     return os.path.join(home(), "logs", f"{validate_run_id(run_id, 'run_id')}.log")
 
 
+def pid_path(run_id: str) -> str:
+    """Where ``etrain run --detach`` keeps its driver's pid, beside :func:`log_path`."""
+    return os.path.join(home(), "logs", f"{validate_run_id(run_id, 'run_id')}.pid")
+
+
 def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tuple[int, str, int | None]:
     """``etrain ARGV`` in a session of its own, its output appended to :func:`log_path`. Waits until the
     run is recorded (it started) or the process ended; returns (pid, log, exit status or None if running)."""
@@ -170,7 +175,7 @@ def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tu
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *argv], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ,
                                                                                        "PYTHONUNBUFFERED": "1"})
-    with open(f"{log[:-len('.log')]}.pid", "w") as f:
+    with open(pid_path(run_id), "w") as f:
         f.write(str(proc.pid))
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -183,7 +188,7 @@ def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tu
 def _alive(run_id: str) -> bool:
     """Whether the detached driver of ``run_id`` still runs (its pid file names a live process)."""
     try:
-        with open(f"{log_path(run_id)[:-len('.log')]}.pid") as f:
+        with open(pid_path(run_id)) as f:
             pid = int(f.read().strip())
         os.kill(pid, 0)
     except (OSError, ValueError):
