@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -112,11 +113,11 @@ def _load_export(path: str, device: torch.device) -> Loaded:
 
 
 def _forward(model) -> Callable[[torch.Tensor], torch.Tensor]:
-    from .models import logits_of
+    """Logits for token ids, as training computes them (a transformers model or any other)."""
+    from .models import hf_forward, plain_forward
 
-    if hasattr(model, "config") and hasattr(model, "generation_config"):
-        return lambda x: model(input_ids=x, use_cache=False).logits
-    return lambda x: logits_of(model(x))
+    hf = hasattr(model, "config") and hasattr(model, "generation_config")
+    return functools.partial(hf_forward if hf else plain_forward, model)
 
 
 def decode(tokenizer, ids: list[int]) -> str:
