@@ -177,11 +177,11 @@ class Goodput(ControllerObserver):
 
     def ratio(self) -> float:
         """``etrain_goodput_ratio``: effective training time over wall time since the start."""
-        return goodput_ratio(self.ledger.effective_s, 0.0, self.wall_s())
+        return goodput_ratio(self.ledger.effective_s, self.wall_s())
 
     def step_time_ratio(self) -> float:
         """``etrain_step_time_ratio``: every trained step's time (redone ones too) over the same wall time."""
-        return goodput_ratio(self.ledger.step_time_s, 0.0, self.wall_s())
+        return goodput_ratio(self.ledger.step_time_s, self.wall_s())
 
     def on_start(self, ctl):
         try:

@@ -65,7 +65,7 @@ class LauncherMetrics:
                 if self.store.check([key]):
                     self.metrics.observe_ranks(f"rank{r}", json.loads(self.store.get(key)))
         self.metrics.observe_run(world_size=self.world.size, epoch=0, phase="RUNNING",
-                                 goodput=goodput_ratio(self.productive_s, self.metrics.started, time.time()))
+                                 goodput=goodput_ratio(self.productive_s, time.time() - self.metrics.started))
 
     def record_saves(self, saves) -> None:
         if self.metrics is not None:

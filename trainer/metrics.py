@@ -361,10 +361,9 @@ class RunMetrics:
         yield gauge("etrain_start_time_seconds", "Unix time the controller (or rank 0) started", self.started)
 
 
-def goodput_ratio(productive_s: float, started_unix: float, now_unix: float) -> float:
-    """``productive_s`` over the wall time from ``started_unix`` to ``now_unix``, at most 1 (both
-    launchers report their goodput figures so)."""
-    return min(1.0, max(0.0, productive_s) / max(1e-9, now_unix - started_unix))
+def goodput_ratio(productive_s: float, wall_s: float) -> float:
+    """``productive_s`` over ``wall_s``, at most 1 (both launchers report their goodput figures so)."""
+    return min(1.0, max(0.0, productive_s) / max(1e-9, wall_s))
 
 
 class StepLedger:
