@@ -37,6 +37,7 @@ from torch.futures import Future as TorchFuture
 
 from .dcp_format import CorruptCheckpointError, StorageInfo, chunk_of, item_tensor
 from .dcp_io import ItemLocation
+from .errors import CheckpointError, StorageError
 from .manifest import METADATA_RE, SHARD_RE, FileEntry, checksum
 from .storage import MiB, Storage
 
@@ -268,3 +269,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_failure(e: BaseException) -> BaseException:
+    """The underlying error of a (possibly DCP-wrapped) load failure; a checkpoint problem first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(e, CheckpointException):
+        return e
+    inner = []
+    for _rank, wrapped in sorted(e.failures.items()):
+        # DCP wraps each rank's failure as (exception, stack summary).
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        inner.append(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
+    for exc in inner:
+        if isinstance(exc, CheckpointError) and not isinstance(exc, StorageError):
+            return exc
+    return inner[0] if inner else e

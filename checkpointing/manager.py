@@ -401,7 +401,7 @@ class CheckpointManager(SaveTransaction):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_read import EtrainReader, SafeLoadPlanner
+        from .dcp_read import EtrainReader, SafeLoadPlanner, load_failure
 
         candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
         if isinstance(candidates, Exception):
@@ -432,7 +432,7 @@ class CheckpointManager(SaveTransaction):
                          no_dist=self.world_size == 1 and not dist.is_initialized())
                 return manifest
             except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-                cause = _load_failure(e)
+                cause = load_failure(e)
                 reason = str(cause) if isinstance(cause, CheckpointError) else describe(cause)
                 if step is not None or not isinstance(cause, CheckpointError) or isinstance(cause, StorageError):
                     # Only a bad checkpoint is skipped; an outage or a bug must not
@@ -479,20 +479,3 @@ class CheckpointManager(SaveTransaction):
             if got != f.crc32c:
                 problems.append(f"{name}: crc32c {got}, manifest says {f.crc32c}")
         return problems
-
-
-def _load_failure(e: BaseException) -> BaseException:
-    """The underlying error of a (possibly DCP-wrapped) load failure; a checkpoint problem first."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not isinstance(e, CheckpointException):
-        return e
-    inner = []
-    for _rank, wrapped in sorted(e.failures.items()):
-        # DCP wraps each rank's failure as (exception, stack summary).
-        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        inner.append(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
-    for exc in inner:
-        if isinstance(exc, CheckpointError) and not isinstance(exc, StorageError):
-            return exc
-    return inner[0] if inner else e

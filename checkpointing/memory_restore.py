@@ -76,8 +76,8 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp_read import EtrainReader, SafeLoadPlanner
-    from .manager import _load_failure
+    from .dcp_read import EtrainReader, SafeLoadPlanner, load_failure
+    from .retry import describe
 
     if not snapshot.agreed:
         raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "
@@ -89,8 +89,9 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
                  no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:
-        cause = _load_failure(e)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        cause = load_failure(e)
         if isinstance(cause, CorruptCheckpointError):
             raise CorruptCheckpointError(f"cannot restore step {snapshot.step} from memory: {cause}") from e
-        raise
+        reason = str(cause) if isinstance(cause, CheckpointError) else describe(cause)
+        raise CheckpointError(f"cannot restore step {snapshot.step} from memory: {reason}") from e
