@@ -296,3 +296,13 @@ def test_calibration_times_real_steps_of_the_model():
     fit = measure_compute(load_config(None, TINY), "cpu")
     assert fit["steps"] >= 2 and fit["step_seconds"] > 0 and fit["flops_per_core"] > 1e6
     assert fit["flops"] == pytest.approx(fit["step_flops"] / fit["step_seconds"] * (fit["flops"] / fit["flops_per_core"]))
+
+
+def test_the_configs_own_layout_keeps_its_pipeline_micro_batches():
+    """parallel.pp_microbatches is part of the layout a config asks for: its bubble and activations are
+    costed with it (the search's own candidates use the automatic count)."""
+    cfg = load_config(None, [*TINY, "parallel.pp=2", "parallel.pp_microbatches=4", "train.global_batch=16"])
+    lay = Layout.of(cfg, 4)
+    new, dims = lay.apply(cfg, 4)
+    assert lay.pp_microbatches == 4 and new.parallel.pp_microbatches == 4
+    assert dims.pp_microbatches(new) == 4

@@ -53,7 +53,7 @@ from .model import layer_split
 from .parallel_dims import ParallelDims
 
 
-def _local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
+def local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
     """(parameters of one block, parameters this rank holds) after tensor and pipeline parallelism."""
     m, tp = cfg.model, dims.tp
     hd = m.head_dim
@@ -73,7 +73,7 @@ def _local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, i
 
 def local_param_count(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:
     """Parameters this rank holds after tensor and pipeline parallelism, before ZeRO."""
-    return _local_counts(cfg, dims, rank)[1]
+    return local_counts(cfg, dims, rank)[1]
 
 
 def bytes_per_param(stage: int, n: int, mixed: bool) -> dict[str, float]:
@@ -121,7 +121,7 @@ def transient_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, 
         return bucket_bytes
     if stage < 3:
         return 0
-    block, total = _local_counts(cfg, dims, rank)
+    block, total = local_counts(cfg, dims, rank)
     n_blocks = cfg.model.n_layers // (dims.pp * cfg.parallel.pp_stages_per_rank)
     p = 2 if mixed else 4
     gathered = total if dims.pp > 1 else total - max(0, n_blocks - 2) * block

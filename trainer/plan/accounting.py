@@ -54,6 +54,7 @@ class Layout:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     reduce_every: bool = False  # ZeRO-3 with several micro-batches: reduce-scatter after each (sharded accumulation)
+    pp_microbatches: int = 0  # parallel.pp_microbatches (0: automatic, what the search proposes)
 
     @property
     def world(self) -> int:
@@ -70,14 +71,15 @@ class Layout:
         fixed = p.dp_replicate * p.tp * p.pp
         shard = world // fixed if p.dp_shard == -1 else p.dp_shard
         return cls(p.dp_replicate, shard, p.tp, p.pp, p.zero_stage, p.sequence_parallel, p.activation_checkpoint,
-                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank, p.reduce_every_microbatch)
+                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank, p.reduce_every_microbatch,
+                   p.pp_microbatches)
 
     def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:
         """``cfg`` with this layout, checked by the config and :class:`ParallelDims` exactly as a run is."""
         p = dataclasses.replace(cfg.parallel, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
                                 pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp,
                                 activation_checkpoint=self.ac, pp_schedule=self.schedule,
-                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=0,
+                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=self.pp_microbatches,
                                 reduce_every_microbatch=self.reduce_every)
         new = dataclasses.replace(cfg, parallel=p, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch))
         return new, ParallelDims.from_config(new, world or self.world)
@@ -191,14 +193,14 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     and no ``reduce_every_microbatch``, also the whole unsharded gradients it accumulates into.
     ``recomputing``: while backward recomputes a checkpointed block, which is gathered, with that
     block's unsharded gradients and their fp32 reduce-scatter copy beside it."""
-    from ..memory import _local_counts
+    from ..memory import local_counts
 
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
     if stage == 2:
         return transient
     if stage != 3:
         return 0
-    block, total = _local_counts(cfg, dims, rank)
+    block, total = local_counts(cfg, dims, rank)
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
     from ..model import layer_split
 

@@ -37,8 +37,6 @@ from ..memory import local_param_count
 from ..model import layer_split
 from ..parallel_dims import ParallelDims
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
-
 
 def _ring(kind: str, n: int, size: float) -> float:
     if n <= 1:
@@ -106,11 +104,3 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         hops = 2 * p.pp_stages_per_rank  # every stage this rank runs sends forward and receives backward
         add("send_recv", "pp", hops * mb * boundary, hops * mb)
     return sorted(out, key=lambda c: -c["bytes"])
-
-
-def by_kind(comm: list[dict]) -> dict[str, int]:
-    """Bytes per collective kind (every kind present, 0 where none)."""
-    out = dict.fromkeys(KINDS, 0)
-    for c in comm:
-        out[c["kind"]] += c["bytes"]
-    return out

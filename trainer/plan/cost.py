@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..config import RunConfig
-from ..memory import local_param_count
+from ..memory import local_counts
 from ..model import layer_split
 from ..parallel_dims import ParallelDims
 from .comm import bubble_fraction, step_comm
@@ -103,9 +103,7 @@ def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
     n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
     split = layer_split(m.n_layers, n_stages)
     layers = sum(len(split[s]) for s in stages)
-    params = local_param_count(cfg, dims, rank)
-    block = (params - (m.vocab_size * m.dim // dims.tp) * sum(1 for s in stages if s in (0, n_stages - 1))) / max(
-        1, layers) if layers else 0
+    block, params = local_counts(cfg, dims, rank)
     embed = m.vocab_size * m.dim // dims.tp if 0 in stages else 0
     dense = 6 * (params - embed) * tokens  # an embedding lookup computes nothing
     attn = 6 * cfg.data.seq_len * m.dim / dims.tp * tokens * layers

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from checkpointing.errors import ConfigError
 
-from ..config import RunConfig
+from ..config import RunConfig, _divisors
 from .accounting import Layout, peak_memory, peak_ranks
 from .cost import Device, step_time
 
@@ -67,10 +67,6 @@ def evaluate(cfg: RunConfig, layout: Layout, dev: Device) -> Candidate:
     mem = peak_memory(new, dims, dev.mixed)
     t = max((step_time(new, dims, r, dev) for r in peak_ranks(dims)), key=lambda x: x["step_s"])
     return Candidate(layout, True, "", mem, t, mem["total"] <= HEADROOM * dev.memory)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _allowed(cfg: RunConfig) -> dict:
@@ -173,7 +169,9 @@ def _anneal(cfg: RunConfig, world: int, dev: Device, seen: dict, budget_s: float
     gpn = min(dev.gpus_per_node, world)
     tp0 = max(d for d in _divisors(gpn) if world % d == 0 and cfg.model.n_heads % d == 0
               and cfg.model.n_kv_heads % d == 0) if _allowed(cfg)["tp"] else 1
-    starts = [Layout.of(cfg, world) if world % (cfg.parallel.model_parallel * cfg.parallel.dp_replicate) == 0
+    # The config's layout as a start, its pipeline micro-batches automatic like every candidate's.
+    own = replace(Layout.of(cfg, world), pp_microbatches=0)
+    starts = [own if world % (cfg.parallel.model_parallel * cfg.parallel.dp_replicate) == 0
               else Layout(1, world, 1, 1), Layout(1, world, 1, 1, 3), Layout(1, world // tp0, tp0, 1, 3, tp0 > 1, "full")]
     deadline = time.monotonic() + budget_s
 
@@ -186,19 +184,14 @@ def _anneal(cfg: RunConfig, world: int, dev: Device, seen: dict, budget_s: float
     steps = 0
     while time.monotonic() < deadline:
         cur = get(starts[steps % len(starts)] if steps < len(starts) else rng.choice(list(seen)))
-        best = cur
         temp = 0.05
-        for _ in range(200):
+        for _ in range(200):  # every layout visited stays in ``seen``, where the caller picks the best
             nxt = get(_propose(cfg, cur.layout, rng))
             a, b = _cost(cur, dev), _cost(nxt, dev)
             if b < a or (math.isfinite(b) and rng.random() < math.exp(-(b - a) / (temp * max(a, 1e-12)))):
                 cur = nxt
-                if _cost(cur, dev) < _cost(best, dev):
-                    best = cur
             temp *= 0.98
         steps += 1
-        if time.monotonic() >= deadline:
-            break
 
 
 def why_lost(c: Candidate, best: Candidate, dev: Device) -> str:
