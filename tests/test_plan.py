@@ -306,3 +306,15 @@ def test_the_configs_own_layout_keeps_its_pipeline_micro_batches():
     new, dims = lay.apply(cfg, 4)
     assert lay.pp_microbatches == 4 and new.parallel.pp_microbatches == 4
     assert dims.pp_microbatches(new) == 4
+
+
+def test_a_layouts_settings_name_every_field_that_differs():
+    """What the fit warning tells a user to set: every field of the layout the config does not ask for,
+    interleaving's stages per rank with its schedule; dp_shard only when the config fixes it."""
+    cfg = load_config(None, TINY)
+    lay = Layout(1, 2, 1, 2, 1, False, "full", 1, "interleaved_1f1b", 2)
+    assert lay.settings(cfg, 4) == ('parallel.pp=2 parallel.zero_stage=1 parallel.activation_checkpoint="full" '
+                                    'parallel.pp_schedule="interleaved_1f1b" parallel.pp_stages_per_rank=2')
+    fixed = load_config(None, [*TINY, "parallel.dp_shard=4"])
+    assert "parallel.dp_shard=2" in lay.settings(fixed, 4)
+    assert Layout.of(fixed, 4).settings(fixed, 4) == ""

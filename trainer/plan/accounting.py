@@ -39,6 +39,16 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 AC_MODES = ("none", "every_k", "full")
 
 
+# Each Layout field and the config field (section, name) that holds it.
+CONFIG_FIELDS = {"dp_replicate": ("parallel", "dp_replicate"), "dp_shard": ("parallel", "dp_shard"),
+                 "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "zero": ("parallel", "zero_stage"),
+                 "sp": ("parallel", "sequence_parallel"), "ac": ("parallel", "activation_checkpoint"),
+                 "micro_batch": ("train", "micro_batch"), "schedule": ("parallel", "pp_schedule"),
+                 "stages_per_rank": ("parallel", "pp_stages_per_rank"),
+                 "reduce_every": ("parallel", "reduce_every_microbatch"),
+                 "pp_microbatches": ("parallel", "pp_microbatches")}
+
+
 @dataclass(frozen=True)
 class Layout:
     """One point of the search space: the mesh, the ZeRO stage, SP, AC, the micro-batch, the schedule."""
@@ -67,22 +77,32 @@ class Layout:
     @classmethod
     def of(cls, cfg: RunConfig, world: int) -> Layout:
         """The layout ``cfg`` asks for at ``world`` (dp_shard = -1 resolved)."""
-        p = cfg.parallel
-        fixed = p.dp_replicate * p.tp * p.pp
-        shard = world // fixed if p.dp_shard == -1 else p.dp_shard
-        return cls(p.dp_replicate, shard, p.tp, p.pp, p.zero_stage, p.sequence_parallel, p.activation_checkpoint,
-                   cfg.train.micro_batch, p.pp_schedule, p.pp_stages_per_rank, p.reduce_every_microbatch,
-                   p.pp_microbatches)
+        values = {f: getattr(getattr(cfg, section), name) for f, (section, name) in CONFIG_FIELDS.items()}
+        if values["dp_shard"] == -1:
+            values["dp_shard"] = world // (values["dp_replicate"] * values["tp"] * values["pp"])
+        return cls(**values)
 
     def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:
         """``cfg`` with this layout, checked by the config and :class:`ParallelDims` exactly as a run is."""
-        p = dataclasses.replace(cfg.parallel, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
-                                pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp,
-                                activation_checkpoint=self.ac, pp_schedule=self.schedule,
-                                pp_stages_per_rank=self.stages_per_rank, pp_microbatches=self.pp_microbatches,
-                                reduce_every_microbatch=self.reduce_every)
-        new = dataclasses.replace(cfg, parallel=p, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch))
+        changes: dict[str, dict] = {"parallel": {}, "train": {}}
+        for f, (section, name) in CONFIG_FIELDS.items():
+            changes[section][name] = getattr(self, f)
+        new = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes["parallel"]),
+                                  train=dataclasses.replace(cfg.train, **changes["train"]))
         return new, ParallelDims.from_config(new, world or self.world)
+
+    def settings(self, cfg: RunConfig, world: int) -> str:
+        """The config fields to set for this layout, as ``--set`` would take them: those that differ from
+        what ``cfg`` asks for at ``world`` (``dp_shard`` left out when the config fills the world with -1)."""
+        own = Layout.of(cfg, world)
+        out = []
+        for f, (section, name) in CONFIG_FIELDS.items():
+            value = getattr(self, f)
+            if value == getattr(own, f) or (f == "dp_shard" and cfg.parallel.dp_shard == -1):
+                continue
+            text = str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else value
+            out.append(f"{section}.{name}={text}")
+        return " ".join(out)
 
     def describe(self) -> str:
         mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"

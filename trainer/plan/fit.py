@@ -20,20 +20,6 @@ from .search import HEADROOM, evaluate, plan_size
 GiB = 2**30
 
 
-def _settings(lay: Layout, cfg: RunConfig) -> str:
-    p = cfg.parallel
-    out = []
-    for field, value, now in (("parallel.dp_replicate", lay.dp_replicate, p.dp_replicate), ("parallel.tp", lay.tp, p.tp),
-                              ("parallel.pp", lay.pp, p.pp), ("parallel.zero_stage", lay.zero, p.zero_stage),
-                              ("parallel.sequence_parallel", str(lay.sp).lower(), str(p.sequence_parallel).lower()),
-                              ("parallel.activation_checkpoint", f'"{lay.ac}"', f'"{p.activation_checkpoint}"'),
-                              ("train.micro_batch", lay.micro_batch, cfg.train.micro_batch),
-                              ("parallel.pp_schedule", f'"{lay.schedule}"', f'"{p.pp_schedule}"')):
-        if value != now:
-            out.append(f"{field}={value}")
-    return " ".join(out)
-
-
 def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | None = None) -> str | None:
     """The warning text (module docstring), or None."""
     import torch
@@ -58,7 +44,7 @@ def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | Non
     if res["best"] is not None:
         b = res["best"]
         msg += (f"; {b.layout.describe()} is predicted to fit ({b.memory['total'] / GiB:.1f} GiB): set "
-                f"{_settings(b.layout, cfg)} (etrain plan CONFIG shows why)")
+                f"{b.layout.settings(cfg, world_size)} (etrain plan CONFIG shows why)")
     else:
         msg += f"; no layout at world size {world_size} is predicted to fit: add devices (etrain plan CONFIG)"
     return msg
