@@ -21,9 +21,7 @@ from typing import Any
 from .dcp_format import CorruptCheckpointError
 from .errors import CheckpointError
 from .manifest import METADATA_NAME
-from .memory_snapshot import MemorySnapshot, MemoryStorage, Source
-
-_REL = "memory"
+from .memory_snapshot import MemorySnapshot, MemoryStorage, Source, step_rel
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     if not snapshot.agreed:
         raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "
                               "restore from the durable checkpoint")
-    rel = f"{_REL}/step_{snapshot.step}"
+    rel = step_rel(snapshot.step)
     storage = MemoryStorage({f"{rel}/{k}": v for k, v in {METADATA_NAME: snapshot.metadata, **sources}.items()})
     reader = EtrainReader(storage, rel, snapshot.file_table())
     reader.read_metadata()  # checked here (the restricted unpickler), before DCP sees it

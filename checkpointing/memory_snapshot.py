@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .dcp_format import CorruptCheckpointError
 from .dcp_read import check_locations, load_metadata
-from .manifest import METADATA_NAME, SHARD_RE, FileEntry, checksum
+from .manifest import METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
 from .storage import Storage, confine
 
 MAGIC = b"ETRAIN-MEMORY-SNAPSHOT\n"
@@ -38,6 +38,11 @@ WIRE_VERSION = 1
 _LEN = struct.Struct("<Q")
 
 Source = bytes | Callable[[], bytes]
+
+
+def step_rel(step: int) -> str:
+    """Where a snapshot's files sit in its MemoryStorage: ``memory/step_<NNNNNNNNN>`` (the checkpoints' naming)."""
+    return f"memory/{step_dir(step)}"
 
 
 class MemoryStorage(Storage):

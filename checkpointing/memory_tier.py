@@ -51,13 +51,11 @@ from typing import Any
 
 from .manifest import METADATA_NAME, FileEntry
 from .memory_restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
-from .memory_snapshot import MemorySnapshot, MemoryStorage, replica_peers
+from .memory_snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from .retry import describe
-from .transaction import SaveTransaction, _layout_fingerprint, _PlannedLayout
+from .transaction import SaveTransaction, _layout_fingerprint, _PlannedLayout, group_rank_errors
 
 log = logging.getLogger("etrain")
-
-_REL = "memory"
 
 
 @dataclass
@@ -234,7 +232,7 @@ class MemoryTier:
                 if writer is not None:
                     writer.release()
                 self._plans.pop(layout, None)
-                writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
+                writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
                 planner = DefaultSavePlanner()
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.group,
                          no_dist=self.group is None)
@@ -266,14 +264,13 @@ class MemoryTier:
         if not failed and md is None:
             failed = {0: "the coordinator has no DCP metadata"}
         if failed:
-            self.last_reason = f"memory snapshot of step {step} not agreed: " + "; ".join(
-                f"rank {r}: {w}" for r, w in sorted(failed.items()))
+            self.last_reason = f"memory snapshot of step {step} not agreed: {group_rank_errors(failed)}"
             return SnapshotResult(step, "failed", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
         table, owners = {}, {}
         for r, (_, _, _, files, _) in enumerate(everyone):
             for path, size, crc in files:
                 table[path], owners[path] = FileEntry(path, size, crc), r
-        files = {e.path: storage.objects[f"{_REL}/{step}/{e.path}"] for e in entries}
+        files = {e.path: storage.objects[f"{step_rel(step)}/{e.path}"] for e in entries}
         snap = MemorySnapshot(step, self.rank, self.world_size, files, md, table, owners,
                               dict(trainer_state or {}), agreed=True)
         with self._lock:
@@ -300,7 +297,7 @@ class MemoryTier:
         planned = self._plans.get(layout)
         if planned is None:
             return None, None
-        writer = EtrainWriter(storage, f"{_REL}/{step}", token=self._token, executor=self._io)
+        writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
         try:
             writer.is_coordinator = planned.is_coordinator
             writer.write_data(planned.plan, PlannedItems(planned.paths, state_dict))
@@ -383,7 +380,7 @@ class MemoryTier:
         if not bad:
             self._prune()
         sent = snapshot.nbytes * len(self.peers[self.rank])
-        reason = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+        reason = group_rank_errors(bad)
         if reason:
             log.warning("copies of the memory snapshot of step %d failed (%s)", snapshot.step, reason)
         return ReplicationResult(snapshot.step, not bad, reason, time.monotonic() - t0, sent,
