@@ -1,8 +1,10 @@
-"""Names and URLs that reach storage: run ids, and URLs without credentials in them.
+"""Names and URLs that reach storage: run ids, and URLs without credentials in them; and where etrain
+keeps per-user state.
 
     validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
     check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
     redact_config(cfg.to_dict())                 # a JSON-clean copy, any URL with a secret redacted
+    etrain_home()                                # $ETRAIN_HOME, else ~/.etrain
 
 A run id becomes a path component of every object a run writes
 (``<root>/<run_id>/...``), in the checkpoint storage and in the run stores,
@@ -14,6 +16,7 @@ the message never repeats the secret.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -89,3 +92,9 @@ def redact_config(config: dict[str, Any]) -> dict[str, Any]:
         return clean(str(v))
 
     return clean(config)
+
+
+def etrain_home() -> str:
+    """$ETRAIN_HOME, else ~/.etrain: where etrain keeps per-user state (the run registry, detached runs' logs,
+    Prometheus targets, the planner's calibration)."""
+    return os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")

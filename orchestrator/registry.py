@@ -36,18 +36,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from checkpointing.errors import ConfigError, EtrainError
-from checkpointing.names import check_url, redact, validate_run_id
+from checkpointing.names import check_url, etrain_home, redact, validate_run_id
 
 log = logging.getLogger("etrain")
 
 
-def home() -> str:
-    """$ETRAIN_HOME, else ~/.etrain: where etrain keeps per-user state (this registry, Prometheus targets)."""
-    return os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")
-
-
 def runs_dir() -> str:
-    return os.path.join(home(), "runs")
+    return os.path.join(etrain_home(), "runs")
 
 
 def _path(run_id: str) -> str:
@@ -155,12 +150,12 @@ def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]
 
 
 def log_path(run_id: str) -> str:
-    return os.path.join(home(), "logs", f"{validate_run_id(run_id, 'run_id')}.log")
+    return os.path.join(etrain_home(), "logs", f"{validate_run_id(run_id, 'run_id')}.log")
 
 
 def pid_path(run_id: str) -> str:
     """Where ``etrain run --detach`` keeps its driver's pid, beside :func:`log_path`."""
-    return os.path.join(home(), "logs", f"{validate_run_id(run_id, 'run_id')}.pid")
+    return os.path.join(etrain_home(), "logs", f"{validate_run_id(run_id, 'run_id')}.pid")
 
 
 def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tuple[int, str, int | None]:

@@ -30,8 +30,9 @@ log = logging.getLogger("etrain")
 def default_file_sd_dir() -> str:
     """Where target files go when ``metrics.file_sd_dir`` is empty: $ETRAIN_PROMETHEUS_DIR, else
     $ETRAIN_HOME/prometheus, else ~/.etrain/prometheus."""
-    home = os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")
-    return os.environ.get("ETRAIN_PROMETHEUS_DIR") or os.path.join(home, "prometheus")
+    from checkpointing.names import etrain_home
+
+    return os.environ.get("ETRAIN_PROMETHEUS_DIR") or os.path.join(etrain_home(), "prometheus")
 
 
 class MetricsEndpoint:

@@ -32,8 +32,9 @@ SIZES = (4, 2 * 2**20, 16 * 2**20)  # the first: latency alone
 
 
 def store_path() -> str:
-    home = os.environ.get("ETRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".etrain")
-    return os.path.join(home, "plan", "calibration.json")
+    from checkpointing.names import etrain_home
+
+    return os.path.join(etrain_home(), "plan", "calibration.json")
 
 
 def load(profile: str) -> dict | None:
