@@ -318,3 +318,20 @@ def test_a_layouts_settings_name_every_field_that_differs():
     fixed = load_config(None, [*TINY, "parallel.dp_shard=4"])
     assert "parallel.dp_shard=2" in lay.settings(fixed, 4)
     assert Layout.of(fixed, 4).settings(fixed, 4) == ""
+
+
+def test_a_transformers_model_is_offered_what_training_accepts(tmp_path):
+    """A Llama laid out as etrain cuts pipelines from, with its HF tensor-parallel plan: TP and PP; the same
+    model with tied embeddings: neither (python -m trainer refuses both for it)."""
+    from transformers import LlamaConfig
+
+    from trainer.plan.shape import planning_config
+
+    allows = {}
+    for tied in (False, True):
+        path = tmp_path / f"tied-{tied}"
+        LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=tied).save_pretrained(path)
+        cfg = load_config(None, ['model.source="hf"', f'model.hf_config="{path}"', "data.seq_len=32"])
+        allows[tied] = set(planning_config(cfg).plan_allows)
+    assert allows == {False: {"tp", "pp"}, True: set()}

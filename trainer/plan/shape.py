@@ -57,7 +57,7 @@ def model_shape(cfg: RunConfig) -> Shape:
         return Shape(m, count_params(m), block, "config", f"built-in decoder (dim {m.dim}, {m.n_layers} layers)")
     import torch
 
-    from ..models import build_model, find_blocks, model_vocab_size
+    from ..models import HF_STYLES, build_model, find_blocks, llama_like, model_vocab_size
 
     try:
         model = build_model(cfg, device="meta")
@@ -84,8 +84,13 @@ def model_shape(cfg: RunConfig) -> Shape:
                                 n_layers=len(blocks), n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn, vocab_size=vocab,
                                 max_seq_len=max(m.max_seq_len, cfg.data.seq_len), init_from="")
     name = type(model).__name__
-    tp_ok = bool(m.tp_plan) or (m.source == "hf" and bool(getattr(model, "_tp_plan", None)))
-    allows = (("tp",) if tp_ok else ()) + (("pp",) if m.source == "hf" else ())  # SP: the built-in model only
+    # What training accepts of this model (trainer.models' _check_hf_plan and _check_pipeline): tied embeddings
+    # refuse both; the HF plan's styles must be ones etrain maps; stages are cut from Llama-like decoders only.
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    hf_plan = getattr(model, "_tp_plan", None) if m.source == "hf" else None
+    tp_ok = bool(m.tp_plan) or (bool(hf_plan) and not tied and all(v in HF_STYLES for v in hf_plan.values()))
+    pp_ok = llama_like(model) and not tied and not m.loss
+    allows = (("tp",) if tp_ok else ()) + (("pp",) if pp_ok else ())  # SP: the built-in model only
     return Shape(equiv, n_params, block, "meta device", f"{m.source} model {name}", allows)
 
 
