@@ -335,3 +335,14 @@ def test_a_transformers_model_is_offered_what_training_accepts(tmp_path):
         cfg = load_config(None, ['model.source="hf"', f'model.hf_config="{path}"', "data.seq_len=32"])
         allows[tied] = set(planning_config(cfg).plan_allows)
     assert allows == {False: {"tp", "pp"}, True: set()}
+
+
+def test_the_random_search_and_the_enumeration_share_one_canonical_form():
+    """Every layout the exhaustive enumeration yields is canonical for the annealing's _normalize, and a
+    replicated mesh below ZeRO-3 folds into one flat data-parallel axis, as the enumeration leaves it out."""
+    from trainer.plan.search import _normalize, enumerate_layouts
+
+    cfg = load_config(None, TINY)
+    layouts = enumerate_layouts(cfg, 8)
+    assert layouts and all(_normalize(cfg, lay) == lay for lay in layouts)
+    assert _normalize(cfg, Layout(2, 2, 2, 1, 1)) == Layout(1, 4, 2, 1, 1)

@@ -152,7 +152,10 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
 
 
 def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
-    """Degenerate choices made canonical (no schedule without pp, no SP without tp, ZeRO 0 at dp 1)."""
+    """Degenerate choices made canonical (no schedule without pp, no SP without tp, ZeRO 0 at dp 1, one flat
+    dp axis below ZeRO-3), as :func:`enumerate_layouts` makes them."""
+    if lay.dp_replicate > 1 and lay.zero != 3:  # dp_replicate only differs from one flat dp axis as HSDP
+        lay = replace(lay, dp_replicate=1, dp_shard=lay.dp)
     if lay.pp == 1:
         lay = replace(lay, schedule="1f1b", stages_per_rank=1)
     if lay.tp == 1:
