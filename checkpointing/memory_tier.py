@@ -397,6 +397,19 @@ class MemoryTier:
         self._thread.shutdown(wait=True)
         self._io.shutdown(wait=True)
 
+    def detach(self, timeout_s: float = 2.0) -> dict[int, tuple[MemorySnapshot | None, dict[int, MemorySnapshot]]]:
+        """What this tier holds, per step (its own snapshot, the copies it holds for peers), for keeping past
+        its process group: waits up to ``timeout_s`` for the background work (a snapshot whose peer died
+        fails its agreement), then lets go of its threads without waiting for them (a copy still blocked on a
+        dead peer ends on its own timeout and is never recorded: only agreed steps are held)."""
+        if self._inflight is not None:
+            wait_all([self._inflight], timeout=timeout_s)
+        self._thread.shutdown(wait=False)
+        self._io.shutdown(wait=False)
+        with self._lock:
+            steps = set(self.snapshots) | set(self.copies)
+            return {s: (self.snapshots.get(s), dict(self.copies.get(s, {}))) for s in steps}
+
     # --- what the tier holds -------------------------------------------------------------
 
     def held_bytes(self) -> int:

@@ -1,7 +1,9 @@
-"""The ``[elastic]`` section of a run config: how the orchestrator sizes and heals the group.
+"""The orchestrator's sections of a run config: ``[elastic]`` (how it sizes and heals the group) and
+``[recovery]`` (the memory tier a recovery or a resize restores from).
 
     raw = load_raw("examples/tiny.toml", ["elastic.workers=4"])
     ecfg = elastic_from_raw(raw, workers=3)   # command-line flags override the file
+    rcfg = recovery_from_raw(raw)
 
 It lives in the same TOML file as the trainer's sections; the trainer skips
 it (``trainer.config.FOREIGN_SECTIONS``). Checks that need the trainer's
@@ -58,6 +60,36 @@ class ElasticConfig:
                 raise ConfigError(f"elastic.{name}={getattr(self, name)} must be >= 0")
         if self.max_failures < 0:
             raise ConfigError(f"elastic.max_failures={self.max_failures} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RecoveryConfig:
+    """The memory tier (docs/operations.md#recovery-tiers): every rank's training state in host memory,
+    its own and copies in peers', restored from by a recovery or a resize before the durable checkpoint."""
+
+    memory_every_steps: int = 1  # snapshot after every N-th step (0: no memory tier; recoveries use storage)
+    replicas: int = 1  # peers holding a copy of each rank's snapshot, on other nodes where there are any
+    memory_budget_bytes: int = 0  # host bytes per rank the tier may hold (0: no bound); over it, it turns off
+    resize_through_storage: bool = False  # a resize saves and loads the durable checkpoint instead of memory
+
+    def __post_init__(self) -> None:
+        for name in ("memory_every_steps", "replicas", "memory_budget_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"recovery.{name}={value!r} must be an integer >= 0"
+                                  + (" (0: no bound)" if name == "memory_budget_bytes" else
+                                     " (0: no memory tier)" if name == "memory_every_steps" else ""))
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_every_steps > 0
+
+
+def recovery_from_raw(raw: dict) -> RecoveryConfig:
+    """``[recovery]`` of a raw run document."""
+    if not isinstance(raw.get("recovery", {}), dict):
+        raise ConfigError("[recovery] must be a table")
+    return build_section("recovery", RecoveryConfig, dict(raw.get("recovery", {})))
 
 
 def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int | None = None,

@@ -30,6 +30,7 @@ call that fails raises :class:`GroupFailure` and becomes a recovery in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -47,6 +48,8 @@ from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
 from trainer.parallel_dims import valid_world_sizes
 
+from .config import recovery_from_raw
+from .memory_plan import memory_restore_plan
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .policies import FailureLog, FailurePolicy, ScalingPolicy, ScalingStatus
 from .states import Failed, Initializing, Recovering, State
@@ -103,6 +106,7 @@ class Controller:
         self.controller_id = controller_id or f"ctl-{uuid.uuid4().hex[:8]}"
         # The driver parses the spec's config once and passes it; a controller built by hand parses it here.
         self.cfg = config if config is not None else config_from_dict(spec.config)
+        self.recovery = recovery_from_raw(spec.config)  # the memory tier ([recovery])
         self.total_steps = self.cfg.train.steps
         self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
         self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
@@ -132,6 +136,7 @@ class Controller:
         self.pending_recovery: dict | None = None
         self.pending_resize: dict | None = None
         self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
+        self.restored_tier = ""  # where the last form() restored from: memory, durable or none
         # what is told of it; the lease keeper first: it renews from the start and releases last
         self.lease_keeper = LeaseKeeper()
         self.goodput = Goodput()
@@ -257,29 +262,55 @@ class Controller:
         if self.storage_faults is not None:  # chaos: replacements get the injected storage faults too
             self._group_call(chosen, "set_storage_faults", self.storage_faults)
         t0 = self.clock()
-        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port) for r, w in enumerate(chosen)]
+        recovery = None
+        if self.recovery.enabled:
+            recovery = {**dataclasses.asdict(self.recovery),
+                        "nodes": [self.group.info(w).get("node_id", "") for w in chosen]}
+        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery) for r, w in enumerate(chosen)]
         formed = self._collect(calls, "form")
         t1 = self.clock()
-        restored = self._group_call(chosen, "restore")
-        self.form_phases = {"form_s": t1 - t0, "restore_s": self.clock() - t1}
+        plan, why = self.memory_plan(chosen)
+        t_plan = self.clock()
+        restored = self._group_call(chosen, "restore", plan)
+        self.form_phases = {"form_s": t1 - t0, "plan_s": t_plan - t1, "restore_s": self.clock() - t_plan}
         for r in formed.values():  # the slowest rank's time in each part of forming
             for k, v in r.get("phases", {}).items():
                 self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))
         step = restored[rank0]["step"]
+        tier = self.restored_tier = restored[rank0].get("tier", "durable")
+        if restored[rank0].get("fallback"):
+            why = f"the restore from memory failed ({restored[rank0]['fallback']})"
         self.progress = {"step": step}
         self.progress_at = self.clock()
-        self.committed_step = restored[rank0]["from_step"]
+        if tier != "memory":  # a restore from memory leaves the newest commit where it was
+            self.committed_step = restored[rank0]["from_step"]
         self.observers.on_formed(self)
         if self.pending_recovery is not None and "restored_step" not in self.pending_recovery:
             r = self.pending_recovery
-            r.update(restored_step=step, world_after=size)
+            r.update(restored_step=step, world_after=size, tier=tier, tier_reason=why)
             r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
+                   tier=tier, tier_reason=why,
                    rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
                    nodes=[self.group.info(w).get("node_id", "") for w in chosen],
                    pids=[self.group.info(w).get("pid") for w in chosen])
         return step
+
+    def memory_plan(self, chosen: list[str]) -> tuple[dict | None, str]:
+        """Where the new group restores from in the memory tier (:func:`memory_restore_plan`), asking the
+        members and the spares that are up; (None, why) when it restores from storage instead."""
+        if not self.recovery.enabled:
+            return None, "the memory tier is off ([recovery] memory_every_steps = 0)"
+        holders = chosen + self.group.ready([w for w in self.spares if w in self.group.workers], timeout=0)
+        return memory_restore_plan(self.group, holders, self.committed_step)
+
+    def memory_flush(self) -> bool:
+        """Every member holds the current step in memory (a resize restores from it); False when not."""
+        if not self.recovery.enabled or self.recovery.resize_through_storage or not self.members:
+            return False
+        flushed = self._group_call(self.members, "memory_flush")
+        return all(r["step"] == self.last_completed_step() for r in flushed.values())
 
     def settle_after_failure(self, suspects: tuple[str, ...]) -> list[str]:
         """Kill the culprits, let survivors' train calls return, and keep the survivors that answer."""
@@ -471,7 +502,8 @@ class Controller:
             seconds = now - r["detected_at"]
             self.observers.on_recovery(self, seconds, lost)
             self.event("recovered", time_to_recover_s=round(seconds, 3), steps_lost=lost,
-                       restored_step=r["restored_step"], world_before=r["world_before"],
+                       restored_step=r["restored_step"], tier=r.get("tier"), tier_reason=r.get("tier_reason"),
+                       world_before=r["world_before"],
                        world_after=r["world_after"], failure_kind=r["failure_kind"],
                        detected_unix=time.time() - seconds, failure_unix=r["failure_time_unix"],
                        first_step_unix=p.get("time"), phases=_rounded(r["phases"]))
@@ -481,6 +513,7 @@ class Controller:
             self.observers.on_resize(self)
             self.event("resized", from_workers=r["from"], to_workers=r["to"],
                        resize_s=round(now - r["requested_at"], 3), reason=r["reason"], step=p.get("step"),
+                       tier=r.get("tier"),
                        first_step_unix=p.get("time"), phases=_rounded(r["phases"]))
 
     def last_completed_step(self) -> int:
@@ -531,3 +564,4 @@ class Controller:
 
 def _rounded(phases: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in phases.items()}
+

@@ -34,7 +34,7 @@ from trainer.config import RunConfig
 from trainer.config_load import config_from_dict, load_raw
 
 from . import registry
-from .config import ElasticConfig, check_sizes, elastic_from_raw
+from .config import ElasticConfig, check_sizes, elastic_from_raw, recovery_from_raw
 from .controller import ControllerOptions
 from .controller_actor import ControllerActor
 from .phase import Phase
@@ -124,6 +124,7 @@ def with_durable_checkpoints(raw: dict) -> dict:
 def parse_config(doc: dict, *, workers: int | None = None, min_workers: int | None = None,
                  max_workers: int | None = None) -> tuple[RunConfig, ElasticConfig]:
     """A run document parsed: the trainer's config, and ``[elastic]`` with the given sizes taking precedence."""
+    recovery_from_raw(doc)  # checked with the rest, before anything starts
     return config_from_dict(doc), elastic_from_raw(doc, workers=workers, min_workers=min_workers,
                                                    max_workers=max_workers)
 

@@ -152,10 +152,10 @@ class Recovering(State):
             return Failed(decision.reason)
         if decision.delay_s:
             c.sleep(decision.delay_s)
-        last_step = c.last_completed_step()
         world_before = len(c.members)
         t0 = c.clock()
         c.poll_progress(timeout=0.5)  # rank 0's last steps (history, saves) before anyone is killed
+        last_step = c.last_completed_step()  # the newest step trained: what a restore to an older one loses
         survivors = c.settle_after_failure(self.suspects)
         # Replacements for lost members start now; new standbys only once the group trains again,
         # so that their boot does not compete with the recovery for the machine.
@@ -196,7 +196,9 @@ class Resizing(State):
         t0 = c.clock()
         c.stop_at_boundary()
         t1 = c.clock()
-        saved = c.save_now()
+        # From memory when every member holds the current step there, else through a durable checkpoint.
+        in_memory = c.memory_flush()
+        saved = in_memory or c.save_now()
         t2 = c.clock()
         if not saved:
             log.warning("resize to %d postponed: the boundary checkpoint did not commit", self.target)
@@ -208,8 +210,9 @@ class Resizing(State):
         c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         requested = self.requested_at or t0
         c.pending_resize = {"requested_at": requested, "from": before, "to": self.target, "reason": self.reason,
-                            "phases": {"notice_s": t0 - requested, "stop_s": t1 - t0, "save_s": t2 - t1,
-                                       **c.form_phases}}
+                            "tier": c.restored_tier,
+                            "phases": {"notice_s": t0 - requested, "stop_s": t1 - t0,
+                                       ("memory_flush_s" if in_memory else "save_s"): t2 - t1, **c.form_phases}}
         return Running()
 
 

@@ -2,14 +2,21 @@
 
 The controller drives every member of a group with the same calls at once:
 
-    form(epoch, rank, world, addr, port)   new process group + Trainer for this layout
-                                           (at rank 0's rendezvous_port())
-    restore()                              newest valid checkpoint, resharded (or a fresh start)
+    form(epoch, rank, world, addr, port, recovery)   new process group + Trainer for this layout
+                                           (at rank 0's rendezvous_port()), and its memory tier
+    restore(plan)                          the step ``plan`` names from the memory tier, else the
+                                           newest valid checkpoint, resharded (or a fresh start)
     train(until_step)                      the step loop; returns done / stopped / failed
     save()                                 a checkpoint now, committed before it returns
+    memory_flush()                         the current step in the memory tier (a resize's)
 
 and, from a second thread of the actor while ``train`` runs, ``progress()``
-and ``request_stop()``. The calls that touch torch (the four above and
+and ``request_stop()``; from any thread ``memory_holdings()``, ``memory_file()``
+and ``memory_header()``, what this worker holds of the memory tier (its own
+group's and earlier groups', see ``checkpointing.memory_held``) for a restore
+planned by the controller: the files a restoring rank does not hold come from
+their holder by a Ray actor call.
+The calls that touch torch (the four above and
 ``leave``) run on one thread of their own, the actor's ``torch`` concurrency
 group: DTensor keeps per-thread caches that must be cleared when the process
 joins a new group (``trainer.world.forget_meshes``). A stop request is a
@@ -34,6 +41,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from checkpointing.memory_held import HeldSnapshots
 from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
@@ -76,6 +84,10 @@ class TrainWorker:
         self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[HistoryRow] = []
+        self.tier = None  # this group's checkpointing.memory_tier.MemoryTier ([recovery])
+        self.held = HeldSnapshots()  # what the tiers of earlier groups held
+        self._snap = None  # the future of the tier's last snapshot
+        self.tier_note = ""  # why the tier is off in this group, when it is
         # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
         timed = self.cfg.metrics.enabled and self.cfg.metrics.comm
         self.meter = comm_meter(install=timed)
@@ -122,8 +134,10 @@ class TrainWorker:
     # --- group membership ----------------------------------------------------------
 
     @on_torch_thread
-    def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
-        """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``."""
+    def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
+             recovery: dict | None = None) -> dict:
+        """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
+        memory tier's settings (``[recovery]`` fields, and ``nodes``: each rank's node), None for none."""
         t0 = time.monotonic()
         self._teardown()
         world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
@@ -150,6 +164,9 @@ class TrainWorker:
             self.ckpt.take_writer_lock(owner=self.store_url or f"orchestrator:{self.cfg.run_id}")
         self._apply_storage_faults()
         self.epoch, self.rank = epoch, rank
+        t_tier = time.monotonic()
+        self._start_tier(recovery or {}, rank, world_size)
+        tier_s = time.monotonic() - t_tier
         self._stop.clear()
         with self._lock:
             self._last = {}  # progress of the old epoch is no progress of this one
@@ -157,7 +174,19 @@ class TrainWorker:
                 self._history = []
         t3 = time.monotonic()
         return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
-                                                              "trainer_s": t3 - t2}}
+                                                              "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s}}
+
+    def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
+        """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks."""
+        self.tier, self._snap, self.tier_note = None, None, ""
+        if int(recovery.get("memory_every_steps", 0) or 0) <= 0:
+            return
+        from checkpointing.memory_tier import MemoryTier
+
+        self.tier = MemoryTier(rank, world_size, replicas=int(recovery.get("replicas", 1)),
+                               memory_budget_bytes=int(recovery.get("memory_budget_bytes", 0)),
+                               node_ids=recovery.get("nodes"), timeout_s=min(60.0, self.pg_timeout_s))
+        self.tier.every = int(recovery["memory_every_steps"])
 
     def _fence(self):
         if not self.store_url:
@@ -169,14 +198,85 @@ class TrainWorker:
         return lambda: store.current_epoch(run_id)
 
     @on_torch_thread
-    def restore(self) -> dict:
-        """Load the newest valid checkpoint into this layout (collective). Step 0 if there is none."""
+    def restore(self, plan: dict | None = None) -> dict:
+        """Load the step ``plan`` names from the memory tier (see :func:`restore_from_memory`), else (no
+        plan, or it failed on some rank: every rank falls back together) the newest valid checkpoint,
+        resharded to this layout (collective). Step 0 if there is none. ``tier`` says which."""
         t0 = time.monotonic()
+        fallback = ""
+        if plan is not None:
+            from .memory_restore import restore_from_memory
+
+            fallback = restore_from_memory(self, plan)
+            if not fallback:
+                return {"step": self.trainer.step, "from_step": None, "tier": "memory",
+                        "memory_step": plan["key"][0], "world_size_at_save": None,
+                        "seconds": time.monotonic() - t0}
+            log.warning("restore from memory failed, restoring from the durable checkpoint: %s", fallback)
         manifest = self.trainer.load_checkpoint(self.ckpt) if self.ckpt is not None else None
         return {"step": self.trainer.step, "from_step": manifest.step if manifest else None,
+                "tier": "durable" if manifest else "none", "fallback": fallback,
                 "world_size_at_save": manifest.world_size if manifest else None, "seconds": time.monotonic() - t0}
 
+    # --- the memory tier ----------------------------------------------------------------
+
+    def _memory_view(self):
+        return self.held.view(self.tier, self.epoch)
+
+    def memory_holdings(self) -> dict:
+        """Per snapshot key (step, epoch), the files this worker holds and the files of that step."""
+        view = self._memory_view()
+        return {"holdings": view.holdings(), "needed": view.needed()}
+
+    def memory_file(self, key: tuple, name: str) -> bytes:
+        """One file of the snapshot ``key`` this worker holds (for a restoring rank that does not)."""
+        return self._memory_view().file(tuple(key), name)
+
+    def memory_header(self, key: tuple) -> bytes:
+        """The snapshot ``key`` without files: its agreed table, DCP metadata and trainer state."""
+        return self._memory_view().header(tuple(key))
+
+    def _snapshot(self, step: int) -> None:
+        """The memory tier's snapshot of ``step``, when due: waits for the previous one (whose outcome
+        may turn the tier off: over its budget), then copies this rank's state to host buffers; the rest
+        runs in the tier's thread."""
+        tier = self.tier
+        if tier is None or step % tier.every:
+            return
+        if self._snap is not None:
+            res = self._snap.result()
+            if res.status == "refused":  # every rank learns it from the same vote: all turn off together
+                self.tier_note = f"memory tier off for this group: {res.reason}"
+                log.warning("%s; recoveries restore from the durable checkpoint", self.tier_note)
+                self.held.keep(self.epoch, tier.detach())
+                self.tier = None
+                return
+            if tier.restorable is not None:  # this group's own step is restorable: earlier groups' are not needed
+                self.held.clear()
+        tr = self.trainer
+        self._snap = tier.take_async(step, tr.optimizer.checkpoint_state(), tr.train_state())
+
+    @on_torch_thread
+    def memory_flush(self) -> dict:
+        """Make the current step a snapshot every rank holds (collective): wait for the snapshot in flight,
+        take one now if the current step is not held. ``step``: the step held, None when it is not."""
+        t0 = time.monotonic()
+        tier, tr = self.tier, self.trainer
+        if tier is None:
+            return {"step": None, "seconds": 0.0, "reason": self.tier_note or "no memory tier"}
+        tier.wait()
+        held = torch.tensor([1 if tr.step in tier.snapshots else 0], device=tr.device)
+        dist.all_reduce(held, op=dist.ReduceOp.MIN)
+        ok, reason = bool(held.item()), ""
+        if not ok:
+            res = tier.take(tr.step, tr.optimizer.checkpoint_state(), tr.train_state())
+            ok, reason = res.ok, res.reason
+        return {"step": tr.step if ok else None, "seconds": time.monotonic() - t0, "reason": reason}
+
     def _teardown(self) -> None:
+        if self.tier is not None:  # its process groups end here; what it holds is kept for a restore
+            self.held.keep(self.epoch, self.tier.detach())
+            self.tier, self._snap = None, None
         if self.ckpt is not None:
             self.ckpt.wait(timeout=0)  # a save of the old epoch dies with its group; never wait on it
             self.ckpt.close()
@@ -197,6 +297,7 @@ class TrainWorker:
         tr = self.trainer
         try:
             for stats in tr.run_steps(until_step, self.ckpt, stop=self._stop.is_set, final_by_caller=True):
+                self._snapshot(stats.step)
                 self._record(stats)
                 self._collect_saves()
                 if stats.stop:
@@ -237,8 +338,10 @@ class TrainWorker:
 
     def telemetry(self) -> dict:
         """This rank's cumulative communication and step figures and its memory now (for the metrics)."""
+        tier = self.tier
         return {**rank_telemetry(self.trainer, self.ckpt, self.meter), "rank": self.rank,
-                "steps": self.steps.snapshot()}
+                "steps": self.steps.snapshot(),
+                "recovery_tier_bytes": (tier.held_bytes() if tier is not None else 0) + self.held.nbytes()}
 
     def set_storage_faults(self, faults: dict | None) -> None:
         """Chaos: make this rank's checkpoint storage slow, failing or truncating (``StorageFaults``

@@ -96,6 +96,10 @@ class WorkerGroup(Protocol):
         """What a worker that is up said of itself: ``worker_id``, ``pid``, ``node_id``, ``ip``."""
         ...
 
+    def handle(self, wid: str) -> Any:
+        """What another worker calls this one through (a restore fetches memory-tier files with it)."""
+        ...
+
     def submit(self, wid: str, method: str, *args) -> Call:
         """Call ``method(*args)`` on the worker; WorkerLost if it is gone already."""
         ...
@@ -190,6 +194,10 @@ class RayWorkerGroup(WorkerGroup):
 
     def info(self, wid: str) -> dict:
         return self.workers[wid].info or {}
+
+    def handle(self, wid: str) -> Any:
+        """The worker's actor handle (another worker calls it: a restore's file fetch)."""
+        return self.workers[wid].actor
 
     def submit(self, wid: str, method: str, *args) -> Call:
         if wid not in self.workers:

@@ -212,6 +212,9 @@ class FakeGroup(WorkerGroup):
         w = self.workers[wid]
         return {"worker_id": wid, "pid": 1000 + w.seq, "node_id": f"node{w.seq:04d}-fake", "ip": "127.0.0.1"}
 
+    def handle(self, wid: str) -> str:
+        return wid
+
     def submit(self, wid: str, method: str, *args) -> Call:
         self.log.append((wid, method, args))
         if wid not in self.workers:
@@ -297,10 +300,14 @@ class FakeGroup(WorkerGroup):
         elif method == "ping":
             call.ref.set(1000 + w.seq)
         elif method == "form":
-            epoch, rank, world, _addr, _port = args
+            epoch, rank, world, _addr, _port, *_recovery = args
             w.epoch, w.rank, w.world = int(epoch), int(rank), int(world)
             w.stop, w.train, w.last, w.step = False, None, {}, 0
             call.ref.set({"rank": rank, "seconds": 0.0})
+        elif method == "memory_holdings":  # the fake keeps no memory tier: every restore is from storage
+            call.ref.set({"holdings": {}, "needed": {}})
+        elif method == "memory_flush":
+            call.ref.set({"step": None, "seconds": 0.0, "reason": "no memory tier"})
         elif method == "restore":
             latest = self.storage.latest()
             fault = self._fault(w.rank, latest, "restore")

@@ -19,7 +19,7 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from orchestrator.cli import main as etrain_main
-from orchestrator.config import ElasticConfig, elastic_from_raw
+from orchestrator.config import ElasticConfig, elastic_from_raw, recovery_from_raw
 from orchestrator.store import CorruptRunStore, Lease, RunSpec, open_store
 from tests.harness import ROOT
 from trainer.config import _SECTIONS, TrainConfig
@@ -231,6 +231,25 @@ def test_elastic_float_ranges(field, value, message):
         elastic_from_raw({"elastic": {field: value}})
     assert message in str(e.value)
     assert elastic_from_raw({"elastic": {"gpus_per_worker": -1.0}}).gpus_per_worker == -1.0
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"memory_every_steps": -1}, "recovery.memory_every_steps=-1 must be an integer >= 0 (0: no memory tier)"),
+    ({"replicas": -2}, "recovery.replicas=-2 must be an integer >= 0"),
+    ({"memory_budget_bytes": -5}, "recovery.memory_budget_bytes=-5 must be an integer >= 0 (0: no bound)"),
+    ({"replica": 1}, "unknown key recovery.replica"),
+    ({"replicas": "two"}, "recovery.replicas"),
+])
+def test_recovery_section_errors_name_the_field(table, message, tmp_path, capsys):
+    with pytest.raises(ConfigError) as e:
+        recovery_from_raw({"recovery": table})
+    assert message in str(e.value)
+    assert recovery_from_raw({}).memory_every_steps == 1 and recovery_from_raw({}).replicas == 1
+    # `etrain run` refuses it before anything starts (exit 2), naming the field.
+    key, value = next(iter(table.items()))
+    code, _, err = etrain(["run", CONFIG, "--set", f"recovery.{key}={value!r}".replace("'", '"'),
+                           "--store", f"file://{tmp_path}/runs"], capsys)
+    assert code == 2 and f"recovery.{key}" in err, err
 
 
 # --- 3. a directory as the config file -------------------------------------------------

@@ -89,11 +89,14 @@ def test_killed_worker_recovers_in_place_and_matches_the_failure_free_run(cluste
     assert_finished(final, final["run_id"], root)
     assert final["recoveries"] == 1 and final["failures"] == 1
     assert rec["world_before"] == 2 and rec["world_after"] == 2
-    assert rec["restored_step"] >= before["latest_checkpoint"]  # the newest commit, never an older one
+    # From the memory tier (the survivor's own snapshot and the copy of the dead rank's it held):
+    # at most the step in flight is lost, and never an older step than the newest commit.
+    assert rec["tier"] == "memory", rec
+    assert rec["restored_step"] >= before["latest_checkpoint"]
     events = store.events(final["run_id"])
     failure = next(e for e in events if e["kind"] == "failure")
     assert failure["failure_kind"] == "actor_died" and "rank 1" in failure["message"]
-    assert rec["steps_lost"] == failure["step"] - rec["restored_step"]
+    assert rec["steps_lost"] <= 1 and rec["restored_step"] >= failure["step"] - 1
     assert rec["time_to_recover_s"] > 0
     reformed = [e for e in events if e["kind"] == "formed"][1]
     assert reformed["pids"][0] == survivor_pid  # the survivor kept its process

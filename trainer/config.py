@@ -590,6 +590,6 @@ _SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
 }
 _TOP_LEVEL = {"run_id": str}
-# Sections owned by other components of a run (the orchestrator's [elastic]);
+# Sections owned by other components of a run (the orchestrator's [elastic] and [recovery]);
 # they live in the same TOML file and the trainer leaves them alone.
-FOREIGN_SECTIONS = ("elastic",)
+FOREIGN_SECTIONS = ("elastic", "recovery")

@@ -88,6 +88,7 @@ class RunMetrics:
         self.comm: dict[tuple[str, str, str], dict] = {}
         self.busbw: dict[tuple[str, str, str], float] = {}
         self.memory: dict[str, dict[str, int]] = {}
+        self.tier_bytes: dict[str, int] = {}  # host bytes the memory tier holds, per rank
         self._seen: dict[str, tuple[float, dict]] = {}  # process -> (time, last cumulative comm by (kind, axis))
         # checkpoints
         self.saves_total = 0
@@ -167,6 +168,8 @@ class RunMetrics:
                 self._add_steps(process, steps, count=rank == "0")
             if t.get("memory"):
                 self.memory[rank] = dict(t["memory"])
+            if "recovery_tier_bytes" in t:
+                self.tier_bytes[rank] = int(t["recovery_tier_bytes"])
 
     def _add_steps(self, process: str, steps: dict, count: bool) -> None:
         """Add a process's steps since its previous report, when it reports as rank 0 (``count``):
@@ -188,6 +191,8 @@ class RunMetrics:
         with self._lock:
             for r in [r for r in self.memory if int(r) >= world_size]:
                 del self.memory[r]
+            for r in [r for r in self.tier_bytes if int(r) >= world_size]:
+                del self.tier_bytes[r]
             for key in [k for k in self.busbw if int(k[0]) >= world_size]:
                 del self.busbw[key]
 
@@ -317,6 +322,11 @@ class RunMetrics:
             for kind, v in sorted(kinds.items()):
                 mem.add_metric([rid, rank, kind], v)
         yield mem
+        tier = GaugeMetricFamily("etrain_recovery_tier_bytes", "Host bytes the memory tier holds on each rank "
+                                 "(its snapshots and the copies it holds for peers)", labels=["run_id", "rank"])
+        for rank, v in sorted(self.tier_bytes.items()):
+            tier.add_metric([rid, rank], v)
+        yield tier
 
         # checkpoints
         yield counter("etrain_checkpoint_saves", "Checkpoints committed", self.saves_total)

@@ -1,0 +1,112 @@
+"""What a worker holds of the memory tier across its process groups, and what it answers a restore.
+
+    held = HeldSnapshots()
+    held.keep(epoch, tier.detach())            # when the worker leaves a group: its tier's steps, kept
+    view = held.view(tier, epoch)              # those, and what the live tier holds now
+    view.holdings(), view.needed()             # for plan_restore (the controller gathers every worker's)
+    view.file(key, name), view.header(key)     # a file, or a snapshot without files, for another worker
+    view.sources(key), view.snapshot(key)      # this worker's files of a step, and the step's table
+
+A snapshot is named by its key ``(step, epoch)``: the same step may be held from
+two groups of different layouts (a step snapshotted at 3 workers, restored at 2,
+is not the 2-worker group's snapshot of it), and newer keys sort first in a plan.
+A worker's tier dies with its process group (its gloo groups do), its bytes do
+not: a survivor of a failure keeps what its tier held, and the group formed next
+restores from it. Held snapshots are dropped once the new group's tier holds a
+restorable step of its own (:meth:`HeldSnapshots.clear`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from .manifest import METADATA_NAME
+from .memory_snapshot import MemorySnapshot
+
+Key = tuple[int, int]  # (step, epoch)
+Entry = tuple[MemorySnapshot | None, dict[int, MemorySnapshot]]  # own snapshot, copies held for peers
+
+
+class HeldSnapshots:
+    """Steps of earlier groups this worker still holds in memory (see the module docstring)."""
+
+    def __init__(self):
+        self.entries: dict[Key, Entry] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, epoch: int, steps: dict[int, Entry]) -> None:
+        with self._lock:
+            for step, (own, copies) in steps.items():
+                if own is not None or copies:
+                    self.entries[(step, epoch)] = (own, copies)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries = {}
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(_entry_bytes(e) for e in self.entries.values())
+
+    def view(self, tier=None, epoch: int = -1) -> HeldView:
+        """These entries and, keyed by ``epoch``, what the live ``tier`` holds now."""
+        with self._lock:
+            entries = dict(self.entries)
+        if tier is not None:
+            with tier._lock:
+                for step in set(tier.snapshots) | set(tier.copies):
+                    entries[(step, epoch)] = (tier.snapshots.get(step), dict(tier.copies.get(step, {})))
+        return HeldView(entries)
+
+
+@dataclasses.dataclass
+class HeldView:
+    entries: dict[Key, Entry]
+
+    def snapshot(self, key: Key) -> MemorySnapshot | None:
+        """Any snapshot of ``key`` this worker holds (its own first): each carries the step's agreed table,
+        its DCP metadata and trainer state."""
+        own, copies = self.entries.get(key, (None, {}))
+        return own if own is not None else next(iter(copies.values()), None)
+
+    def holdings(self) -> dict[Key, set[str]]:
+        """Per key, the files this worker can give a restore."""
+        out: dict[Key, set[str]] = {}
+        for key, (own, copies) in self.entries.items():
+            names = set(own.names()) if own is not None else {METADATA_NAME}
+            for c in copies.values():
+                names |= c.names()
+            out[key] = names
+        return out
+
+    def needed(self) -> dict[Key, set[str]]:
+        """Per key, every file of that step (its agreed table and the DCP metadata)."""
+        return {key: set(snap.file_table()) for key in self.entries if (snap := self.snapshot(key)) is not None}
+
+    def sources(self, key: Key) -> dict[str, bytes | memoryview]:
+        own, copies = self.entries.get(key, (None, {}))
+        out: dict[str, bytes | memoryview] = {}
+        for c in copies.values():
+            out.update(c.sources())
+        if own is not None:
+            out.update(own.sources())
+        return out
+
+    def file(self, key: Key, name: str) -> bytes:
+        data = self.sources(key).get(name)
+        if data is None:
+            raise KeyError(f"this worker holds no {name} of step {key[0]} (epoch {key[1]})")
+        return bytes(data)
+
+    def header(self, key: Key) -> bytes:
+        """The step's snapshot without its files (the wire format): its table, metadata and trainer state."""
+        snap = self.snapshot(key)
+        if snap is None:
+            raise KeyError(f"this worker holds no snapshot of step {key[0]} (epoch {key[1]})")
+        return dataclasses.replace(snap, files={}).to_bytes()
+
+
+def _entry_bytes(entry: Entry) -> int:
+    own, copies = entry
+    return (own.nbytes if own is not None else 0) + sum(c.nbytes for c in copies.values())
