@@ -99,6 +99,16 @@ class _HostCopy:
         self._snap_views: dict = {}
 
 
+def _lower_priority(niceness: int = 10) -> None:
+    """Lower this thread's scheduling priority (Linux: a thread is a task of its own), best effort."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
+
+
 def state_bytes(state_dict) -> int:
     """The bytes of this rank's tensors in ``state_dict`` (local shards of DTensors): what a snapshot holds,
     less a few hundred bytes of envelope per tensor and the metadata."""
@@ -143,9 +153,11 @@ class MemoryTier:
         self.restorable: int | None = None  # newest step every rank holds completely (own + copies)
         self.last_reason = ""
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier")
+        # Background threads yield the CPU to training (on a host whose cores the ranks keep busy).
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier", initializer=_lower_priority)
         self._inflight: Future | None = None
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy")  # the writer's copy threads
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy",  # the writer's copy threads
+                                      initializer=_lower_priority)
         self._token = uuid.uuid4().hex[:8]  # in every file name (each snapshot has a storage of its own)
         # The last planned snapshot of each of the last two layouts (the live state's, take; the host
         # copy's, take_async), reused while that layout holds.
@@ -210,7 +222,7 @@ class MemoryTier:
         phases: dict[str, float] = {}
         self._prune()
         storage = MemoryStorage()
-        refusal = self._over_budget(state_bytes(state_dict))
+        refusal = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ""
         layout = _layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         try:

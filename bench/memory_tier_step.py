@@ -1,0 +1,123 @@
+"""The steady-state cost of the memory tier: step time with a snapshot after every step against none.
+
+    python bench/memory_tier_step.py [--quick] [--every 1] [--world 2] [--preset tiny] [--rounds N]
+                                     [--steps-per-round N]
+
+One run (world 2 by default, re-launched under torchrun), one Trainer, one
+memory tier (one replica), as a Ray worker drives them under ``[recovery]
+memory_every_steps = 1`` (``--every``): after each step ``MemoryTier.take_async`` (it waits
+for the previous snapshot's background work, copies this rank's state to host
+buffers, and lays out, agrees and copies to the peer in the tier's thread,
+beside the next step). Rounds alternate between the tier on and off, so noise
+on this shared machine hits both alike; a step is timed from a barrier to the
+end of its snapshot call, counted as its slowest rank; figures are means over steps. The background work of
+the last snapshot of an "on" round is waited for outside the timing.
+
+Prints the means and, last, one JSON line: ``step_s_on``, ``step_s_off``,
+``ratio`` (on over off; target <= 1.03), ``bytes_per_rank`` (what the tier
+holds) and ``snapshots`` (how many became restorable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.torchrun import alternate, relaunch, time_steps  # noqa: E402
+
+
+def slowest_rank_means(*series: list[float]) -> list[float]:
+    """The mean over steps of each series (a snapshot every N-th step costs those steps only: the mean
+    spreads it), a step counting as slow as its slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    both = torch.tensor([list(s) for s in series])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return [sum(row) / len(row) for row in both.tolist()]
+
+
+def worker(args) -> None:
+    import torch
+
+    from checkpointing.memory_tier import MemoryTier
+    from trainer.config_load import load_config
+    from trainer.loop import Trainer
+    from trainer.world import World, init_distributed, shutdown_distributed
+
+    world = World.from_env()
+    init_distributed(world, torch.device("cpu"))
+    rounds = args.rounds or (6 if args.quick else 12)
+    per_round = args.steps_per_round or (10 if args.quick else 20)
+    # bench/recovery.py's and bench/chaos_goodput.py's run: the tiny model, global batch 12.
+    cfg = load_config("examples/tiny.toml", [f'model.preset="{args.preset}"', "data.max_bytes=2000000",
+                                             "train.global_batch=12", "train.micro_batch=1", f"train.steps={10**6}",
+                                             "metrics.enabled=false"])
+    trainer = Trainer(cfg, world, device=torch.device("cpu"))
+    tier = MemoryTier(world.rank, world.size, replicas=1)
+    agreed = []
+
+    def on_step():
+        trainer.train_step()
+        if trainer.step % args.every == 0:
+            agreed.append(tier.take_async(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state()))
+
+    def on():
+        times = time_steps(on_step, per_round)
+        tier.wait()
+        return times
+
+    def off():
+        return time_steps(trainer.train_step, per_round)
+
+    for _ in range(3):  # warm-up: plans, buffers, threads
+        on_step()
+    tier.wait()
+    times_on, times_off = alternate(rounds, on, off)
+    step_on, step_off = slowest_rank_means(times_on, times_off)
+    ok = sum(1 for f in agreed if f.result().ok and f.result().replication and f.result().replication.ok)
+    import statistics
+
+    waits = [f.result().phases.get("wait_previous", 0.0) for f in agreed]
+    copies = [f.result().phases.get("host_copy", 0.0) for f in agreed]
+    background = [f.result().seconds - f.result().blocking_s for f in agreed]
+    held = tier.held_bytes()
+    tier.close()
+    if world.is_main:
+        print(f"world {world.size}, preset {args.preset}: {rounds} rounds of {per_round} steps each way; "
+              f"step {step_off * 1e3:.1f} ms without the tier, {step_on * 1e3:.1f} ms with a snapshot after each "
+              f"({ok} of {len(agreed)} agreed and copied to a peer; {held / 2**20:.1f} MiB held per rank)")
+        print(f"  rank 0 medians: waited for the previous snapshot {statistics.median(waits) * 1e3:.1f} ms, "
+              f"host copy {statistics.median(copies) * 1e3:.1f} ms, background {statistics.median(background) * 1e3:.1f} ms")
+        print(json.dumps({"bench": "memory_tier_step", "world": world.size, "preset": args.preset, "rounds": rounds,
+                          "memory_every_steps": args.every,
+                          "steps_per_round": per_round, "step_s_on": round(step_on, 5),
+                          "step_s_off": round(step_off, 5), "ratio": round(step_on / step_off, 4),
+                          "bytes_per_rank": held, "snapshots": ok, "snapshots_taken": len(agreed)}), flush=True)
+    shutdown_distributed()
+
+
+def parse():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="6 rounds of 10 steps each way")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--steps-per-round", type=int, default=0)
+    ap.add_argument("--every", type=int, default=1, help="a snapshot after every N-th step ([recovery] "
+                    "memory_every_steps)")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    a = parse()
+    if "RANK" in os.environ:
+        worker(a)
+    else:
+        sys.exit(relaunch(__file__, a.world))
