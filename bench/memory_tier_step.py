@@ -27,7 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.torchrun import alternate, relaunch, time_steps  # noqa: E402
+from bench.torchrun import alternate, main, parse_args, time_steps  # noqa: E402
 
 
 def slowest_rank_means(*series: list[float]) -> list[float]:
@@ -101,23 +101,6 @@ def worker(args) -> None:
     shutdown_distributed()
 
 
-def parse():
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="6 rounds of 10 steps each way")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--rounds", type=int, default=0)
-    ap.add_argument("--steps-per-round", type=int, default=0)
-    ap.add_argument("--every", type=int, default=1, help="a snapshot after every N-th step ([recovery] "
-                    "memory_every_steps)")
-    return ap.parse_args()
-
-
 if __name__ == "__main__":
-    a = parse()
-    if "RANK" in os.environ:
-        worker(a)
-    else:
-        sys.exit(relaunch(__file__, a.world))
+    main(__file__, worker, parse_args("6 rounds of 10 steps each way", lambda ap: ap.add_argument(
+        "--every", type=int, default=1, help="a snapshot after every N-th step ([recovery] memory_every_steps)")))

@@ -27,8 +27,8 @@ def relaunch(script: str, world: int) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def parse_args(quick_help: str):
-    """The options every torchrun benchmark takes."""
+def parse_args(quick_help: str, extra=None):
+    """The options every torchrun benchmark takes; ``extra(parser)`` adds a benchmark's own."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -37,7 +37,17 @@ def parse_args(quick_help: str):
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--steps-per-round", type=int, default=0)
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
+
+
+def main(script: str, worker, args) -> None:
+    """A benchmark's entry: ``worker(args)`` as a torchrun rank, else re-launched under torchrun."""
+    if "RANK" in os.environ:
+        worker(args)
+    else:
+        sys.exit(relaunch(script, args.world))
 
 
 def time_steps(fn, n: int) -> list[float]:
