@@ -82,7 +82,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     spec, store = prepare_run(None, overrides, workers=workers, max_workers=workers + 1)
     run = BackgroundRun(spec, store)
 
-    mttr, lost, committed_lost = [], [], 0
+    mttr, lost, committed_lost, tiers = [], [], 0, []
     for k in range(kills):
         target = every * (k + 1) + 3
         s = run.wait(lambda x: x["phase"] == Phase.RUNNING and x["step"] >= target and x["world_size"] == workers,
@@ -94,14 +94,16 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
         rec = run.wait_event("recovered", k + 1)
         mttr.append(rec["first_step_unix"] - t_kill)
         lost.append(rec["steps_lost"])
+        tiers.append(rec.get("tier"))
         if committed is not None and rec["restored_step"] < committed:
             committed_lost += committed - rec["restored_step"]
         print(f"etrain (standby {standby}) kill {k + 1}: step {s['step']}, pid {victim}: recovered in "
               f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({rec['phases']}), {rec['steps_lost']} steps "
-              f"redone, restored {rec['restored_step']} (newest commit {committed})", flush=True)
+              f"redone, restored {rec['restored_step']} from {rec.get('tier')} (newest commit {committed})",
+              flush=True)
     # Resizes from a steady state: a full group, and the standby (if any) up again. Grows to
     # ``workers + 1`` and shrinks back, ``resizes`` times; ``resize_s`` is the median grow.
-    grows, shrinks = [], []
+    grows, shrinks, grow_phases = [], [], []
     for r in range(resizes):
         for size in (workers + 1, workers):
             run.wait(lambda x, n=size: x["phase"] == Phase.RUNNING and x["world_size"] == (workers + workers + 1 - n)
@@ -114,6 +116,8 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
                 rs = run.wait_event("resized", len(run.events("resized")) + 1)
             took = rs["first_step_unix"] - t_req
             (grows if size > workers else shrinks).append(took)
+            if size > workers:
+                grow_phases.append({**rs.get("phases", {}), "tier": rs.get("tier")})
             print(f"etrain (standby {standby}) resize {rs['from_workers']} -> {size}: {took:.2f} s from request to "
                   f"the first step ({rs.get('phases')})", flush=True)
             if standby == 0 and size > workers:  # without a standby every grow waits for a boot: one is enough
@@ -124,7 +128,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     result = run.join()
     ray.shutdown()
     return {"mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "grows": grows,
-            "shrinks": shrinks,
+            "shrinks": shrinks, "tiers": tiers, "grow_phases": grow_phases,
             "final_phase": result.get("phase"), "final_step": result.get("step"), "steps": steps}
 
 
@@ -206,12 +210,18 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
 def main() -> int:
     args = parse()
     kills = args.kills or (2 if args.quick else 4)
+    from bench.torchft_baseline import bench_torchft, torchft_available
+
     with tempfile.TemporaryDirectory(prefix="etrain-bench-recovery-") as root:
         base = bench_torchrun(root, kills, args.every, args.workers)
+        ft_ok, ft_why = torchft_available()
+        ft = bench_torchft(root, kills, args.every) if ft_ok else {"mttr": [], "steps_lost": [], "ok": False,
+                                                                    "error": ft_why}
         bare = bench_etrain(root, kills, args.every, args.workers, standby=0, resizes=1)
         warm = bench_etrain(root, kills, args.every, args.workers, standby=1, resizes=args.resizes)
     med = statistics.median
     base_mttr = med(base["mttr"]) if base["mttr"] else float("nan")
+    middle = sorted(range(len(warm["grows"])), key=warm["grows"].__getitem__)[len(warm["grows"]) // 2]
     out = {
         "mttr_s": round(med(warm["mttr"]), 3),  # with one warm standby (elastic.standby = 1)
         "mttr_all_s": [round(x, 3) for x in warm["mttr"]],
@@ -219,9 +229,13 @@ def main() -> int:
         "mttr_no_standby_all_s": [round(x, 3) for x in bare["mttr"]],
         "steps_lost": warm["steps_lost"],
         "steps_lost_no_standby": bare["steps_lost"],
+        "steps_lost_median": med(warm["steps_lost"] + bare["steps_lost"]),  # per killed worker; target <= 1
+        "steps_lost_max": max(warm["steps_lost"] + bare["steps_lost"]),
+        "restored_from": warm["tiers"] + bare["tiers"],  # memory, or durable (the fallback)
         "committed_steps_lost": warm["committed_steps_lost"] + bare["committed_steps_lost"],
         "resize_s": round(med(warm["grows"]), 3),  # grow workers -> workers + 1, a standby ready; median
         "resize_all_s": [round(x, 3) for x in warm["grows"]],
+        "resize_phases": warm["grow_phases"][middle],  # of the median grow: where its time went
         "resize_shrink_s": round(med(warm["shrinks"]), 3),
         "resize_no_standby_s": round(med(bare["grows"]), 3),  # the grow waits for a new process to boot
         "baseline_torchrun_mttr_s": round(base_mttr, 3),
@@ -230,6 +244,12 @@ def main() -> int:
         "baseline_hung_restarts": base["hung"],
         "mttr_ratio_vs_torchrun": round(med(warm["mttr"]) / base_mttr, 3),
         "mttr_no_standby_ratio_vs_torchrun": round(med(bare["mttr"]) / base_mttr, 3),
+        # torchft (bench/torchft_baseline.py): two replica groups, one killed and replaced, healing from the other
+        "baseline_torchft_mttr_s": round(med(ft["mttr"]), 3) if ft["mttr"] else None,
+        "baseline_torchft_all_s": [round(x, 3) for x in ft["mttr"]],
+        "baseline_torchft_survivor_stall_s": [round(x, 3) for x in ft.get("survivor_stall", [])],
+        "baseline_torchft_steps_lost": ft["steps_lost"],
+        "baseline_torchft_error": ft.get("error", ""),
         "final_phases": [bare["final_phase"], warm["final_phase"]],
         "workers": args.workers,
         "kills": kills,

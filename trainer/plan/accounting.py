@@ -21,8 +21,8 @@ at once (1F1B: pp - stage index; GPipe: all; interleaved: Narayanan et al. 2021'
 1 + (p - 1) / (p v)).
 
 Checkpoint staging is host memory (the async save's blocking copy), and so is the memory tier of
-recovery (:mod:`checkpointing.memory_tier`: at most two own snapshots and two of a peer's,
-``host_recovery_tier``); its device bytes are a hook, :data:`RECOVERY_TIER`, 0 today.
+recovery (:mod:`checkpointing.memory_tier`: the host buffers a snapshot is copied into, at most two
+own snapshots and two of a peer's, ``host_recovery_tier``); its device bytes are a hook, :data:`RECOVERY_TIER`, 0 today.
 """
 
 from __future__ import annotations
@@ -234,8 +234,9 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     return gathered + accumulated
 
 
-# Host copies of a rank's state the memory tier holds at most: two own snapshots, two of a peer's (one replica).
-MEMORY_TIER_COPIES = 4
+# Host copies of a rank's state the memory tier holds at most: the buffers each snapshot is copied into, two
+# own snapshots, two of a peer's (one replica, the default of [recovery] replicas).
+MEMORY_TIER_COPIES = 5
 
 
 def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
@@ -268,8 +269,8 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
-    # The memory tier (checkpointing.memory_tier), in host memory: at most two own snapshots and, with one
-    # replica, the copies of a peer's at those steps: four times the state at most.
+    # The memory tier (checkpointing.memory_tier), in host memory: the host buffers, at most two own snapshots
+    # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]
     out["param_count"] = count
     return out

@@ -1,0 +1,250 @@
+"""torchft baseline for bench/recovery.py: the same tiny model and kill pattern, recovered torchft's way.
+
+    python bench/torchft_baseline.py [--kills 1] [--every 10] [--steps-after 30]
+
+Two replica groups of one process each, each under its own ``torchrun --nproc_per_node=1`` (the
+Manager reads torchrun's store env), one torchft lighthouse (``--min_replicas 1``, its defaults
+otherwise) on 127.0.0.1. Each trains etrain's built-in tiny model (``model.preset = "tiny"`` from
+examples/tiny.toml, ``trainer.model.Transformer``, weights from ``train.seed``) with AdamW lr 0.003
+through torchft's DistributedDataParallel + Optimizer over ProcessGroupGloo (Manager timeout
+``TIMEOUT_S``). The batch: 6 samples of ``data.seq_len`` per replica per step, windows of the
+corpus of ``trainer.data.load_splits(cfg)`` (the stdlib sources, as in recovery.py's BASE), chosen
+from the step and replica. Each replica logs one JSON line per step, ``committed`` false where
+``should_commit`` said no (the Optimizer skipped it; ``current_step`` did not advance).
+
+Every ``every`` steps, once the group is whole, replica 1's rank process is SIGKILLed (its torchrun
+session with it) and a replacement replica 1 is started at once: a new process that heals (takes
+the weights and optimizer state) from the live replica 0. Per kill: ``mttr`` is the time from the
+kill to the replacement's first committed step with 2 participants (the group whole again);
+``survivor_stall`` the longest gap between replica 0's consecutive committed steps from the last one
+before the kill to the first one after the group is whole. torchft redoes no step: replica 0 goes on
+alone at half the batch. So ``steps_lost`` is replica 0's steps that did not commit between the kill
+and the rejoin (their work, both replicas' gradients, thrown away: the analogue of etrain's steps
+redone), and ``steps_degraded`` the steps replica 0 committed alone meanwhile (the replacement's first
+step minus replica 0's step at the kill): steps at half the samples, not progress lost.
+
+torchft's location: ``ETRAIN_TORCHFT_PATH`` (a directory put on PYTHONPATH), else a normally
+importable ``torchft``, else /tmp/tft/lib if it exists. Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TIMEOUT_S = 10  # the Manager's timeout for its collectives and RPCs (torchft's default: 60)
+BOOT_S = 180  # a replica (torchrun + torch + torchft + the model) not stepping after this long: failed
+OVERRIDES = ["model.preset=\"tiny\"", "data.max_bytes=2000000", "train.lr=0.003"]
+PER_REPLICA = 6  # samples per replica per step (recovery.py's global_batch 12 over 2)
+
+
+def _torchft_path() -> str | None:
+    """A directory to put on PYTHONPATH for torchft, or None when it imports as it is."""
+    if os.environ.get("ETRAIN_TORCHFT_PATH"):
+        return os.environ["ETRAIN_TORCHFT_PATH"]
+    if importlib.util.find_spec("torchft") is not None:
+        return None
+    return "/tmp/tft/lib" if os.path.isdir("/tmp/tft/lib") else None
+
+
+def _env() -> dict:
+    path = [ROOT] + ([p] if (p := _torchft_path()) else [])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                OMP_NUM_THREADS="1")
+
+
+def torchft_available() -> tuple[bool, str]:
+    """(True, "") when torchft imports (with its lighthouse) in a subprocess, else (False, why)."""
+    r = subprocess.run([sys.executable, "-c", "import torchft; from torchft._torchft import lighthouse_main"],
+                       env=_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"torchft is not importable (PYTHONPATH {_torchft_path() or 'as is'}): {last}"
+    return True, ""
+
+
+# --- one replica (run under torchrun) --------------------------------------------------------
+
+
+def worker(a: argparse.Namespace) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.nn.functional as F
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    from trainer.config_load import load_config
+    from trainer.data import load_splits
+    from trainer.model import Transformer
+
+    cfg = load_config(os.path.join(ROOT, "examples/tiny.toml"), OVERRIDES)
+    corpus, _ = load_splits(cfg)
+    seq, n = cfg.data.seq_len, corpus.n_samples(cfg.data.seq_len)
+    torch.manual_seed(cfg.train.seed)
+    m = Transformer(cfg.model)
+    opt0 = torch.optim.AdamW(m.parameters(), lr=cfg.train.lr)
+
+    def load(sd):
+        m.load_state_dict(sd["model"])
+        opt0.load_state_dict(sd["optim"])
+
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=load,
+                      state_dict=lambda: {"model": m.state_dict(), "optim": opt0.state_dict()},
+                      replica_id=f"r{a.replica}", lighthouse_addr=a.lighthouse, timeout=timedelta(seconds=TIMEOUT_S))
+    model, opt = DistributedDataParallel(manager, m), Optimizer(manager, opt0)
+    with open(a.log, "a") as log:
+        while not os.path.exists(a.stop):
+            opt.zero_grad()
+            base = manager.current_step() * 2 * PER_REPLICA + a.replica * PER_REPLICA
+            x = torch.from_numpy(__import__("numpy").stack(
+                [corpus.window(((base + j) % n) * seq, seq + 1) for j in range(PER_REPLICA)]).astype("int64"))
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            before = manager.current_step()
+            opt.step()
+            log.write(json.dumps({"replica": a.replica, "step": manager.current_step(),
+                                  "participants": manager.num_participants(), "time": time.time(),
+                                  "committed": manager.current_step() > before}) + "\n")
+            log.flush()
+
+
+# --- the benchmark ----------------------------------------------------------------------------
+
+
+def _rows(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except (OSError, ValueError):
+        return []
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun session by pid: its ranks (each in a session of its own), then the agent."""
+    from orchestrator.chaos import procfs
+
+    procfs.kill_tree(proc.pid, signal.SIGKILL, root=False)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def bench_torchft(root: str, kills: int, every: int, steps_after: int = 30) -> dict:
+    from orchestrator.chaos import procfs
+    from tests.harness import free_port
+
+    out = {"mttr": [], "survivor_stall": [], "steps_lost": [], "steps_degraded": [], "ok": False, "error": ""}
+    ok, why = torchft_available()
+    if not ok:
+        out["error"] = why
+        return out
+    os.makedirs(root, exist_ok=True)
+    env, procs = _env(), []
+    stop, port = os.path.join(root, "stop"), free_port()
+    lighthouse = f"http://127.0.0.1:{port}"
+
+    def start(cmd: list[str], log: str) -> subprocess.Popen:
+        with open(log, "ab") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        return procs[-1]
+
+    def replica(r: int, gen: int) -> tuple[subprocess.Popen, str]:
+        log = os.path.join(root, f"r{r}-{gen}.jsonl")
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node=1",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.abspath(__file__), "--worker",
+               "--replica", str(r), "--lighthouse", lighthouse, "--log", log, "--stop", stop]
+        return start(cmd, os.path.join(root, f"r{r}-{gen}.out")), log
+
+    def wait_for(pred, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if v := pred():
+                return v
+            if procs[0].poll() is not None:
+                raise RuntimeError(f"the lighthouse exited ({procs[0].returncode}) waiting for {what}")
+            time.sleep(0.05)
+        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    def whole(log: str, min_step: int = 0):
+        return next((x for x in _rows(log) if x["committed"] and x["participants"] == 2 and x["step"] >= min_step),
+                    None)
+
+    try:
+        start([sys.executable, "-c", "import sys; from torchft._torchft import lighthouse_main; "
+               "sys.argv[0] = 'torchft_lighthouse'; sys.exit(lighthouse_main())", "--min_replicas", "1",
+               "--bind", f"127.0.0.1:{port}"], os.path.join(root, "lighthouse.out"))
+        (_, log0), (p1, log1) = replica(0, 0), replica(1, 0)
+        for k in range(kills):
+            target = every * (k + 1) + 3
+            wait_for(lambda: whole(log0, target) and whole(log1), BOOT_S, f"step {target} on 2 replicas")
+            victim = procfs.children(p1.pid)
+            if not victim:
+                raise RuntimeError("no rank process found under replica 1's torchrun")
+            t_kill = time.time()
+            os.kill(victim[0], signal.SIGKILL)
+            _stop(p1)
+            p1, log1 = replica(1, k + 1)
+            first = wait_for(lambda: whole(log1), BOOT_S, f"the replacement {k + 1} stepping with 2 participants")
+            wait_for(lambda: [x for x in _rows(log0) if x["time"] > first["time"] and x["committed"]],
+                     30, "a survivor step after the rejoin")
+            s = _rows(log0)
+            at_kill = max([x["step"] for x in s if x["committed"] and x["time"] <= t_kill], default=0)
+            span = [x["time"] for x in s if x["committed"]]
+            t0 = max([t for t in span if t <= t_kill], default=t_kill)
+            t1 = min([t for t in span if t > first["time"]])
+            span = [t for t in span if t0 <= t <= t1]
+            out["mttr"].append(first["time"] - t_kill)
+            out["survivor_stall"].append(max(b - a for a, b in zip(span, span[1:])))
+            out["steps_lost"].append(sum(1 for x in s if not x["committed"] and t_kill < x["time"] <= t1))
+            out["steps_degraded"].append(first["step"] - at_kill)
+            print(f"torchft kill {k + 1}: survivor at step {at_kill}: group whole again in {out['mttr'][-1]:.2f} s "
+                  f"(replacement's first step {first['step']}), survivor stalled {out['survivor_stall'][-1]:.2f} s, "
+                  f"{out['steps_lost'][-1]} uncommitted, {out['steps_degraded'][-1]} steps alone", flush=True)
+        last = max([x["step"] for x in _rows(log0)], default=0)
+        wait_for(lambda: whole(log0, last + steps_after) and whole(log1, last + steps_after), 120 + steps_after,
+                 f"{steps_after} steps after the last recovery")
+        out["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported in the result, the processes ended below
+        out["error"] = f"{type(e).__name__}: {e} (logs in {root})"
+    finally:
+        open(stop, "w").close()
+        for p in reversed(procs):  # the replicas' torchrun sessions, then the lighthouse
+            _stop(p)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kills", type=int, default=1)
+    ap.add_argument("--every", type=int, default=15, help="steps between kills")
+    ap.add_argument("--steps-after", type=int, default=30)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one replica, under torchrun
+    ap.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
+    for f in ("--lighthouse", "--log", "--stop"):
+        ap.add_argument(f, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return 0
+    root = tempfile.mkdtemp(prefix="etrain-bench-torchft-")
+    res = bench_torchft(root, a.kills, a.every, a.steps_after)
+    if res["ok"]:  # kept on a failure: the error names it
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({k: [round(x, 3) for x in v] if isinstance(v, list) else v for k, v in res.items()}))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
