@@ -1,26 +1,35 @@
-"""Recovery and resize time of an etrain run against torchrun's restart, same trainer, same kills.
+"""Recovery and resize of an etrain run against torchrun's restart and torchft's healing, same kills.
 
     python bench/recovery.py [--quick] [--kills 3] [--workers 2] [--resizes 3]
 
-etrain: a run on a local Ray (127.0.0.1) with ``workers`` TrainWorkers
-checkpointing every 10 steps, twice: with one warm standby worker
-(``elastic.standby = 1``: the standby takes the dead worker's place) and with
-none (the survivors go on smaller at once and the group grows back when the
-replacement is up). Every few steps one worker process is SIGKILLed; the
-figure is the time from the kill to the first step completed after the
-recovery (``mttr_s`` with the standby, ``mttr_no_standby_s`` without; medians
-over kills), the steps redone (``steps_lost``), and whether every recovery
-restored the newest committed checkpoint (``committed_steps_lost`` must be
-0). Then resizes to ``workers + 1`` and back: ``resize_s`` is the time from
-the request to the first step completed at the new size, the median of
-``resizes`` grows with a ready standby (each resize event carries its
-phases: notice, stop at the boundary, checkpoint, form, restore); without a
-standby one grow, which also waits for the new process to boot.
+etrain: a run on a local Ray (127.0.0.1) with ``workers`` TrainWorkers,
+checkpointing every 10 steps and with the memory tier on (the default:
+a snapshot after every step, one copy in a peer's memory), twice: with one
+warm standby worker (``elastic.standby = 1``: the standby takes the dead
+worker's place) and with none (the survivors go on smaller at once and the
+group grows back when the replacement is up). Every few steps one worker
+process is SIGKILLed; the figure is the time from the kill to the first step
+completed after the recovery (``mttr_s`` with the standby,
+``mttr_no_standby_s`` without; medians over kills), the steps redone
+(``steps_lost``, with ``steps_lost_median`` and ``steps_lost_max`` over every
+kill; target <= 1), where each recovery restored from (``restored_from``:
+``memory``, or ``durable`` when memory could not serve), and whether any
+recovery restored a step older than the newest commit
+(``committed_steps_lost`` must be 0). Then resizes to ``workers + 1`` and
+back: ``resize_s`` is the time from the request to the first step completed
+at the new size, the median of ``resizes`` grows with a ready standby
+(``resize_phases``: the median grow's phases: notice, stop at the boundary,
+memory flush, form, plan, restore); without a standby one grow, which also
+waits for the new process to boot.
 
-Baseline, in the same run: the same trainer and checkpoint interval under
+Baselines, in the same run: the same trainer and checkpoint interval under
 ``torchrun --max-restarts`` (which restarts every process and resumes from the
 newest checkpoint), a rank killed the same way; ``baseline_torchrun_mttr_s``
-is the time from the kill to the first step logged after the restart.
+is the time from the kill to the first step logged after the restart. And
+torchft (``bench/torchft_baseline.py``, when it is installed): two replica
+groups of the same model, one killed and replaced, healing from the live
+one (``baseline_torchft_*``; ``baseline_torchft_error`` says why not, when
+it cannot run).
 
 Prints one JSON line last.
 """

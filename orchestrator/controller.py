@@ -54,7 +54,7 @@ from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .policies import FailureLog, FailurePolicy, ScalingPolicy, ScalingStatus
 from .states import Failed, Initializing, Recovering, State
 from .status import RunStatus
-from .store import RunSpec, RunStore, StoreUnavailable
+from .store import HistoryRow, RunSpec, RunStore, StoreUnavailable
 from .worker_group import GroupFailure, WorkerGroup, WorkerLost
 
 log = logging.getLogger("etrain")
@@ -280,6 +280,9 @@ class Controller:
         tier = self.restored_tier = restored[rank0].get("tier", "durable")
         if restored[rank0].get("fallback"):
             why = f"the restore from memory failed ({restored[rank0]['fallback']})"
+        row = restored[rank0].get("history_row")
+        if tier == "memory" and step > self.last_completed_step() and isinstance(row, list):
+            self.observers.on_history(self, [HistoryRow.of(row)])  # trained, never reported: its rank 0 died
         self.progress = {"step": step}
         self.progress_at = self.clock()
         if tier != "memory":  # a restore from memory leaves the newest commit where it was

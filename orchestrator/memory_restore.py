@@ -1,7 +1,8 @@
 """A group's restore from the memory tier, on each of its workers (``TrainWorker.restore(plan)``).
 
     plan = {"key": (step, epoch), "where": {file name: holder worker id}, "handles": {worker id: actor}}
-    reason = restore_from_memory(worker, plan)     # collective; "" when restored, else why not
+    reason, state = restore_from_memory(worker, plan)   # collective; "" when restored (state: the
+                                                        # snapshot's trainer state), else why not
 
 The controller plans (``Controller.memory_plan``): it gathers what every live
 worker holds (``memory_holdings``) and picks the newest snapshot whose every file
@@ -37,9 +38,10 @@ log = logging.getLogger("etrain")
 FETCH_TIMEOUT_S = 120.0
 
 
-def restore_from_memory(worker, plan: dict) -> str:
-    """Restore ``plan["key"]`` into ``worker.trainer`` (collective on the training group); "" when done,
-    else the reason it was not (the same on every rank: the caller then loads the durable checkpoint)."""
+def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
+    """Restore ``plan["key"]`` into ``worker.trainer`` (collective on the training group): ("", the
+    snapshot's trainer state) when done, else (the reason it was not, {}), the same on every rank: the
+    caller then loads the durable checkpoint."""
     key = tuple(plan["key"])
     tr = worker.trainer
     reason = ""
@@ -55,15 +57,15 @@ def restore_from_memory(worker, plan: dict) -> str:
     except Exception as e:
         reason = f"rank {tr.world.rank}: {describe(e)}"
     if not _everyone_ok(not reason, tr.device):
-        return reason or "another rank could not prepare the restore from memory"
+        return reason or "another rank could not prepare the restore from memory", {}
     try:
         load_from_memory(tr.optimizer.checkpoint_state(), sources, snap)
     except Exception as e:  # DCP raises a read that failed on any rank on every rank
-        return describe(e)
+        return describe(e), {}
     tr.optimizer.after_load()
     tr.load_train_state(snap.trainer_state)
     log.info("restored step %d from the memory tier", snap.step)
-    return ""
+    return "", snap.trainer_state
 
 
 def _everyone_ok(ok: bool, device) -> bool:

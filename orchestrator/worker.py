@@ -16,7 +16,7 @@ and ``memory_header()``, what this worker holds of the memory tier (its own
 group's and earlier groups', see ``checkpointing.memory_held``) for a restore
 planned by the controller: the files a restoring rank does not hold come from
 their holder by a Ray actor call.
-The calls that touch torch (the four above and
+The calls that touch torch (the five above and
 ``leave``) run on one thread of their own, the actor's ``torch`` concurrency
 group: DTensor keeps per-thread caches that must be cleared when the process
 joins a new group (``trainer.world.forget_meshes``). A stop request is a
@@ -207,10 +207,10 @@ class TrainWorker:
         if plan is not None:
             from .memory_restore import restore_from_memory
 
-            fallback = restore_from_memory(self, plan)
-            if not fallback:
+            fallback, state = restore_from_memory(self, plan)
+            if not fallback:  # with the restored step's history row: a rank 0 that died may never have sent it
                 return {"step": self.trainer.step, "from_step": None, "tier": "memory",
-                        "memory_step": plan["key"][0], "world_size_at_save": None,
+                        "history_row": state.get("history_row"), "world_size_at_save": None,
                         "seconds": time.monotonic() - t0}
             log.warning("restore from memory failed, restoring from the durable checkpoint: %s", fallback)
         manifest = self.trainer.load_checkpoint(self.ckpt) if self.ckpt is not None else None
@@ -236,10 +236,11 @@ class TrainWorker:
         """The snapshot ``key`` without files: its agreed table, DCP metadata and trainer state."""
         return self._memory_view().header(tuple(key))
 
-    def _snapshot(self, step: int) -> None:
+    def _snapshot(self, step: int, row: HistoryRow) -> None:
         """The memory tier's snapshot of ``step``, when due: waits for the previous one (whose outcome
         may turn the tier off: over its budget), then copies this rank's state to host buffers; the rest
-        runs in the tier's thread."""
+        runs in the tier's thread. The step's history row goes with it: a rank 0 that dies before
+        reporting it takes it along, and the controller of the group restored from it records it."""
         tier = self.tier
         if tier is None or step % tier.every:
             return
@@ -254,7 +255,8 @@ class TrainWorker:
             if tier.restorable is not None:  # this group's own step is restorable: earlier groups' are not needed
                 self.held.clear()
         tr = self.trainer
-        self._snap = tier.take_async(step, tr.optimizer.checkpoint_state(), tr.train_state())
+        self._snap = tier.take_async(step, tr.optimizer.checkpoint_state(),
+                                     {**tr.train_state(), "history_row": list(row)})
 
     @on_torch_thread
     def memory_flush(self) -> dict:
@@ -262,13 +264,19 @@ class TrainWorker:
         take one now if the current step is not held. ``step``: the step held, None when it is not."""
         t0 = time.monotonic()
         tier, tr = self.tier, self.trainer
-        if tier is None:
-            return {"step": None, "seconds": 0.0, "reason": self.tier_note or "no memory tier"}
-        tier.wait()
-        held = torch.tensor([1 if tr.step in tier.snapshots else 0], device=tr.device)
-        dist.all_reduce(held, op=dist.ReduceOp.MIN)
-        ok, reason = bool(held.item()), ""
-        if not ok:
+        if tier is not None:
+            tier.wait()
+        # Every rank takes the same branch: all have a tier, and all hold the step, or not.
+        flags = torch.tensor([tier is not None, tier is not None and tr.step in tier.snapshots], device=tr.device,
+                             dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        has_tier, held = (bool(v) for v in flags.tolist())
+        if not has_tier:
+            return {"step": None, "seconds": time.monotonic() - t0,
+                    "reason": self.tier_note or "the memory tier is off on some rank"}
+        ok, reason = held, ""
+        if not held:
             res = tier.take(tr.step, tr.optimizer.checkpoint_state(), tr.train_state())
             ok, reason = res.ok, res.reason
         return {"step": tr.step if ok else None, "seconds": time.monotonic() - t0, "reason": reason}
@@ -297,8 +305,8 @@ class TrainWorker:
         tr = self.trainer
         try:
             for stats in tr.run_steps(until_step, self.ckpt, stop=self._stop.is_set, final_by_caller=True):
-                self._snapshot(stats.step)
-                self._record(stats)
+                row = self._record(stats)
+                self._snapshot(stats.step, row)
                 self._collect_saves()
                 if stats.stop:
                     self._stop.clear()
@@ -312,7 +320,8 @@ class TrainWorker:
             self._teardown()
             return failed
 
-    def _record(self, stats) -> None:
+    def _record(self, stats) -> HistoryRow:
+        """The step's progress and its history row (kept on rank 0; returned on every rank)."""
         self.steps.observe(stats.step_seconds, stats.data_seconds)
         util = mfu(self.cfg, self.trainer.device, stats.tokens_per_s, stats.world_size)
         with self._lock:
@@ -320,10 +329,11 @@ class TrainWorker:
                           "mfu": util}
             if self.trainer.last_eval is not None:  # the newest held-out loss stays in view between evaluations
                 self._last["eval_step"], self._last["eval_loss"] = self.trainer.last_eval
+            row = HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed, self._last["time"],
+                             stats.step_seconds, stats.tokens_per_s, stats.eval_loss)
             if self.rank == 0:
-                self._history.append(HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed,
-                                                self._last["time"], stats.step_seconds, stats.tokens_per_s,
-                                                stats.eval_loss))
+                self._history.append(row)
+        return row
 
     def _collect_saves(self) -> None:
         """Keep the results of finished saves for the controller: rank 0's (the coordinator) only,

@@ -60,7 +60,9 @@ def test_killed_worker_restores_from_memory_and_ends_bitwise_as_the_failure_free
     # Between two commits (8 and 16), so that the durable checkpoint alone would lose steps.
     before = run.wait(lambda s: s["phase"] == "RUNNING" and 11 <= s["step"], what="step 11")
     assert before["step"] < 16, "the run passed the next commit before the kill; the test cannot tell tiers apart"
-    survivor, victim = run.events("formed")[0]["pids"]
+    # Rank 0: it reports the steps; the step it trained last may die with it, unreported, and must
+    # still be in the run's history (the snapshot carries it).
+    victim, survivor = run.events("formed")[0]["pids"]
     os.kill(victim, signal.SIGKILL)
     rec = run.wait_event("recovered")
     final = run.join()
@@ -97,6 +99,17 @@ def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_durable_checkpoin
     assert final["loss"] == pytest.approx(reference["loss"], rel=1e-4)
     mgr = CheckpointManager(root, run.spec.run_id)
     assert mgr.read_manifest(STEPS).trainer_state["samples_consumed"] == STEPS * GLOBAL_BATCH
+
+
+def test_a_tier_over_its_budget_turns_itself_off_and_recovery_uses_storage(cluster, tmp_path):
+    root = f"file://{tmp_path}/runs"
+    run, _ = start_run(root, "elastic.standby=1", "recovery.memory_budget_bytes=100000")  # under one snapshot
+    run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 6 and s["latest_checkpoint"], what="step 6")
+    os.kill(run.events("formed")[0]["pids"][1], signal.SIGKILL)
+    rec = run.wait_event("recovered")
+    final = run.join()
+    assert final["phase"] == "FINISHED" and final["step"] == STEPS
+    assert rec["tier"] == "durable" and rec["tier_reason"] == "no worker holds a snapshot in memory", rec
 
 
 def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:

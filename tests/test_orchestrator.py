@@ -136,6 +136,9 @@ def assert_prometheus_saw(prom, run_id: str, failures: int) -> None:
     assert over_run(f"max_over_time(etrain_recoveries_total{{{sel}}}[10m])") == [float(failures)]
     assert over_run(f"max_over_time(etrain_time_to_recover_seconds_count{{{sel}}}[10m])") == [float(failures)]
     assert over_run(f"max_over_time(etrain_time_to_recover_seconds_sum{{{sel}}}[10m])")[0] > 0
+    # The memory tier's host bytes, per rank: its snapshots and the copy of its peer's.
+    tier = over_run(f"max_over_time(etrain_recovery_tier_bytes{{{sel}}}[10m])")
+    assert len(tier) >= 2 and all(v > 0 for v in tier), tier
 
 
 def test_resize_up_and_down_at_step_boundaries_loses_no_step(cluster, root, reference, capsys):
