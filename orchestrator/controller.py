@@ -62,8 +62,8 @@ log = logging.getLogger("etrain")
 
 @dataclass(kw_only=True)
 class ControllerOptions:
-    poll_s: float = 0.2  # how often RUNNING looks at calls, progress and the spec
-    spec_every_s: float = 0.2  # how often the spec is re-read (a resize or suspend waits at most this)
+    poll_s: float = 0.1  # how often RUNNING looks at calls, progress and the spec
+    spec_every_s: float = 0.1  # how often the spec is re-read (a resize or suspend waits at most this)
     status_every_s: float = 1.0  # how often the status is written
     start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
     replace_wait_s: float = 0.0  # how long to wait for workers that have no resources before forming smaller

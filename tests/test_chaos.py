@@ -151,8 +151,10 @@ def test_worker_killed_during_an_async_upload_never_commits_that_checkpoint(clus
             '[[fault]]\nkind = "kill_worker"\nat_step = 9\nrank = 1\n')
     # Saves that slow make training wait for the one in flight now and then: not a hang (this test is not
     # about hangs), so a deadline above the slowest save.
+    # The memory tier off: the recovery must restore from storage, where the in-flight save must not count
+    # (with the tier on it restores step 9 from memory; tests/test_memory_recovery.py).
     r = chaos_run(root, plan, reference, "checkpoint.async_save=true", "elastic.hang_timeout_s=30",
-                  tmp_path=tmp_path)
+                  "recovery.memory_every_steps=0", tmp_path=tmp_path)
     mgr = CheckpointManager(root, r["run_id"])
     committed = mgr.committed_steps()
     assert 8 not in committed and committed and committed[-1] == STEPS, committed
