@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .phase import Phase
+from .progress import from_tier
 from .run import BackgroundRun, connect, default_root, prepare_resume, prepare_run
 
 console = Console()
@@ -107,11 +108,11 @@ def summary(events: list[dict], final: dict, wall_s: float) -> Table:
     t.add_row("recoveries", str(len(rec)))
     for e in rec:
         t.add_row("  time to recover", f"{e['time_to_recover_s']:.2f} s ({e['world_before']} -> {e['world_after']} "
-                                       f"workers, restored step {e['restored_step']})")
+                                       f"workers, restored step {e['restored_step']}{from_tier(e)})")
         t.add_row("  steps lost", str(e["steps_lost"]))
     for e in res:
         t.add_row("resize", f"{e['from_workers']} -> {e['to_workers']} workers in {e['resize_s']:.2f} s, "
-                            f"at step {e['step']}")
+                            f"at step {e['step']}{from_tier(e)}")
     for e in sus:
         t.add_row("suspended", f"at step {e['step']} (checkpoint committed: {e['checkpoint_committed']})")
     if formed:

@@ -52,7 +52,7 @@ def listing_console() -> Console:
     return console if console.is_terminal else _Console(width=200)
 
 
-def _from_tier(e: dict) -> str:
+def from_tier(e: dict) -> str:
     """Where a recovery or resize restored from; with why, when a restore from memory was not possible."""
     tier = e.get("tier")
     if tier == "memory":
@@ -69,11 +69,11 @@ def describe_event(e: dict) -> str | None:
         return f"[failure] step {e.get('step')}: {e.get('failure_kind')}: {e.get('message')} -> {e.get('decision')}"
     if k == "recovered":
         return (f"[recovered] epoch {e.get('epoch')}: {e.get('world_before')} -> {e.get('world_after')} workers, "
-                f"restored step {e.get('restored_step')}{_from_tier(e)}, {e.get('steps_lost')} steps lost, "
+                f"restored step {e.get('restored_step')}{from_tier(e)}, {e.get('steps_lost')} steps lost, "
                 f"{e.get('time_to_recover_s')} s to recover")
     if k == "resized":
         return (f"[resized] {e.get('from_workers')} -> {e.get('to_workers')} workers at step {e.get('step')} "
-                f"in {e.get('resize_s')} s{_from_tier(e)} ({e.get('reason')})")
+                f"in {e.get('resize_s')} s{from_tier(e)} ({e.get('reason')})")
     if k == "eval" and isinstance(e.get("loss"), (int, float)):
         return f"[eval] step {e.get('step')} eval loss {e['loss']:.4f}"
     if k == "checkpoint_failed":

@@ -230,6 +230,16 @@ def test_run_output_is_readable():
     assert line == "[formed] nodes=['a1b2c3d4', 'a1b2c3d4'], world_size=2"
     assert info_line({"loss": 3.0, "tokens_per_s": 12345.0, "world_size": 2, "phase": "RUNNING"}) == \
         "loss 3.0000  12.3k tok/s  world 2  RUNNING"
+    # Where a recovery or resize restored from, and why not from memory when it did not.
+    from orchestrator.progress import describe_event
+
+    rec = {"kind": "recovered", "epoch": 2, "world_before": 2, "world_after": 2, "restored_step": 18,
+           "steps_lost": 0, "time_to_recover_s": 0.5, "tier": "memory"}
+    assert describe_event(rec) == "[recovered] epoch 2: 2 -> 2 workers, restored step 18 from memory, 0 steps lost, " \
+                                  "0.5 s to recover"
+    why = "no worker holds a snapshot in memory"
+    assert f"restored step 16 from the checkpoint ({why}), 2 steps lost" in describe_event(
+        {**rec, "tier": "durable", "tier_reason": why, "restored_step": 16, "steps_lost": 2})
 
 
 def test_final_report_rounds_the_loss(capsys):
