@@ -309,11 +309,20 @@ class Controller:
         return memory_restore_plan(self.group, holders, self.committed_step)
 
     def memory_flush(self) -> bool:
-        """Every member holds the current step in memory (a resize restores from it); False when not."""
+        """Every member holds the current step in memory and a restore of it can be planned (a resize
+        restores from it); False when not: the resize then commits a durable checkpoint first, so that it
+        loses no step."""
         if not self.recovery.enabled or self.recovery.resize_through_storage or not self.members:
             return False
         flushed = self._group_call(self.members, "memory_flush")
-        return all(r["step"] == self.last_completed_step() for r in flushed.values())
+        step = self.last_completed_step()
+        if not all(r["step"] == step for r in flushed.values()):
+            return False
+        plan, why = self.memory_plan(self.members)
+        if plan is None or plan["key"][0] != step:
+            log.info("resize through storage: the memory tier cannot serve step %d (%s)", step, why)
+            return False
+        return True
 
     def settle_after_failure(self, suspects: tuple[str, ...]) -> list[str]:
         """Kill the culprits, let survivors' train calls return, and keep the survivors that answer."""
@@ -567,4 +576,3 @@ class Controller:
 
 def _rounded(phases: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in phases.items()}
-
