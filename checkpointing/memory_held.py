@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 from .manifest import METADATA_NAME
 from .memory_snapshot import MemorySnapshot
@@ -47,32 +48,38 @@ class HeldSnapshots:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(_entry_bytes(e) for e in self.entries.values())
+            return HeldView(self.entries).nbytes()
 
     def view(self, tier=None, epoch: int = -1) -> HeldView:
         """These entries and, keyed by ``epoch``, what the live ``tier`` holds now."""
         with self._lock:
             entries = dict(self.entries)
         if tier is not None:
-            with tier._lock:
-                for step in set(tier.snapshots) | set(tier.copies):
-                    entries[(step, epoch)] = (tier.snapshots.get(step), dict(tier.copies.get(step, {})))
+            entries.update({(step, epoch): entry for step, entry in tier.held_steps().items()})
         return HeldView(entries)
 
 
 @dataclasses.dataclass
 class HeldView:
-    entries: dict[Key, Entry]
+    """Snapshots by key: ``(step, epoch)`` across a worker's groups, or the step alone within one tier
+    (``MemoryTier.view``)."""
 
-    def snapshot(self, key: Key) -> MemorySnapshot | None:
+    entries: dict[Any, Entry]
+
+    def nbytes(self) -> int:
+        """Host bytes of these snapshots and copies."""
+        return sum((own.nbytes if own is not None else 0) + sum(c.nbytes for c in copies.values())
+                   for own, copies in self.entries.values())
+
+    def snapshot(self, key) -> MemorySnapshot | None:
         """Any snapshot of ``key`` this worker holds (its own first): each carries the step's agreed table,
         its DCP metadata and trainer state."""
         own, copies = self.entries.get(key, (None, {}))
         return own if own is not None else next(iter(copies.values()), None)
 
-    def holdings(self) -> dict[Key, set[str]]:
+    def holdings(self) -> dict[Any, set[str]]:
         """Per key, the files this worker can give a restore."""
-        out: dict[Key, set[str]] = {}
+        out: dict[Any, set[str]] = {}
         for key, (own, copies) in self.entries.items():
             names = set(own.names()) if own is not None else {METADATA_NAME}
             for c in copies.values():
@@ -80,11 +87,11 @@ class HeldView:
             out[key] = names
         return out
 
-    def needed(self) -> dict[Key, set[str]]:
+    def needed(self) -> dict[Any, set[str]]:
         """Per key, every file of that step (its agreed table and the DCP metadata)."""
         return {key: set(snap.file_table()) for key in self.entries if (snap := self.snapshot(key)) is not None}
 
-    def sources(self, key: Key) -> dict[str, bytes | memoryview]:
+    def sources(self, key) -> dict[str, bytes | memoryview]:
         own, copies = self.entries.get(key, (None, {}))
         out: dict[str, bytes | memoryview] = {}
         for c in copies.values():
@@ -93,20 +100,16 @@ class HeldView:
             out.update(own.sources())
         return out
 
-    def file(self, key: Key, name: str) -> bytes:
+    def file(self, key, name: str) -> bytes:
         data = self.sources(key).get(name)
         if data is None:
-            raise KeyError(f"this worker holds no {name} of step {key[0]} (epoch {key[1]})")
+            raise KeyError(f"this worker holds no {name} of snapshot {key}")
         return bytes(data)
 
-    def header(self, key: Key) -> bytes:
+    def header(self, key) -> bytes:
         """The step's snapshot without its files (the wire format): its table, metadata and trainer state."""
         snap = self.snapshot(key)
         if snap is None:
-            raise KeyError(f"this worker holds no snapshot of step {key[0]} (epoch {key[1]})")
+            raise KeyError(f"this worker holds no snapshot {key}")
         return dataclasses.replace(snap, files={}).to_bytes()
 
-
-def _entry_bytes(entry: Entry) -> int:
-    own, copies = entry
-    return (own.nbytes if own is not None else 0) + sum(c.nbytes for c in copies.values())

@@ -49,7 +49,8 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import METADATA_NAME, FileEntry
+from .manifest import FileEntry
+from .memory_held import Entry, HeldView
 from .memory_restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
 from .memory_snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from .retry import describe
@@ -409,7 +410,7 @@ class MemoryTier:
         self._thread.shutdown(wait=True)
         self._io.shutdown(wait=True)
 
-    def detach(self, timeout_s: float = 2.0) -> dict[int, tuple[MemorySnapshot | None, dict[int, MemorySnapshot]]]:
+    def detach(self, timeout_s: float = 2.0) -> dict[int, Entry]:
         """What this tier holds, per step (its own snapshot, the copies it holds for peers), for keeping past
         its process group: waits up to ``timeout_s`` for the background work (a snapshot whose peer died
         fails its agreement), then lets go of its threads without waiting for them (a copy still blocked on a
@@ -418,9 +419,7 @@ class MemoryTier:
             wait_all([self._inflight], timeout=timeout_s)
         self._thread.shutdown(wait=False)
         self._io.shutdown(wait=False)
-        with self._lock:
-            steps = set(self.snapshots) | set(self.copies)
-            return {s: (self.snapshots.get(s), dict(self.copies.get(s, {}))) for s in steps}
+        return self.held_steps()
 
     # --- what the tier holds -------------------------------------------------------------
 
@@ -428,28 +427,26 @@ class MemoryTier:
         """Host bytes held by this rank's tier: its own snapshots, the copies it holds for peers, and the host
         buffers :meth:`take_async` copies the state into (kept from one snapshot to the next)."""
         buffers = sum(t.numel() * t.element_size() for t in self._host._snap_cache.values())
+        return buffers + self.view().nbytes()
+
+    def held_steps(self) -> dict[int, Entry]:
+        """Per step, this rank's own snapshot (or None) and the copies it holds for peers."""
         with self._lock:
-            own = sum(s.nbytes for s in self.snapshots.values())
-            return buffers + own + sum(c.nbytes for per in self.copies.values() for c in per.values())
+            return {s: (self.snapshots.get(s), dict(self.copies.get(s, {})))
+                    for s in set(self.snapshots) | set(self.copies)}
+
+    def view(self) -> HeldView:
+        """What this tier holds, keyed by step (:class:`checkpointing.memory_held.HeldView`)."""
+        return HeldView(self.held_steps())
 
     def holdings(self) -> dict[int, set[str]]:
         """Per step, the files this rank can give a restore (its own, its copies, the metadata)."""
-        with self._lock:
-            out = {s: snap.names() for s, snap in self.snapshots.items()}
-            for s, per in self.copies.items():
-                for c in per.values():
-                    out.setdefault(s, {METADATA_NAME}).update(c.names())
-            return out
+        return self.view().holdings()
 
     def needed(self) -> dict[int, set[str]]:
         """Per step this rank knows agreed, every file of that step (what plan_restore must find)."""
-        with self._lock:
-            return {s: set(snap.file_table()) for s, snap in self.snapshots.items()}
+        return self.view().needed()
 
     def sources(self, step: int) -> dict[str, bytes]:
         """The files of ``step`` this rank holds, its own and its copies', for :func:`load_from_memory`."""
-        with self._lock:
-            out = dict(self.snapshots[step].sources()) if step in self.snapshots else {}
-            for c in self.copies.get(step, {}).values():
-                out.update(c.sources())
-            return out
+        return self.view().sources(step)

@@ -87,9 +87,7 @@ class RecoveryConfig:
 
 def recovery_from_raw(raw: dict) -> RecoveryConfig:
     """``[recovery]`` of a raw run document."""
-    if not isinstance(raw.get("recovery", {}), dict):
-        raise ConfigError("[recovery] must be a table")
-    return build_section("recovery", RecoveryConfig, dict(raw.get("recovery", {})))
+    return build_section("recovery", RecoveryConfig, raw.get("recovery", {}))
 
 
 def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int | None = None,

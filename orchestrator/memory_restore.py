@@ -56,7 +56,7 @@ def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
                    for name in plan["where"] if name != METADATA_NAME}
     except Exception as e:
         reason = f"rank {tr.world.rank}: {describe(e)}"
-    if not _everyone_ok(not reason, tr.device):
+    if not everyone(not reason, device=tr.device)[0]:
         return reason or "another rank could not prepare the restore from memory", {}
     try:
         load_from_memory(tr.optimizer.checkpoint_state(), sources, snap)
@@ -68,12 +68,13 @@ def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
     return "", snap.trainer_state
 
 
-def _everyone_ok(ok: bool, device) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def everyone(*flags: bool, device) -> list[bool]:
+    """Each flag, true only where it is true on every rank of the training group (collective), so
+    that every rank takes the same branch."""
+    t = torch.tensor([int(bool(f)) for f in flags], device=device, dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
 
 
 def _fetch(plan: dict, key: tuple, name: str, method: str = "memory_file") -> bytes:

@@ -51,6 +51,7 @@ from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
 
+from .memory_restore import everyone, restore_from_memory
 from .store import HistoryRow
 
 log = logging.getLogger("etrain")
@@ -85,6 +86,7 @@ class TrainWorker:
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[HistoryRow] = []
         self.tier = None  # this group's checkpointing.memory_tier.MemoryTier ([recovery])
+        self.tier_every = 0  # its snapshot after every N-th step
         self.held = HeldSnapshots()  # what the tiers of earlier groups held
         self._snap = None  # the future of the tier's last snapshot
         self.tier_note = ""  # why the tier is off in this group, when it is
@@ -179,14 +181,14 @@ class TrainWorker:
     def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
         """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks."""
         self.tier, self._snap, self.tier_note = None, None, ""
-        if int(recovery.get("memory_every_steps", 0) or 0) <= 0:
+        self.tier_every = int(recovery.get("memory_every_steps", 0) or 0)
+        if self.tier_every <= 0:
             return
         from checkpointing.memory_tier import MemoryTier
 
         self.tier = MemoryTier(rank, world_size, replicas=int(recovery.get("replicas", 1)),
                                memory_budget_bytes=int(recovery.get("memory_budget_bytes", 0)),
                                node_ids=recovery.get("nodes"), timeout_s=min(60.0, self.pg_timeout_s))
-        self.tier.every = int(recovery["memory_every_steps"])
 
     def _fence(self):
         if not self.store_url:
@@ -205,8 +207,6 @@ class TrainWorker:
         t0 = time.monotonic()
         fallback = ""
         if plan is not None:
-            from .memory_restore import restore_from_memory
-
             fallback, state = restore_from_memory(self, plan)
             if not fallback:  # with the restored step's history row: a rank 0 that died may never have sent it
                 return {"step": self.trainer.step, "from_step": None, "tier": "memory",
@@ -242,7 +242,7 @@ class TrainWorker:
         runs in the tier's thread. The step's history row goes with it: a rank 0 that dies before
         reporting it takes it along, and the controller of the group restored from it records it."""
         tier = self.tier
-        if tier is None or step % tier.every:
+        if tier is None or step % self.tier_every:
             return
         if self._snap is not None:
             res = self._snap.result()
@@ -266,12 +266,7 @@ class TrainWorker:
         tier, tr = self.tier, self.trainer
         if tier is not None:
             tier.wait()
-        # Every rank takes the same branch: all have a tier, and all hold the step, or not.
-        flags = torch.tensor([tier is not None, tier is not None and tr.step in tier.snapshots], device=tr.device,
-                             dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        has_tier, held = (bool(v) for v in flags.tolist())
+        has_tier, held = everyone(tier is not None, tier is not None and tr.step in tier.snapshots, device=tr.device)
         if not has_tier:
             return {"step": None, "seconds": time.monotonic() - t0,
                     "reason": self.tier_note or "the memory tier is off on some rank"}
