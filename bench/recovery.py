@@ -49,7 +49,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from orchestrator.phase import Phase  # noqa: E402  (after the path: run as a script)
+from bench.torchrun import stop_session, wait_for  # noqa: E402  (after the path: run as a script)
+from orchestrator.phase import Phase  # noqa: E402
 
 HUNG_S = 60  # a torchrun restart with no step after this long counts as hung (a normal one: 3-9 s here)
 BASE = ["run_id=bench", "model.preset=\"tiny\"", "data.max_bytes=2000000", "train.global_batch=12",
@@ -64,16 +65,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--every", type=int, default=15, help="steps between kills")
     ap.add_argument("--resizes", type=int, default=3, help="grows (and shrinks back) with a standby")
     return ap.parse_args()
-
-
-def wait_for(pred, timeout: float, what: str, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(poll)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 # --- etrain ------------------------------------------------------------------------
@@ -208,11 +199,7 @@ def _torchrun_attempt(root: str, kills: int, every: int, workers: int) -> tuple[
             print(f"torchrun kill: step {last_step}: first step after restart in {mttr[-1]:.2f} s, "
                   f"{lost[-1]} steps redone", flush=True)
     finally:
-        # torchrun starts each rank in a session of its own: end them by pid, then the agent.
-        procfs.kill_tree(proc.pid, signal.SIGKILL, root=False)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
     return mttr, lost, hung
 
 

@@ -48,6 +48,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.torchrun import stop_session  # noqa: E402  (after the path: run as a script)
+from bench.torchrun import wait_for as poll_until  # noqa: E402
+
 TIMEOUT_S = 10  # the Manager's timeout for its collectives and RPCs (torchft's default: 60)
 BOOT_S = 180  # a replica (torchrun + torch + torchft + the model) not stepping after this long: failed
 OVERRIDES = ["model.preset=\"tiny\"", "data.max_bytes=2000000", "train.lr=0.003"]
@@ -137,18 +140,6 @@ def _rows(path: str) -> list[dict]:
         return []
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGKILL a torchrun session by pid: its ranks (each in a session of its own), then the agent."""
-    from orchestrator.chaos import procfs
-
-    if proc.returncode is not None:  # reaped already: its pid may be another process's now
-        return
-    procfs.kill_tree(proc.pid, signal.SIGKILL, root=False)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def bench_torchft(root: str, kills: int, every: int, steps_after: int = 30) -> dict:
     from orchestrator.chaos import procfs
     from tests.harness import free_port
@@ -178,15 +169,12 @@ def bench_torchft(root: str, kills: int, every: int, steps_after: int = 30) -> d
         return start(cmd, os.path.join(root, f"r{r}-{gen}.out"), ETRAIN_TORCHFT_WORKER=json.dumps(args)), log
 
     def wait_for(pred, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if v := pred():
-                return v
+        def alive():  # the lighthouse and the survivor must live through the wait
             for name, p in zip(("the lighthouse", "replica 0 (the survivor)"), procs):
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited ({p.returncode}) waiting for {what}")
-            time.sleep(0.05)
-        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+        return poll_until(pred, timeout, what, poll=0.05, check=alive)
 
     def whole(log: str, min_step: int = 0):
         return next((x for x in _rows(log) if x["committed"] and x["participants"] == 2 and x["step"] >= min_step),
@@ -208,7 +196,7 @@ def bench_torchft(root: str, kills: int, every: int, steps_after: int = 30) -> d
                 raise RuntimeError("no rank process found under replica 1's torchrun")
             t_kill = time.time()
             os.kill(victim[0], signal.SIGKILL)
-            _stop(p1)
+            stop_session(p1)
             p1, log1 = replica(1, k + 1)
             first = wait_for(lambda log=log1: whole(log), BOOT_S, f"the replacement {k + 1} stepping with 2 participants")
             wait_for(lambda t=first["time"]: [x for x in _rows(log0) if x["time"] > t and x["committed"]],
@@ -238,7 +226,7 @@ def bench_torchft(root: str, kills: int, every: int, steps_after: int = 30) -> d
     finally:
         open(stop, "w").close()
         for p in reversed(procs):  # the replicas' torchrun sessions, then the lighthouse
-            _stop(p)
+            stop_session(p)
     return out
 
 

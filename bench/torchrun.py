@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +50,33 @@ def main(script: str, worker, args) -> None:
         worker(args)
     else:
         sys.exit(relaunch(script, args.world))
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a session of its own and what it started (torchrun starts each rank in a
+    session of its own: its children by pid first, then the session), and reap it."""
+    from orchestrator.chaos import procfs
+
+    if proc.returncode is not None:  # reaped already: its pid may be another process's now
+        return
+    procfs.kill_tree(proc.pid, signal.SIGKILL, root=False)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.02, check=None):
+    """``pred()`` once it is true (returned), polling every ``poll`` s; ``check()`` (if given) on each poll may
+    raise to stop waiting. TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if check is not None:
+            check()
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def time_steps(fn, n: int) -> list[float]:
