@@ -22,7 +22,7 @@ from orchestrator.cli import main as etrain_main
 from orchestrator.config import ElasticConfig, elastic_from_raw, recovery_from_raw
 from orchestrator.store import CorruptRunStore, Lease, RunSpec, open_store
 from tests.harness import ROOT
-from trainer.config import _SECTIONS, TrainConfig
+from trainer.config import SECTIONS, TrainConfig
 from trainer.config_load import load_config
 
 PY = sys.executable
@@ -187,7 +187,7 @@ def _float_fields(cls) -> list[str]:
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "+inf"])
 def test_every_float_field_must_be_finite(value):
     checked = 0
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         for name in _float_fields(cls):
             with pytest.raises(ConfigError, match=f"{section}.{name}=.* is not a finite number"):
                 load_config(None, [f"{section}.{name}={value}"])

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from checkpointing.errors import ConfigError
 
-from .config import _SECTIONS, _TOP_LEVEL, FOREIGN_SECTIONS, MODEL_PRESETS, RunConfig
+from .config import SECTIONS, TOP_LEVEL, FOREIGN_SECTIONS, MODEL_PRESETS, RunConfig
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -106,12 +106,12 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     sections: dict[str, Any] = {}
     top: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _SECTIONS:
-            sections[key] = build_section(key, _SECTIONS[key], value)
-        elif key in _TOP_LEVEL:
-            top[key] = _check_type(key, value, _TOP_LEVEL[key])
+        if key in SECTIONS:
+            sections[key] = build_section(key, SECTIONS[key], value)
+        elif key in TOP_LEVEL:
+            top[key] = _check_type(key, value, TOP_LEVEL[key])
         elif key not in FOREIGN_SECTIONS:
-            known = list(_SECTIONS) + list(_TOP_LEVEL) + list(FOREIGN_SECTIONS)
+            known = list(SECTIONS) + list(TOP_LEVEL) + list(FOREIGN_SECTIONS)
             raise ConfigError(f"unknown section or key {key!r}{_suggest(key, known)}")
     return RunConfig(**top, **sections)
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from checkpointing.errors import ConfigError
 
-from .config import ParallelConfig, RunConfig, _divisors, _fmt_list, _or_join
+from .config import ParallelConfig, RunConfig, divisors, fmt_list, or_join
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -46,7 +46,7 @@ class ParallelDims:
             raise ConfigError(
                 f"world size {world_size} is not a multiple of parallel.dp_replicate={p.dp_replicate} "
                 f"x parallel.tp={p.tp} x parallel.pp={p.pp} = {fixed}; "
-                f"run on {_fmt_list([fixed * k for k in range(1, 5)])} processes or change the layout"
+                f"run on {fmt_list([fixed * k for k in range(1, 5)])} processes or change the layout"
             )
         dp_shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
         if fixed * dp_shard != world_size:
@@ -102,7 +102,7 @@ class ParallelDims:
             good = valid_dp_sizes(cfg, max_dp=max(64, self.dp))
             raise ConfigError(
                 f"train.global_batch={t.global_batch} is not divisible by data-parallel size {self.dp} "
-                f"x train.micro_batch={t.micro_batch}; data-parallel sizes that work: {_fmt_list(good)} "
+                f"x train.micro_batch={t.micro_batch}; data-parallel sizes that work: {fmt_list(good)} "
                 f"(or change train.global_batch / train.micro_batch)"
             )
         if self.pp > 1:
@@ -111,7 +111,7 @@ class ParallelDims:
             if local % n_mb:
                 raise ConfigError(
                     f"parallel.pp_microbatches={n_mb} does not divide the local batch {local} "
-                    f"(train.global_batch / data-parallel size); use one of {_fmt_list(_divisors(local))}"
+                    f"(train.global_batch / data-parallel size); use one of {fmt_list(divisors(local))}"
                 )
             if p.pp_schedule != "gpipe" and n_mb < self.pp:
                 raise ConfigError(
@@ -134,7 +134,7 @@ class ParallelDims:
                 near = [v for v in near if v <= cfg.model.max_seq_len] or near
             raise ConfigError(
                 f"parallel.sequence_parallel=true splits every sample's data.seq_len={seq} positions evenly "
-                f"across parallel.tp={self.tp} ranks; use data.seq_len={_or_join(near)}, or sequence_parallel=false"
+                f"across parallel.tp={self.tp} ranks; use data.seq_len={or_join(near)}, or sequence_parallel=false"
             )
         if p.offload == "cpu" and self.dp == 1:
             fixed = p.dp_replicate * p.tp * p.pp

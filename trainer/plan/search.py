@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from checkpointing.errors import ConfigError
 
-from ..config import RunConfig, _divisors
+from ..config import RunConfig, divisors
 from .accounting import Layout, peak_memory, peak_ranks
 from .cost import Device, step_time
 
@@ -78,7 +78,7 @@ def _allowed(cfg: RunConfig) -> dict:
 def _choices(cfg: RunConfig, dp: int, tp: int, pp: int) -> dict:
     ok = _allowed(cfg)
     local = cfg.train.global_batch // dp if cfg.train.global_batch % dp == 0 else 0
-    mbs = sorted({d for d in _divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
+    mbs = sorted({d for d in divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
     scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + (
         [("interleaved_1f1b", 2)] if cfg.model.n_layers >= 2 * pp else [])
     return {"zero": [0, 1, 2, 3] if dp > 1 else [0], "sp": [False, True] if tp > 1 and ok["sp"] else [False],
@@ -89,14 +89,14 @@ def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int]]:
     """(dp_replicate, dp_shard, tp, pp) with product ``world`` that the model could take."""
     ok, m = _allowed(cfg), cfg.model
     out = []
-    for tp in _divisors(world):
+    for tp in divisors(world):
         if tp > 1 and (not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
             continue
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if pp > 1 and (not ok["pp"] or pp > m.n_layers):
                 continue
             dp = world // (tp * pp)
-            for rep in _divisors(dp):
+            for rep in divisors(dp):
                 out.append((rep, dp // rep, tp, pp))
     return out
 
@@ -170,7 +170,7 @@ def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
 def _anneal(cfg: RunConfig, world: int, dev: Device, seen: dict, budget_s: float, seed: int = 0) -> None:
     rng = random.Random(seed)
     gpn = min(dev.gpus_per_node, world)
-    tp0 = max(d for d in _divisors(gpn) if world % d == 0 and cfg.model.n_heads % d == 0
+    tp0 = max(d for d in divisors(gpn) if world % d == 0 and cfg.model.n_heads % d == 0
               and cfg.model.n_kv_heads % d == 0) if _allowed(cfg)["tp"] else 1
     # The config's layout as a start, its pipeline micro-batches automatic like every candidate's.
     own = replace(Layout.of(cfg, world), pp_microbatches=0)

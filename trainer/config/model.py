@@ -1,0 +1,108 @@
+"""``[model]``: the built-in decoder's presets and sizes, a transformers config, or a Python factory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from checkpointing.errors import ConfigError
+
+from .checks import check_finite, divisors, fmt_list
+
+
+# Model sizes by name. A preset fills every model field that the [model]
+# section does not set itself.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.9M parameters: fast enough for multi-process tests on two CPU cores.
+    "tiny": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 384, "max_seq_len": 256},
+    # ~25M parameters.
+    "small": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "ffn_hidden": 1376, "max_seq_len": 1024},
+    # GPU sizes.
+    "125m": {"dim": 768, "n_layers": 18, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 2048, "max_seq_len": 2048},
+    "1b": {"dim": 2048, "n_layers": 20, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "max_seq_len": 2048},
+}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model: the built-in Llama-style decoder (``preset`` fills the sizes not given), a Hugging
+    Face ``transformers`` causal LM built from a local config, or any ``nn.Module`` from a factory
+    (docs/models-and-data.md)."""
+
+    # "builtin": the decoder of trainer/model.py; "hf": AutoModelForCausalLM.from_config(hf_config);
+    # "python": factory(model table) -> nn.Module mapping token ids [b, s] to logits [b, s, vocab].
+    source: Literal["builtin", "hf", "python"] = "builtin"
+    # source "hf": a directory holding config.json, or the JSON file itself (never fetched from a hub).
+    hf_config: str = ""
+    # source "python": "package.module:function"; loss: "package.module:function"(output, targets) -> scalar.
+    factory: str = ""
+    loss: str = ""
+    # Class name of the repeated block (the unit of FSDP, activation checkpointing and pipeline cuts);
+    # "" = the model's own _no_split_modules (HF), or every direct child of the first ModuleList.
+    block_class: str = ""
+    # Module paths (FQNs of blocks) where pipeline stages begin after the first; [] = equal block counts.
+    pp_split_points: list[str] = field(default_factory=list)
+    # "package.module:function"(model, tp_mesh) -> {module path: ParallelStyle}; HF models default to
+    # their own base_model_tp_plan.
+    tp_plan: str = ""
+    # Free-form arguments for a python factory (it receives the whole [model] table).
+    args: dict = field(default_factory=dict)
+    preset: str = "tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    # Start from these weights (optimizer state fresh): a transformers directory (safetensors) or an etrain
+    # checkpoint step URL; any layout. A resumed run keeps its checkpoint's weights.
+    init_from: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source == "hf" and not self.hf_config:
+            raise ConfigError('model.source="hf" needs model.hf_config: a directory with config.json, or the file')
+        if self.source == "python" and not self.factory:
+            raise ConfigError('model.source="python" needs model.factory="package.module:function"')
+        if self.source != "python" and self.factory:
+            raise ConfigError(f'model.factory is set but model.source={self.source!r}; set model.source="python"')
+        if self.source != "hf" and self.hf_config:
+            raise ConfigError(f'model.hf_config is set but model.source={self.source!r}; set model.source="hf"')
+        for name in ("factory", "loss", "tp_plan"):
+            ref = getattr(self, name)
+            if ref and (ref.count(":") != 1 or not all(ref.split(":"))):
+                raise ConfigError(f"model.{name}={ref!r} must look like \"package.module:function\"")
+        if self.preset not in MODEL_PRESETS:
+            raise ConfigError(
+                f"model.preset={self.preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}"
+            )
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}; "
+                f"use one of {fmt_list(divisors(self.dim))}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}; "
+                f"use one of {fmt_list(divisors(self.n_heads))}"
+            )
+        check_finite(self, "model")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads

@@ -1,0 +1,88 @@
+"""``[parallel]``: the parallel layout (dp_replicate x dp_shard x tp x pp) and its precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from checkpointing.errors import ConfigError
+
+from .checks import check_finite
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The parallel layout: dp_replicate x dp_shard x tp x pp = world size."""
+
+    dp_replicate: int = 1
+    # -1: whatever the world size leaves after dp_replicate, tp and pp. This is
+    # the elastic axis: resizing a run changes it and nothing else.
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # 0 replicate (DDP), 1 + optimizer state sharded, 2 + gradients sharded,
+    # 3 + parameters sharded (FSDP2 fully_shard).
+    zero_stage: int = 3
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    # Pipeline stages held by each pp rank (> 1 with interleaved_1f1b).
+    pp_stages_per_rank: int = 1
+    # Pipeline micro-batches per step on one data-parallel rank; 0 = the local
+    # batch divided by train.micro_batch.
+    pp_microbatches: int = 0
+    activation_checkpoint: Literal["none", "full", "every_k"] = "none"
+    ac_every_k: int = 2
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    offload: Literal["none", "cpu"] = "none"
+    # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
+    sequence_parallel: bool = False
+    # Cross-entropy on vocabulary-sharded logits under tensor parallelism (no logits all-gather).
+    loss_parallel: bool = True
+    # ZeRO-2: gradients are reduce-scattered in buckets of this many MiB during backward.
+    bucket_mb: float = 25.0
+    # Gradient accumulation: reduce (FSDP reduce-scatter) after every micro-batch instead of only the
+    # last (less memory for ZeRO-3, more communication).
+    reduce_every_microbatch: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "pp_stages_per_rank", "ac_every_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.pp_microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches={self.pp_microbatches} must be >= 0 (0 = automatic)")
+        if self.pp_stages_per_rank > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={self.pp_stages_per_rank} needs "
+                f'parallel.pp_schedule="interleaved_1f1b" (got {self.pp_schedule!r})'
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank < 2:
+            raise ConfigError(
+                'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp_stages_per_rank >= 2; '
+                'use 2, or pp_schedule="1f1b"'
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp < 2:
+            raise ConfigError(
+                f'parallel.pp_schedule="interleaved_1f1b" needs parallel.pp > 1 (got pp={self.pp}): it interleaves '
+                'stages across pipeline ranks; set parallel.pp=2 or more, or leave pp_schedule and '
+                "pp_stages_per_rank at their defaults"
+            )
+        check_finite(self, "parallel")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb} must be > 0 (MiB per ZeRO-2 reduce bucket)")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={self.tp}); "
+                              "set parallel.tp=2 or more, or sequence_parallel=false")
+        if self.offload == "cpu" and self.zero_stage != 3:
+            raise ConfigError(
+                f'parallel.offload="cpu" needs parallel.zero_stage=3 (got {self.zero_stage}); '
+                "offload moves the FSDP-sharded parameters and optimizer state to host memory"
+            )
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one model replica's fixed part: tp x pp."""
+        return self.tp * self.pp
