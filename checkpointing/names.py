@@ -3,6 +3,7 @@ keeps per-user state.
 
     validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
     check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
+    redact_text(f"request to {uri} failed")      # every URL in a message with its user:password@ and query hidden
     redact_config(cfg.to_dict())                 # a JSON-clean copy, any URL with a secret redacted
     etrain_home()                                # $ETRAIN_HOME, else ~/.etrain
 
@@ -67,11 +68,18 @@ def redact(url: str) -> str:
     return parts._replace(netloc=netloc, query="***" if parts.query else "").geturl()
 
 
-def check_url(url: str, field: str) -> str:
-    """``url`` unless it holds credentials (ConfigError naming ``field``, without the secret)."""
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it :func:`redact`-ed (an exception's message, a log line)."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def check_url(url: str, field: str, fix: str = CREDENTIAL_CHAINS) -> str:
+    """``url`` unless it holds credentials (ConfigError naming ``field`` and ``fix``, without the secret)."""
     if url and has_credentials(url):
-        raise ConfigError(f"{field}={redact(url)} carries credentials in the URL; remove them and "
-                          f"{CREDENTIAL_CHAINS}")
+        raise ConfigError(f"{field}={redact(url)} carries credentials in the URL; remove them and {fix}")
     return url
 
 

@@ -94,4 +94,4 @@ def start_trackers(run_id: str, config: RunConfig) -> list[ControllerObserver]:
 
     if not wanted(config):
         return []
-    return [TrackerObserver(open_trackers(config, run_id))]
+    return [TrackerObserver(open_trackers(config, run_id), flush_timeout_s=config.logging.flush_timeout_s)]

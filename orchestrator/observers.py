@@ -357,16 +357,29 @@ class TrackerObserver(ControllerObserver):
 
     Every step of rank 0's history gives loss, world size and step seconds; the steps the controller polls
     add lr, throughput and eval loss (steps between two polls have none of those); failures, recoveries,
-    resizes, suspends and resumes (a controller starting on a run that has trained) are events at their step."""
+    resizes, suspends and resumes (a controller starting on a run that has trained) are events at their step.
+    Nothing here waits for a tracker (each has a thread and a bounded queue of its own); a change in a
+    tracker's health (stalled, dropping records, recovered, disabled) becomes a ``tracker`` run event. The
+    final flush waits at most ``flush_timeout_s``."""
 
-    def __init__(self, trackers):
+    def __init__(self, trackers, flush_timeout_s: float = 5.0):
         self.trackers = trackers
+        self.flush_timeout_s = flush_timeout_s
         self.eval_step: int | None = None
 
     def on_start(self, ctl):
         history = ctl.status.history  # a resumed run's steps so far (the status observer, called before)
         if history:
             self.trackers.log_event(HistoryRow.of(history[-1]).step, "resume", {"workers": ctl.spec.workers})
+
+    def on_state(self, ctl):
+        self._report(ctl, self.trackers.notices())
+
+    @staticmethod
+    def _report(ctl, notices) -> None:
+        for n in notices:
+            log.warning("%s", n.text())
+            ctl.event("tracker", **n.fields())
 
     def on_history(self, ctl, rows):
         for r in rows:
@@ -390,4 +403,5 @@ class TrackerObserver(ControllerObserver):
         self.trackers.log_event(step, kind, {k: v for k, v in event.items() if k not in ("kind", "time", "step")})
 
     def on_end(self, ctl, state):
-        self.trackers.close()
+        # Before the final status is written (observers end in reverse): its flush_timeout event goes with it.
+        self._report(ctl, self.trackers.close(self.flush_timeout_s))

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainer.cli import clock, human
+from trainer.trackers import TrackerNotice
 
 from .phase import TERMINAL, Phase
 
@@ -82,6 +83,12 @@ def describe_event(e: dict) -> str | None:
         return f"[suspended] at step {e.get('step')} (checkpoint committed: {e.get('checkpoint_committed')})"
     if k == "failed":
         return f"[failed] {e.get('reason')}"
+    if k == "tracker" and isinstance(e.get("tracker"), str) and isinstance(e.get("state"), str):
+        fields = {f: e[f] for f in TrackerNotice.__dataclass_fields__ if f in e}
+        try:
+            return f"[tracker] {TrackerNotice(**fields).text()}"
+        except (TypeError, ValueError):  # a field of the wrong type: the plain event line
+            return None
     if k == "metrics":
         where = f" (Prometheus target file {e['file_sd']})" if e.get("file_sd") else ""
         return f"[metrics] {e.get('url')}{where}"

@@ -202,6 +202,12 @@ def _agree_on(verdict: str, world: World) -> str:
     return box[0]
 
 
+def say_tracker_notices(notices) -> None:
+    """A tracker's change of health (stalled, dropping records, recovered, disabled, not flushed), on stderr."""
+    for n in notices:
+        print(f"etrain: warning: {n.text()}", file=sys.stderr, flush=True)
+
+
 def _track_resume(trackers, manifest, world: World) -> None:
     """A restart that resumed from a checkpoint, for the trackers: a recovery when torchrun restarted the
     job, a resize when the world size changed since the save."""
@@ -334,6 +340,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             if trackers:
                 trackers.log_step(s.step, step_values(s) | (memory_values(trainer.memory_measured) if first is s
                                                             else {}))
+                say_tracker_notices(trackers.notices())
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
                 rate = (s.step - first.step) / (time.monotonic() - t_first) if s is not first else None
@@ -386,7 +393,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: error: {e}", file=sys.stderr)
         return Outcome(1, str(e))
     finally:
-        trackers.close()
+        say_tracker_notices(trackers.close(cfg.logging.flush_timeout_s) if trackers else [])
         if metrics is not None:
             metrics.close()
         if log:

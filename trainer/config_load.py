@@ -26,9 +26,16 @@ import typing
 from typing import Any, Literal
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import redact_text
 
-from .config import SECTIONS, TOP_LEVEL, FOREIGN_SECTIONS, MODEL_PRESETS, RunConfig
+from .config import FOREIGN_SECTIONS, MODEL_PRESETS, SECTIONS, TOP_LEVEL, RunConfig
 
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value for an error message: its repr, any URL in it redacted, cut to ``limit`` characters."""
+    text = redact_text(repr(value))
+    return text if len(text) <= limit else text[:limit] + "..."
 
 def _suggest(name: str, options: list[str]) -> str:
     close = difflib.get_close_matches(name, options, n=1)
@@ -41,7 +48,8 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{where}={value!r} is not allowed; use one of {', '.join(repr(c) for c in choices)}")
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{where}={shown(value)} is not allowed; use one of {allowed}")
         return value
     if origin in (typing.Union, types.UnionType):
         for arm in typing.get_args(tp):
@@ -49,22 +57,22 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
                 return _check_type(where, value, arm)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}={value!r} has the wrong type; expected {tp}")
+        raise ConfigError(f"{where}={shown(value)} has the wrong type; expected {tp}")
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         if isinstance(value, str) and item is str:
             value = [value]  # a single path where a list of them is allowed
         if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
+            raise ConfigError(f"{where} must be a list, got {shown(value)}")
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is type(None):  # the None arm of ``X | None``: TOML has no null, so only X can be given
         if value is not None:
-            raise ConfigError(f"{where}={value!r} has the wrong type")
+            raise ConfigError(f"{where}={shown(value)} has the wrong type")
         return value
     if tp in _PLAIN:
         accepts, what = _PLAIN[tp]
         if not accepts(value):
-            raise ConfigError(f"{where} must be {what}, got {value!r}")
+            raise ConfigError(f"{where} must be {what}, got {shown(value)}")
         if tp is float:
             if not math.isfinite(value):
                 raise ConfigError(f"{where}={value} is not a finite number; give a number (not nan or inf)")
@@ -85,7 +93,7 @@ _PLAIN = {
 def build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
     """Build the dataclass ``cls`` of section ``[name]`` from its raw table, checking keys and types."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"[{name}] must be a table, got {raw!r}")
+        raise ConfigError(f"[{name}] must be a table, got {shown(raw)}")
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}

@@ -1,15 +1,24 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow, per ``[logging]`` (docs/metrics.md#trackers).
 
-    trackers = open_trackers(cfg, cfg.run_id)          # the ones [logging] asks for; none is fine
+    trackers = open_trackers(cfg, cfg.run_id)          # the ones [logging] asks for; none is fine; never waits
     trackers.log_step(s.step, step_values(s))          # loss, lr, tokens/s, step seconds, eval loss
     trackers.log_event(step, "recovery", {"seconds": 4.2, "steps_lost": 3})
-    trackers.close()
+    for n in trackers.notices(): ...                   # a tracker stalled, dropping records, recovered, disabled
+    trackers.close(timeout_s=cfg.logging.flush_timeout_s)   # the final flush, bounded
 
 Each backend is one small class with ``start(cfg, run_id)``, ``log_step(step, values)``,
 ``log_event(step, kind, fields)`` and ``close()``; :class:`Trackers` drives them
-all. A tracker never fails the run: the first error a backend raises is logged
-once and that backend is disabled. Rank 0 feeds them under torchrun
-(``trainer.cli``); on Ray the controller does (``orchestrator.observers.TrackerObserver``).
+all. A tracker never fails the run, and never delays it: each backend runs on a
+thread of its own behind a bounded queue (:class:`TrackerThread`), started there
+too, so a tracker server that stops answering (MLflow's client waits 120 s a
+request and retries 7 times) stalls only its own thread. When its queue is full
+the newest records are dropped and counted; the caller learns it through
+:meth:`Trackers.notices` (``stalled``, ``dropping``, ``recovered``, ``disabled``,
+``flush_timeout``), which the trainer prints and the controller turns into run
+events. The first error a backend raises is logged once and that backend is
+disabled. Rank 0 feeds them under torchrun (``trainer.cli``); on Ray the
+controller does (``orchestrator.observers.TrackerObserver``). Messages never
+show a tracker URI's password or query (``checkpointing.names.redact_text``).
 
 Names: ``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``train/step_seconds``,
 ``train/world_size``, ``eval/loss``, ``memory/<part>_mib``; an event of kind K
@@ -23,8 +32,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+from checkpointing.names import redact_text
 
 log = logging.getLogger("etrain")
 
@@ -54,12 +68,13 @@ def event_values(kind: str, count: int, fields: dict[str, Any]) -> dict[str, flo
 
 
 class Tracker:
-    """One backend. ``start`` may raise (the library or its destination is not usable); so may the others."""
+    """One backend. ``start`` may raise (the library or its destination is not usable); so may the others.
+    Every call runs on the tracker's own thread (:class:`TrackerThread`), in order."""
 
     name = "tracker"
 
     def start(self, cfg, run_id: str) -> None:
-        raise NotImplementedError
+        """Open the destination (called first, on the tracker's thread)."""
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         raise NotImplementedError
@@ -161,51 +176,202 @@ def wanted(cfg) -> list[Tracker]:
         + ([MlflowTracker()] if lc.mlflow_uri else [])
 
 
-class Trackers:
-    """Every started tracker as one; a tracker that raises is logged once and dropped, the run goes on."""
+# Records a tracker's queue holds before it drops the newest; about 10 minutes of a run's records at a step
+# a second, in a few MB.
+QUEUE_RECORDS = 2000
+# A call that has not returned after this long is reported as stalled (once, until it returns).
+STALL_S = 10.0
 
-    def __init__(self, trackers: list[Tracker]):
-        self.trackers = trackers
+
+@dataclass(frozen=True)
+class TrackerNotice:
+    """A change in one tracker's health, for the run's output and events.
+
+    ``state``: ``stalled`` (a call has not returned for ``seconds``), ``dropping`` (its queue is full:
+    records are dropped from now on), ``recovered`` (calls return again and the queue has room;
+    ``dropped`` records were lost meanwhile), ``disabled`` (it raised; ``reason``) or
+    ``flush_timeout`` (the final flush did not finish in time; ``pending`` records unsent)."""
+
+    tracker: str
+    state: str
+    dropped: int = 0
+    pending: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v not in ("", 0, 0.0) or k in ("tracker", "state")}
+
+    def text(self) -> str:
+        what = {"stalled": f"has not answered for {self.seconds:.0f} s; its records queue",
+                "dropping": "is not keeping up: its queue is full and new records are dropped",
+                "recovered": f"answers again ({self.dropped} records were dropped meanwhile)",
+                "disabled": f"failed ({self.reason}); it is disabled for the rest of the run",
+                "flush_timeout": f"did not flush in time: {self.pending} queued records were not sent"
+                                 + (f" ({self.dropped} dropped before)" if self.dropped else "")}
+        return f"tracker {self.tracker} {what.get(self.state, self.state)}"
+
+
+_CLOSE = ("close", ())
+
+
+class TrackerThread:
+    """One tracker on a thread of its own, fed through a bounded queue: the caller never waits for it.
+
+    The thread starts the tracker, then makes its calls in order. ``submit`` drops the record when
+    the queue is full (counted); a tracker that raises is disabled and its queue discarded."""
+
+    def __init__(self, tracker: Tracker, cfg, run_id: str, notify, *, queue_records: int = QUEUE_RECORDS,
+                 stall_s: float = STALL_S, clock=time.monotonic):
+        self.tracker, self.name, self.notify = tracker, tracker.name, notify
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_records)
+        self.stall_s, self.clock = stall_s, clock
+        self.dropped = 0  # records dropped since the tracker last kept up
+        self.dropping = self.stalled = self.disabled = False
+        self.busy_since: float | None = None  # when the call in progress began
+        self.lock = threading.Lock()
+        self.queue.put(("start", (cfg, run_id)))
+        self.thread = threading.Thread(target=self._run, name=f"etrain-tracker-{self.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, what: str, *args) -> None:
+        if self.disabled:
+            return
+        try:
+            self.queue.put_nowait((what, args))
+        except queue.Full:
+            with self.lock:
+                self.dropped += 1
+                first = not self.dropping
+                self.dropping = True
+            if first:
+                self.notify(TrackerNotice(self.name, "dropping"))
+
+    def check_stall(self) -> None:
+        """Report a call that has not returned for ``stall_s`` (once per stall); the caller's thread."""
+        busy = self.busy_since
+        if busy is not None and not self.stalled and not self.disabled and self.clock() - busy >= self.stall_s:
+            self.stalled = True
+            self.notify(TrackerNotice(self.name, "stalled", seconds=round(self.clock() - busy, 1)))
+
+    def _run(self) -> None:
+        while True:
+            what, args = self.queue.get()
+            self.busy_since = self.clock()
+            try:
+                getattr(self.tracker, what)(*args)
+            except Exception as e:  # a tracker never fails the run
+                self._disable(what, e)
+                return
+            finally:
+                self.busy_since = None
+            if what == "close":
+                return
+            self._maybe_recovered()
+
+    def _maybe_recovered(self) -> None:
+        with self.lock:
+            if not (self.stalled or self.dropping) or (self.dropping and self.queue.qsize() > self.queue.maxsize // 2):
+                return
+            dropped, self.dropped, self.dropping, self.stalled = self.dropped, 0, False, False
+        self.notify(TrackerNotice(self.name, "recovered", dropped=dropped))
+
+    def _disable(self, what: str, e: Exception) -> None:
+        self.disabled = True
+        reason = redact_text(f"{type(e).__name__}: {e}")[:500]
+        log.error("tracker %s failed to %s (%s); it is disabled for the rest of the run", self.name, what, reason)
+        self.notify(TrackerNotice(self.name, "disabled", reason=f"{what}: {reason}"))
+        while True:  # what it queued will not be sent
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+
+    def begin_close(self) -> None:
+        """Ask the thread to send what it queued, then close the tracker; returns at once."""
+        if self.disabled:
+            return
+        try:
+            self.queue.put_nowait(_CLOSE)
+        except queue.Full:  # make room for the close: the newest record goes
+            try:
+                self.queue.get_nowait()
+                self.dropped += 1
+            except queue.Empty:
+                pass
+            self.queue.put_nowait(_CLOSE)
+
+    def wait_closed(self, deadline: float) -> bool:
+        """Wait for the close until ``deadline`` (``clock`` time); False, and a notice, if it did not end."""
+        self.thread.join(max(0.0, deadline - self.clock()))
+        if self.thread.is_alive():
+            pending = max(0, self.queue.qsize() - 1)  # records, not the close queued behind them
+            self.notify(TrackerNotice(self.name, "flush_timeout", pending=pending, dropped=self.dropped))
+            return False
+        return True
+
+
+class Trackers:
+    """Every started tracker as one, each on a thread of its own (:class:`TrackerThread`); no call waits.
+
+    A tracker that raises is logged once and dropped, the run goes on."""
+
+    def __init__(self, trackers: list[Tracker], cfg=None, run_id: str = "", *, queue_records: int = QUEUE_RECORDS,
+                 stall_s: float = STALL_S):
+        self._notices: list[TrackerNotice] = []
+        self._lock = threading.Lock()
+        self.threads = [TrackerThread(t, cfg, run_id, self._notify, queue_records=queue_records, stall_s=stall_s)
+                        for t in trackers]
         self.counts: dict[str, int] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.trackers)
+        return bool(self.threads)
 
-    def _each(self, what: str, call) -> None:
-        for t in list(self.trackers):
-            try:
-                call(t)
-            except Exception as e:  # a tracker never fails the run
-                log.error("tracker %s failed to %s (%s: %s); it is disabled for the rest of the run",
-                          t.name, what, type(e).__name__, e)
-                self.trackers.remove(t)
+    def _notify(self, notice: TrackerNotice) -> None:
+        with self._lock:
+            self._notices.append(notice)
+
+    def notices(self) -> list[TrackerNotice]:
+        """What changed in the trackers' health since the last call (stalls checked now); each once."""
+        for t in self.threads:
+            t.check_stall()
+        with self._lock:
+            out, self._notices = self._notices, []
+        return out
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         if values:
-            self._each("log", lambda t: t.log_step(step, values))
+            for t in self.threads:
+                t.submit("log_step", step, values)
 
     def log_event(self, step: int, kind: str, fields: dict[str, Any]) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         values = event_values(kind, self.counts[kind], fields)
         text = f"{kind} at step {step}: " + ", ".join(f"{k}={v}" for k, v in sorted(fields.items()))
-        self._each("log", lambda t: t.log_event(step, kind, values, text))
+        for t in self.threads:
+            t.submit("log_event", step, kind, values, text)
 
-    def close(self) -> None:
-        trackers, self.trackers = self.trackers, []
-        for t in trackers:
-            try:
-                t.close()
-            except Exception as e:
-                log.error("tracker %s failed to close (%s: %s)", t.name, type(e).__name__, e)
+    def begin_close(self) -> None:
+        """Every tracker sends what it queued and closes, on its thread; returns at once."""
+        for t in self.threads:
+            t.begin_close()
+
+    def wait_closed(self, timeout_s: float) -> list[TrackerNotice]:
+        """Wait at most ``timeout_s`` in all for the closes; a tracker still busy then is left behind (its
+        thread is a daemon) and reported. Returns the notices not yet taken."""
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.wait_closed(deadline)
+        self.threads = []
+        return self.notices()
+
+    def close(self, timeout_s: float = 5.0) -> list[TrackerNotice]:
+        """The final flush, bounded by ``timeout_s`` (``[logging] flush_timeout_s``)."""
+        self.begin_close()
+        return self.wait_closed(timeout_s)
 
 
 def open_trackers(cfg, run_id: str) -> Trackers:
-    """Start the trackers ``cfg.logging`` asks for; one that cannot start is logged and left out."""
-    started = []
-    for t in wanted(cfg):
-        try:
-            t.start(cfg, run_id)
-            started.append(t)
-        except Exception as e:
-            log.error("tracker %s did not start (%s: %s); the run goes on without it", t.name, type(e).__name__, e)
-    return Trackers(started)
+    """The trackers ``cfg.logging`` asks for, each starting on its own thread: returns at once. One that
+    cannot start is reported (a ``disabled`` notice) and left out; the run goes on without it."""
+    return Trackers(wanted(cfg), cfg, run_id)

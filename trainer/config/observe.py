@@ -6,8 +6,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import check_url
 
 from .checks import check_finite
+
+MLFLOW_CREDENTIALS = ("give MLflow its credentials in the environment instead: MLFLOW_TRACKING_USERNAME and "
+                      "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN")
 
 
 @dataclass(kw_only=True)
@@ -48,8 +52,16 @@ class LoggingConfig:
     wandb_dir: str = ""  # where W&B keeps its run directories ("" = its default, ./wandb)
     mlflow_uri: str = ""  # MLflow tracking URI: file:///…/mlruns, sqlite:///…, http://host:5000
     experiment: str = ""  # the MLflow experiment ("" = "etrain")
+    # The final flush of the trackers' queued records waits at most this long (seconds); a tracker that
+    # has not finished by then is left behind, and the run says how many records it did not send.
+    flush_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        check_finite(self, "logging")
+        if self.flush_timeout_s < 0:
+            raise ConfigError(f"logging.flush_timeout_s={self.flush_timeout_s} must be >= 0 (seconds the final "
+                              "flush of the trackers may take)")
+        check_url(self.mlflow_uri, "logging.mlflow_uri", fix=MLFLOW_CREDENTIALS)
         if self.wandb_mode not in ("offline", "online", "disabled"):
             raise ConfigError(f'logging.wandb_mode={self.wandb_mode!r} must be "offline", "online" or "disabled"')
         import importlib.util
