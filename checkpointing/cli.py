@@ -32,6 +32,7 @@ import select
 import sys
 import time
 
+from .cli_args import ArgumentParser
 from .errors import ConfigError, EtrainError
 from .manager import CheckpointManager
 from .manifest import parse_step_dir
@@ -210,7 +211,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="etrain ckpt", description="List, inspect, verify and adopt checkpoints.")
+    ap = ArgumentParser(prog="etrain ckpt", description="List, inspect, verify and adopt checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("ls", help="every checkpoint of a run, committed or not")
     p.add_argument("url", help=_URL_HELP)

@@ -43,8 +43,9 @@ import os
 import sys
 import time
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError, EtrainError
-from checkpointing.names import redact, validate_run_id
+from checkpointing.names import redact, redact_text, validate_run_id
 
 from .phase import TERMINAL, Phase
 
@@ -73,7 +74,7 @@ def _add_store(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant, elastic training on Ray.")
+    ap = ArgumentParser(prog="etrain", description="Fault-tolerant, elastic training on Ray.")
     ap.add_argument("--version", action="version", version=f"etrain {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="one rank of a run, under torchrun or alone: etrain train CONFIG "
@@ -233,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return quiet_when_pipe_closes(COMMANDS[args.command], args)  # `etrain status | head -1`: no traceback
     except UnknownRun as e:
-        print(f"etrain: {e}\n  {_looked_where(args)}", file=sys.stderr)
+        print(redact_text(f"etrain: {e}\n  {_looked_where(args)}"), file=sys.stderr)
         return EXIT_USAGE
     except EtrainError as e:
-        print(f"etrain: {e}", file=sys.stderr)
+        print(redact_text(f"etrain: {e}"), file=sys.stderr)  # a URL given on the command line keeps its secrets
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("etrain: interrupted; the run's controller stops with this process "
@@ -542,11 +543,12 @@ def cmd_data(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .plot import draw, log_series, run_series
+    from .plot import check_output, draw, log_series, run_series
 
     if bool(args.run) == bool(args.log_file):
         print("etrain: plot needs a RUN or --log-file STEPS.jsonl (one of them)", file=sys.stderr)
         return EXIT_USAGE
+    out = check_output(args.output or (f"{args.run}.png" if args.run else args.log_file.rsplit(".", 1)[0] + ".png"))
     if args.log_file:
         try:
             with open(args.log_file) as f:
@@ -564,8 +566,11 @@ def cmd_plot(args) -> int:
         except ValueError as e:
             raise EtrainError(f"run {args.run!r}: {e}") from None
         title = f"run {args.run}"
-    out = args.output or (f"{args.run}.png" if args.run else args.log_file.rsplit(".", 1)[0] + ".png")
-    draw(out, series, title=title)
+    try:
+        draw(out, series, title=title)
+    except OSError as e:
+        raise EtrainError(f"-o {out!r} cannot be written ({e.strerror or e}); give a path in a writable directory")
+
     marks = ", ".join(f"{n} {k}" for k in ("failure", "recovery", "resize", "suspend", "resume")
                       if (n := sum(m["kind"] == k for m in series["marks"])))
     print(f"etrain: wrote {out}: {len(series['step'])} steps" + (f"; {marks}" if marks else ""))

@@ -20,7 +20,6 @@ recover, steps lost, resize time, final loss.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
@@ -28,6 +27,8 @@ import uuid
 
 from rich.console import Console
 from rich.table import Table
+
+from checkpointing.cli_args import ArgumentParser
 
 from .phase import Phase
 from .progress import from_tier
@@ -41,7 +42,7 @@ def say(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="etrain demo", description="A local run with a killed worker (a standby takes its place), a resize "
         "2 -> 3, a suspend and a resume on 2 workers, then a summary table of what happened.")
     ap.add_argument("--steps", type=int, default=120, help="steps the run trains (default 120)")

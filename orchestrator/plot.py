@@ -22,6 +22,8 @@ matplotlib is imported only when drawing, with the Agg backend: no display neede
 
 from __future__ import annotations
 
+from checkpointing.errors import EtrainError
+
 from .store import HistoryRow
 
 # What each mark is drawn as: colour and line style.
@@ -145,6 +147,27 @@ def draw_marks(axes, marks: list[dict], x: str = "time") -> None:
             ax.axvline(m[x], color=colour, ls=style, lw=1, alpha=0.8,
                        label=m["kind"] if i == 0 and m["kind"] not in seen else None)
         seen.add(m["kind"])
+
+
+def check_output(path: str) -> str:
+    """``path`` if a picture can be written there: a format matplotlib writes (by its extension) in an
+    existing, writable directory; an EtrainError naming ``-o`` and the fix otherwise."""
+    import os
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if os.path.isdir(path):
+        raise EtrainError(f"-o {path!r} is a directory; give a file name such as {path.rstrip('/')}/run.png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in formats:
+        raise EtrainError(f"-o {path!r}: unknown picture format {ext or '(no extension)'!r}; end the name with one "
+                          f"of {', '.join('.' + f for f in sorted(formats))}, e.g. run.png")
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise EtrainError(f"-o {path!r} cannot be written: {where} is not a writable directory; create it or "
+                          "give another path")
+    return path
 
 
 def draw(path: str, series: dict, title: str = "") -> None:

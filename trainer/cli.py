@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m trainer") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description="Train one etrain run config, as one rank of a run "
+    ap = ArgumentParser(prog=prog, description="Train one etrain run config, as one rank of a run "
                                  "under torchrun (or any launcher that sets RANK/WORLD_SIZE), or alone.")
     ap.add_argument("config", nargs="?", metavar="CONFIG", help="run config (TOML); the built-in defaults if omitted")
     ap.add_argument("--config", dest="config_opt", metavar="CONFIG", help="the same as CONFIG (the torchrun habit)")

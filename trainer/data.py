@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError
 
 from .config import DataConfig, RunConfig
@@ -445,14 +446,13 @@ class Batcher:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.data prepare CONFIG [--set k=v ...]``: build a run's token caches ahead of time."""
-    import argparse
     import json
     import sys
     import time
 
     from .config_load import load_config
 
-    ap = argparse.ArgumentParser(prog="python -m trainer.data", description="Prepare a run's token caches.")
+    ap = ArgumentParser(prog="python -m trainer.data", description="Prepare a run's token caches.")
     ap.add_argument("command", choices=["prepare"])
     ap.add_argument("config", help="run config (TOML)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")

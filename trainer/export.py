@@ -18,7 +18,6 @@ model's own state dict (etrain names). The run config comes from the manifest.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import sys
 
 import torch
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.export import (
     EXPORT_MANIFEST,
@@ -274,7 +274,7 @@ def _tokenizer_config(spec: str, out: str, names: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="etrain ckpt export",
+    ap = ArgumentParser(prog="etrain ckpt export",
                                  description="Write a checkpoint's model as a transformers directory, a safetensors "
                                              "file or a torch.save file (any layout; one tensor at a time).")
     ap.add_argument("url", help="<root>/<run_id>[/checkpoints/step_N] (no step: the newest committed)")

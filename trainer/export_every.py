@@ -32,7 +32,6 @@ run). ``python -m trainer`` waits for the export in flight before it exits
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.retry import describe
 
@@ -223,7 +223,7 @@ def report_exports(manager, trackers, step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.export_every",
+    ap = ArgumentParser(prog="python -m trainer.export_every",
                                  description="Export one committed step of a run as a transformers directory "
                                              "at <url>/<run_id>/exports/step_N (what checkpoint.export_every runs).")
     ap.add_argument("url", help="the run's checkpoint.url")

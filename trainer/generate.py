@@ -17,7 +17,6 @@ by ``--seed``. Generation stops after ``--max-new-tokens`` or at the tokenizer's
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -27,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.export import ModelSource
 
@@ -157,7 +157,7 @@ def generate(m: Loaded, prompt: str, *, max_new_tokens: int = 64, temperature: f
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="etrain generate", description="Sample text from a checkpoint or an export.")
+    ap = ArgumentParser(prog="etrain generate", description="Sample text from a checkpoint or an export.")
     ap.add_argument("source", metavar="URL", help="a checkpoint (<root>/<run_id>[/checkpoints/step_N]) or an "
                                                   "export directory (etrain ckpt export --format hf)")
     ap.add_argument("--prompt", required=True)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
 
+from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -36,7 +38,7 @@ def parse_bytes(text: str, flag: str, per_second: bool = False) -> float:
     if per_second:
         t = t.removesuffix("/s").removesuffix("ps")
     mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", t)
-    if not mt or mt.group(2) not in _UNITS or float(mt.group(1)) <= 0:
+    if not mt or mt.group(2) not in _UNITS or not 0 < float(mt.group(1)) < math.inf:
         what = "a bandwidth such as 450GB/s" if per_second else "a size such as 80GiB or 40GB"
         raise ConfigError(f"{flag} {text!r} is not {what}")
     return float(mt.group(1)) * _UNITS[mt.group(2)]
@@ -56,7 +58,7 @@ def parse_workers(text: str) -> tuple[int, int]:
 
 
 def build_parser(prog: str = "etrain plan") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="Plan a run: per-rank memory, communication and step time "
+    ap = ArgumentParser(prog=prog, description="Plan a run: per-rank memory, communication and step time "
                                  "of the best layouts at every size the run can take (docs/planning.md).")
     ap.add_argument("config", metavar="CONFIG", help="run config (TOML)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
@@ -103,8 +105,8 @@ def _device(args):
     base = DEVICES["h100" if args.device == "custom" else args.device]
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
-    if args.tflops is not None and args.tflops <= 0:
-        raise ConfigError(f"--tflops {args.tflops} must be > 0")
+    if args.tflops is not None and not 0 < args.tflops < math.inf:  # nan fails both comparisons
+        raise ConfigError(f"--tflops {args.tflops} must be a finite number > 0 (achieved TFLOP/s per device)")
     dev = custom(base, name=args.device,
                  memory=int(parse_bytes(args.device_memory, "--device-memory")) if args.device_memory else None,
                  intra_bw=parse_bytes(args.intra_node_bw, "--intra-node-bw", True) if args.intra_node_bw else None,
@@ -123,7 +125,7 @@ def _device(args):
 def _run(args, elastic: Callable) -> int:
     from trainer.config_load import config_from_dict, load_raw
 
-    if not args.budget_s > 0:
+    if not 0 < args.budget_s < math.inf:
         raise ConfigError(f"--budget-s {args.budget_s} must be > 0 (seconds the random search may take per size)")
     for flag in ("device_memory", "intra_node_bw", "inter_node_bw"):  # bad flags before any work
         value = getattr(args, flag)
