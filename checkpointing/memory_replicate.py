@@ -37,9 +37,11 @@ def senders_to(rank: int, peers: Mapping[int, Sequence[int]]) -> list[int]:
 
 def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]]) -> dict[int, MemorySnapshot]:
     """Send this rank's ``snapshot`` to ``peers[rank]`` and receive the snapshots sent to it, over ``group``
-    (collective over the ranks that send or receive; every rank passes the same ``peers``). Each received
-    snapshot is checked (:meth:`MemorySnapshot.from_bytes`) and must be of the same step; a bad one raises
-    CorruptCheckpointError naming its source."""
+    (collective over the ranks that send or receive; every rank passes the same ``peers``). A size a peer
+    announces is bounded by what its snapshot of this step can take (the agreed table) before anything is
+    allocated; each received snapshot is checked (:meth:`MemorySnapshot.from_bytes`) and must be the
+    sender's of this step, with this rank's table (:meth:`MemorySnapshot.check_same_step`). A bad one
+    raises CorruptCheckpointError naming its source."""
     me = dist.get_rank(group)
     payload = _as_tensor(snapshot.to_bytes())
     sources = senders_to(me, peers)
@@ -47,15 +49,21 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
     _exchange([(size, d) for d in dsts], list(sizes.items()), group)
+    for s, n in sizes.items():
+        bound = snapshot.wire_bound(s)
+        if not 0 < int(n.item()) <= bound:
+            raise CorruptCheckpointError(f"rank {s} announced a copy of {int(n.item())} bytes; its snapshot of step "
+                                         f"{snapshot.step} takes at most {bound}: nothing allocated, none kept")
     # Received straight into the buffers the copies keep (their files are views of them).
     bufs = {s: bytearray(int(n.item())) for s, n in sizes.items()}
     _exchange([(payload, d) for d in dsts], [(s, _as_tensor(b)) for s, b in bufs.items()], group)
     out = {}
     for s, buf in bufs.items():
-        snap = MemorySnapshot.from_bytes(buf, f"the copy of rank {s}'s snapshot")
-        if snap.step != snapshot.step or snap.rank != s:
-            raise CorruptCheckpointError(f"the copy from rank {s} is rank {snap.rank}'s step {snap.step}, "
-                                         f"expected step {snapshot.step}")
+        where = f"the copy of rank {s}'s snapshot"
+        snap = MemorySnapshot.from_bytes(buf, where)
+        if snap.rank != s:
+            raise CorruptCheckpointError(f"{where} is rank {snap.rank}'s")
+        snapshot.check_same_step(snap, where)
         out[s] = snap
     return out
 

@@ -23,6 +23,7 @@ one format and one resharding path.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -30,12 +31,13 @@ from dataclasses import dataclass, field
 
 from .dcp_format import CorruptCheckpointError
 from .dcp_read import check_locations, load_metadata
-from .manifest import METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
+from .manifest import CRC_RE, METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
 from .storage import Storage, confine
 
 MAGIC = b"ETRAIN-MEMORY-SNAPSHOT\n"
-WIRE_VERSION = 1
-_LEN = struct.Struct("<Q")
+WIRE_VERSION = 2
+_FRAME = struct.Struct("<QI")  # the header's length and crc32c
+MAX_HEADER_BYTES = 16 << 20
 
 Source = bytes | Callable[[], bytes]
 # (metadata crc32c, file sizes) of the snapshots whose DCP metadata was read and checked against their table.
@@ -157,8 +159,8 @@ class MemorySnapshot:
     # --- the wire format -----------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        """``MAGIC``, the length of a JSON header, the header, then the metadata and this rank's files in
-        the header's order. No pickle: the receiver parses data, never code."""
+        """``MAGIC``, the length and crc32c of a JSON header, the header, then the metadata and this rank's
+        files in the header's order. No pickle: the receiver parses data, never code."""
         own = sorted(self.files)
         header = {"version": WIRE_VERSION, "step": self.step, "rank": self.rank, "world_size": self.world_size,
                   "agreed": self.agreed, "trainer_state": self.trainer_state,
@@ -166,29 +168,56 @@ class MemorySnapshot:
                   "table": [[e.path, e.size, e.crc32c, self.owners[e.path]] for e in self.table.values()],
                   "own": own}
         head = json.dumps(header, sort_keys=True).encode()
-        return b"".join([MAGIC, _LEN.pack(len(head)), head, self.metadata, *(self.files[n] for n in own)])
+        return b"".join([MAGIC, _FRAME.pack(len(head), int(checksum(head), 16)), head, self.metadata,
+                         *(self.files[n] for n in own)])
+
+    def wire_bound(self, rank: int) -> int:
+        """The most bytes :meth:`to_bytes` of ``rank``'s snapshot of this step can take, by this snapshot's
+        agreed table and metadata: what a receiver allocates at most for a copy announced by ``rank``."""
+        files = sum(e.size for p, e in self.table.items() if self.owners.get(p) == rank)
+        return len(MAGIC) + _FRAME.size + MAX_HEADER_BYTES + len(self.metadata) + files
+
+    def check_same_step(self, other: MemorySnapshot, where: str) -> None:
+        """``other`` (a copy received from a peer) is of this snapshot's agreed step: the same step, world
+        size, file table, owners and DCP metadata; CorruptCheckpointError naming the first difference."""
+        mine, theirs = self.file_table(), other.file_table()
+        files = [p for p in sorted(mine.keys() | theirs.keys())
+                 if mine.get(p) != theirs.get(p) or self.owners.get(p) != other.owners.get(p)]
+        diff = ("its step" if other.step != self.step else "the world size" if other.world_size != self.world_size
+                else "whether it is agreed" if other.agreed != self.agreed
+                else f"{files[0]} (size, crc32c or owner)" if files else "")
+        if diff:
+            raise CorruptCheckpointError(f"{where} disagrees with this rank's snapshot of step {self.step} on {diff} "
+                                         f"(its step {other.step}, world {other.world_size}); it is not kept")
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray, where: str = "a memory snapshot") -> MemorySnapshot:
-        """A snapshot from :meth:`to_bytes`' bytes, checked: the header's schema, every file against the
-        table, and the DCP metadata through the restricted unpickler, its items inside the table's
-        files. CorruptCheckpointError naming what is wrong otherwise."""
-        view = memoryview(blob)
-        start = len(MAGIC) + _LEN.size
-        if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < start:
+        """A snapshot from :meth:`to_bytes`' bytes, checked: the header's checksum and schema (the trainer
+        state's too, :func:`check_trainer_state`), every file against the table, and the DCP metadata
+        through the restricted unpickler, its items inside the table's files. CorruptCheckpointError
+        naming what is wrong otherwise, never another error."""
+        view = memoryview(blob).cast("B")
+        start = len(MAGIC) + _FRAME.size
+        if len(view) < start or bytes(view[: len(MAGIC)]) != MAGIC:
             raise CorruptCheckpointError(f"{where} is not a memory snapshot")
-        (n,) = _LEN.unpack_from(view, len(MAGIC))
+        n, crc = _FRAME.unpack_from(view, len(MAGIC))
+        if n > min(MAX_HEADER_BYTES, len(view) - start):
+            raise CorruptCheckpointError(f"{where} announces a header of {n} bytes; it has {len(view) - start} "
+                                         f"bytes after its frame (at most {MAX_HEADER_BYTES})")
+        head = bytes(view[start : start + n])
+        if int(checksum(head), 16) != crc:
+            raise CorruptCheckpointError(f"{where}: its header fails its checksum")
         try:
-            h = json.loads(bytes(view[start : start + n]))
-            snap, sizes = cls._from_header(h)
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            h = json.loads(head)
+            snap, sizes, md_crc = cls._from_header(h)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where} has an invalid header ({str(e)[:120]})") from None
         pos = start + n
         if len(view) != pos + sum(sizes):
             raise CorruptCheckpointError(f"{where} has {len(view) - pos} bytes of files, its header says {sum(sizes)}")
         snap.metadata = bytes(view[pos : pos + sizes[0]])
         pos += sizes[0]
-        if checksum(snap.metadata) != h["metadata"][1]:
+        if checksum(snap.metadata) != md_crc:
             raise CorruptCheckpointError(f"{where}: its DCP metadata fails its checksum")
         for name, size in zip(h["own"], sizes[1:]):
             snap.files[name] = view[pos : pos + size]  # no copy: the files stay in the received buffer
@@ -205,30 +234,94 @@ class MemorySnapshot:
         return snap
 
     @classmethod
-    def _from_header(cls, h) -> tuple[MemorySnapshot, list[int]]:
-        def nat(v) -> int:
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{str(v)[:20]!r} is not a count")
-            return v
-
-        if not isinstance(h, dict) or h.get("version") != WIRE_VERSION:
-            raise ValueError(f"version {str(h.get('version') if isinstance(h, dict) else h)[:20]} is not {WIRE_VERSION}")
-        if not isinstance(h["trainer_state"], dict) or not isinstance(h["agreed"], bool):
-            raise ValueError("trainer_state or agreed has the wrong type")
+    def _from_header(cls, h) -> tuple[MemorySnapshot, list[int], str]:
+        """The snapshot a header describes (no files yet), the sizes of its metadata and own files, and
+        its metadata's crc32c; ValueError (or TypeError, KeyError) naming what is wrong."""
+        if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
+            keys = sorted(map(str, h)) if isinstance(h, dict) else type(h).__name__
+            raise ValueError(f"its fields are {str(keys)[:80]}, not {sorted(_HEADER_KEYS)}")
+        if type(h["version"]) is not int or h["version"] != WIRE_VERSION:
+            raise ValueError(f"version {str(h['version'])[:20]} is not {WIRE_VERSION}")
+        if not isinstance(h["agreed"], bool):
+            raise TypeError("agreed is not true or false")
+        md = h["metadata"]
+        if not isinstance(md, list) or len(md) != 2 or not _is_crc(md[1]):
+            raise ValueError("metadata is not [size, crc32c]")
+        if not isinstance(h["table"], list):
+            raise TypeError("table is not a list")
+        world, rank, step = _count(h["world_size"]), _count(h["rank"]), _count(h["step"])
         table, owners = {}, {}
-        for path, size, crc, owner in h["table"]:
-            if not isinstance(path, str) or not SHARD_RE.fullmatch(path) or not isinstance(crc, str):
-                raise ValueError(f"{str(path)[:60]!r} is not a shard file name")
-            table[path] = FileEntry(path, nat(size), crc)
-            owners[path] = nat(owner)
+        for row in h["table"]:
+            if not isinstance(row, list) or len(row) != 4:
+                raise ValueError(f"{str(row)[:60]} is not [path, size, crc32c, owner]")
+            path, size, crc, owner = row
+            if not isinstance(path, str) or not SHARD_RE.fullmatch(path) or not _is_crc(crc) or path in table:
+                raise ValueError(f"{str(path)[:60]!r} is not a shard file name, or its crc32c is not 8 hex digits")
+            table[path] = FileEntry(path, _count(size), crc)
+            owners[path] = _count(owner)
         own = h["own"]
-        if not isinstance(own, list) or any(p not in table for p in own) or len(set(own)) != len(own):
-            raise ValueError("its own files are not files of its table")
-        world, rank = nat(h["world_size"]), nat(h["rank"])
+        if (not isinstance(own, list) or not all(isinstance(p, str) and owners.get(p) == rank for p in own)
+                or len(set(own)) != len(own)):
+            raise ValueError(f"its own files are not files of its table that rank {rank} wrote")
         if rank >= world or any(o >= world for o in owners.values()):
             raise ValueError(f"rank {rank} or a file's owner is outside world {world}")
-        snap = cls(nat(h["step"]), rank, world, {}, b"", table, owners, h["trainer_state"], h["agreed"])
-        return snap, [nat(h["metadata"][0]), *(table[p].size for p in own)]
+        state = check_trainer_state(h["trainer_state"], step)
+        snap = cls(step, rank, world, {}, b"", table, owners, state, h["agreed"])
+        return snap, [_count(md[0]), *(table[p].size for p in own)], md[1]
+
+
+_HEADER_KEYS = {"version", "step", "rank", "world_size", "agreed", "trainer_state", "metadata", "table", "own"}
+
+
+_COUNT_MAX = 1 << 62
+
+
+def _count(v) -> int:
+    if type(v) is not int or not 0 <= v < _COUNT_MAX:
+        raise ValueError(f"{str(v)[:20]!r} is not a count")
+    return v
+
+
+def _is_crc(v) -> bool:
+    return isinstance(v, str) and bool(CRC_RE.fullmatch(v))
+
+
+# --- the trainer state a snapshot carries ------------------------------------------------
+
+_TEXT_MAX = 4096
+
+
+def check_trainer_state(state, step: int, where: str = "trainer_state", *, required: bool = False) -> dict:
+    """``state`` (the trainer state of a snapshot of ``step``, JSON) if it has the schema a restore
+    applies: ``step`` (equal to ``step``) and ``samples_consumed``, counts; ``epoch``, a count;
+    ``corpus_digest`` and ``weights_from``, strings; ``history_row``, a list of up to 16 numbers or
+    nulls; any other key a finite number, string, bool or null. ``required``: ``step`` and
+    ``samples_consumed`` must be there (a restore needs them). ValueError or TypeError naming the key
+    otherwise."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{where} is a {type(state).__name__}, not a table")
+    if required:
+        missing = [k for k in ("step", "samples_consumed") if k not in state]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}")
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where} has a key that is not a string")
+        if key in ("step", "samples_consumed", "epoch"):
+            ok = type(value) is int and 0 <= value < _COUNT_MAX
+        elif key in ("corpus_digest", "weights_from"):
+            ok = isinstance(value, str) and len(value) <= _TEXT_MAX
+        elif key == "history_row":
+            ok = isinstance(value, list) and len(value) <= 16 and all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value)
+        else:
+            ok = (value is None or isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value))
+                  or (isinstance(value, str) and len(value) <= _TEXT_MAX))
+        if not ok:
+            raise ValueError(f"{where}.{key[:40]} has the wrong type or size ({str(value)[:40]!r})")
+    if "step" in state and state["step"] != step:
+        raise ValueError(f"{where}.step is {state['step']} but the snapshot is of step {step}")
+    return state
 
 
 # --- where copies go -------------------------------------------------------------------

@@ -30,9 +30,10 @@ next (the async durable checkpoint's snapshot).
 Memory: at most two own snapshots per rank (the newest restorable one and the
 one being made or copied), the copies held for peers at those steps and, with
 ``take_async``, one host copy of the state.
-``memory_budget_bytes`` (0: no bound) is checked before a snapshot is taken,
-on every rank, and one refusal refuses it on all (the result's reason names
-the rank and the bytes). A step becomes restorable once agreed and, with
+``memory_budget_bytes`` (0: no bound; ``checkpointing.memory_budget`` derives
+a run's default from the host) is checked before a snapshot is taken, on every
+rank, and one refusal refuses it on all (the result's reason names the rank and
+the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
 replicas, once every rank holds its peers' copies of it (:meth:`replicate_async`,
 which ends with a second agreement on the replica group).
 """
@@ -82,6 +83,7 @@ class SnapshotResult:
     blocking_s: float = 0.0  # of which training waited (take: all; take_async: the host copy)
     planned: bool = False  # laid out by dcp.save's planning (else by the last plan: the layout held)
     replication: ReplicationResult | None = None  # take_async's copies to peers
+    over_budget: dict[int, tuple[int, int]] = field(default_factory=dict)  # refused: {rank: (bytes, its budget)}
 
     @property
     def ok(self) -> bool:
@@ -223,20 +225,21 @@ class MemoryTier:
         phases: dict[str, float] = {}
         self._prune()
         storage = MemoryStorage()
-        refusal = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ""
+        refusal, after = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ("", 0)
         layout = _layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         try:
-            votes = self._gather((refusal, plan_id))
+            votes = self._gather((refusal, plan_id, (after, self.memory_budget_bytes)))
         except Exception as e:  # a rank gone: this step is never agreed
             return self._unagreed(step, writer, f"the vote before it failed ({describe(e)})", t0, phases)
-        refusals = [r for r, _ in votes if r]
+        refusals = [r for r, _, _ in votes if r]
         if refusals:
             if writer is not None:
                 writer.release()
             self.last_reason = f"memory snapshot of step {step} not taken: {'; '.join(refusals)}"
-            return SnapshotResult(step, "refused", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
-        reuse = plan_id is not None and all(p == plan_id for _, p in votes)
+            return SnapshotResult(step, "refused", self.last_reason, seconds=time.monotonic() - t0, phases=phases,
+                                  over_budget={r: b for r, (why, _, b) in enumerate(votes) if why})
+        reuse = plan_id is not None and all(p == plan_id for _, p, _ in votes)
         ok, why, entries = True, "", []
         t1 = time.monotonic()
         phases["lay_out"] = t1 - t0
@@ -330,12 +333,12 @@ class MemoryTier:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def _over_budget(self, tensor_bytes: int) -> str:
-        """Why the next snapshot would take this rank's tier over the budget; "" when it fits or there is
-        none. Sized by the last snapshot and copies of each (the same layout, envelopes and metadata
-        included), else by ``tensor_bytes`` for each."""
+    def _over_budget(self, tensor_bytes: int) -> tuple[str, int]:
+        """Why the next snapshot would take this rank's tier over the budget ("" when it fits or there is
+        none), and the bytes it would then hold. Sized by the last snapshot and copies of each (the same
+        layout, envelopes and metadata included), else by ``tensor_bytes`` for each."""
         if not self.memory_budget_bytes:
-            return ""
+            return "", 0
         with self._lock:
             last = self.snapshots[max(self.snapshots)].nbytes if self.snapshots else 0
             copies = {src: c.nbytes for per in self.copies.values() for src, c in per.items()}
@@ -344,9 +347,9 @@ class MemoryTier:
         kept = self.held_bytes()
         after = kept + new + incoming
         if after <= self.memory_budget_bytes:
-            return ""
+            return "", after
         return (f"rank {self.rank} would hold {after} bytes (its snapshot {new}, copies for peers {incoming}, "
-                f"kept {kept}), over memory_budget_bytes={self.memory_budget_bytes}")
+                f"kept {kept}), over memory_budget_bytes={self.memory_budget_bytes}"), after
 
     def _prune(self) -> None:
         """Keep only the restorable step (before a new snapshot, and once a newer one became restorable)."""

@@ -404,7 +404,7 @@ def cmd_resume(args) -> int:
 
 def cmd_status(args) -> int:
     from . import registry
-    from .progress import listing_console, status_table
+    from .progress import listing_console, status_table, tier_status_line
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
     if args.run:
@@ -422,6 +422,8 @@ def cmd_status(args) -> int:
         listing_console().print(status_table(rows))
         if args.run and rows[0].get("reason"):
             print(f"reason: {rows[0]['reason']}")
+        if args.run and tier_status_line(rows[0]):
+            print(tier_status_line(rows[0]))
         for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
                                            if r.get("phase") in registry.NOT_A_STATUS):
             print(f"{store}: {reason}")

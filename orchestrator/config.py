@@ -13,9 +13,11 @@ config (which sizes the global batch and tp x pp allow) run in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
+from checkpointing.memory_budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
 from trainer.config_load import build_section
 from trainer.parallel_dims import valid_world_sizes
@@ -69,16 +71,28 @@ class RecoveryConfig:
 
     memory_every_steps: int = 1  # snapshot after every N-th step (0: no memory tier; recoveries use storage)
     replicas: int = 1  # peers holding a copy of each rank's snapshot, on other nodes where there are any
-    memory_budget_bytes: int = 0  # host bytes per rank the tier may hold (0: no bound); over it, it turns off
+    # Host bytes per rank the tier may hold; over it, it turns off for the group. 0: derived from the host's
+    # available memory when the group forms (memory_budget_fraction of it, shared by the ranks on the host);
+    # -1: no bound (checkpointing.memory_budget).
+    memory_budget_bytes: int = 0
+    memory_budget_fraction: float = DEFAULT_FRACTION
     resize_through_storage: bool = False  # a resize saves and loads the durable checkpoint instead of memory
 
     def __post_init__(self) -> None:
-        for name in ("memory_every_steps", "replicas", "memory_budget_bytes"):
+        for name in ("memory_every_steps", "replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"recovery.{name}={value!r} must be an integer >= 0"
-                                  + (" (0: no bound)" if name == "memory_budget_bytes" else
-                                     " (0: no memory tier)" if name == "memory_every_steps" else ""))
+                                  + (" (0: no memory tier)" if name == "memory_every_steps" else ""))
+        value = self.memory_budget_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or value < NO_BOUND:
+            raise ConfigError(f"recovery.memory_budget_bytes={value!r} must be an integer: bytes per rank, 0 to "
+                              "derive it from the host's available memory (memory_budget_fraction), -1 for no bound")
+        value = self.memory_budget_fraction
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                or not 0 < value <= 1):
+            raise ConfigError(f"recovery.memory_budget_fraction={value!r} must be a number in (0, 1]: the share of "
+                              "the host's available memory the tier may hold")
 
     @property
     def enabled(self) -> bool:

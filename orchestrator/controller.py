@@ -49,7 +49,7 @@ from trainer.config_load import config_from_dict
 from trainer.parallel_dims import valid_world_sizes
 
 from .config import recovery_from_raw
-from .memory_plan import memory_restore_plan
+from .memory_plan import flush_outcome, memory_restore_plan, restore_outcome
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .policies import FailureLog, FailurePolicy, ScalingPolicy, ScalingStatus
 from .states import Failed, Initializing, Recovering, State
@@ -278,8 +278,8 @@ class Controller:
                 self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))
         step = restored[rank0]["step"]
         tier = self.restored_tier = restored[rank0].get("tier", "durable")
-        if restored[rank0].get("fallback"):
-            why = f"the restore from memory failed ({restored[rank0]['fallback']})"
+        why, tier_events, budget = restore_outcome({rank0: restored[rank0], **restored}, why,
+                                                   self.pending_recovery is not None)
         row = restored[rank0].get("history_row")
         if tier == "memory" and step > self.last_completed_step() and isinstance(row, list):
             self.observers.on_history(self, [HistoryRow.of(row)])  # trained, never reported: its rank 0 died
@@ -293,11 +293,13 @@ class Controller:
             r.update(restored_step=step, world_after=size, tier=tier, tier_reason=why)
             r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
-                   tier=tier, tier_reason=why,
+                   tier=tier, tier_reason=why, memory_tier=budget,
                    rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
                    nodes=[self.group.info(w).get("node_id", "") for w in chosen],
                    pids=[self.group.info(w).get("pid") for w in chosen])
+        for e in tier_events:
+            self.event("memory_tier", **e)
         return step
 
     def memory_plan(self, chosen: list[str]) -> tuple[dict | None, str]:
@@ -314,15 +316,18 @@ class Controller:
         loses no step."""
         if not self.recovery.enabled or self.recovery.resize_through_storage or not self.members:
             return False
-        flushed = self._group_call(self.members, "memory_flush")
         step = self.last_completed_step()
-        if not all(r["step"] == step for r in flushed.values()):
-            return False
-        plan, why = self.memory_plan(self.members)
-        if plan is None or plan["key"][0] != step:
+        why, events = flush_outcome(self._group_call(self.members, "memory_flush"), step)
+        if not why:
+            plan, why = self.memory_plan(self.members)
+            if plan is not None:
+                why = "" if plan["key"][0] == step else f"the newest step held completely is {plan['key'][0]}"
+        for e in events:
+            self.event("memory_tier", **e)
+        if why:
             log.info("resize through storage: the memory tier cannot serve step %d (%s)", step, why)
-            return False
-        return True
+            self.event("memory_tier", action="fallback", step=step, reason=f"the resize commits a checkpoint: {why}")
+        return not why
 
     def settle_after_failure(self, suspects: tuple[str, ...]) -> list[str]:
         """Kill the culprits, let survivors' train calls return, and keep the survivors that answer."""
@@ -483,6 +488,8 @@ class Controller:
             return
         self._absorb_saves(p.get("saves", []))
         self.observers.on_history(self, p.pop("history", None) or [])
+        for e in p.pop("memory_tier", None) or []:  # the tier turned itself off (rank 0 tells)
+            self.event("memory_tier", **e)
         if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
             self.progress = p
             self.progress_at = self.clock()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from checkpointing.manifest import METADATA_NAME
 from checkpointing.memory_restore import load_from_memory
-from checkpointing.memory_snapshot import MemorySnapshot
+from checkpointing.memory_snapshot import MemorySnapshot, check_trainer_state
 from checkpointing.retry import describe
 
 log = logging.getLogger("etrain")
@@ -49,8 +49,12 @@ def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
         view = worker._memory_view()
         snap = view.snapshot(key)
         if snap is None:  # a worker new to that step: the table and metadata from a holder, checked
+            holder = plan["where"][METADATA_NAME]
             snap = MemorySnapshot.from_bytes(_fetch(plan, key, METADATA_NAME, "memory_header"),
-                                             f"the memory snapshot of step {key[0]} from {plan['where'][METADATA_NAME]}")
+                                             f"the memory snapshot of step {key[0]} from {holder}")
+        # What the trainer will apply, checked before any rank loads (a bad one falls back on every rank).
+        state = check_trainer_state(snap.trainer_state, snap.step, f"the trainer state of step {snap.step}",
+                                    required=True)
         local = view.sources(key)
         sources = {name: local[name] if name in local else _fetcher(plan, key, name)
                    for name in plan["where"] if name != METADATA_NAME}
@@ -62,10 +66,15 @@ def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
         load_from_memory(tr.optimizer.checkpoint_state(), sources, snap)
     except Exception as e:  # DCP raises a read that failed on any rank on every rank
         return describe(e), {}
-    tr.optimizer.after_load()
-    tr.load_train_state(snap.trainer_state)
+    try:
+        tr.optimizer.after_load()
+        tr.load_train_state(state)
+    except Exception as e:
+        reason = f"rank {tr.world.rank}: {describe(e)}"
+    if not everyone(not reason, device=tr.device)[0]:  # the durable load then overwrites what was loaded
+        return reason or "another rank could not apply the snapshot's state", {}
     log.info("restored step %d from the memory tier", snap.step)
-    return "", snap.trainer_state
+    return "", state
 
 
 def everyone(*flags: bool, device) -> list[bool]:

@@ -6,7 +6,8 @@
 On a terminal the bar shows step, loss, eval loss, tokens/s, world size, phase, time elapsed and
 ``ETA`` (none once the run is ending); in a pipe or a log (``ray job logs``, CI) it prints one plain
 line every few seconds instead, with steps/s and the ETA. Events the user wants to see (failures,
-recoveries, resizes, evaluations: ``[eval] step 40 eval loss 4.1230``) are lines of their own in both.
+recoveries, resizes, evaluations: ``[eval] step 40 eval loss 4.1230``, the memory tier turning off or
+falling back to the checkpoint) are lines of their own in both.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from checkpointing.memory_budget import human_bytes
 from trainer.cli import clock, human
 from trainer.trackers import TrackerNotice
 
@@ -63,9 +65,39 @@ def from_tier(e: dict) -> str:
     return ""
 
 
+def tier_event_line(e: dict) -> str:
+    """A ``memory_tier`` event (docs/operations.md#recovery-tiers) as a line."""
+    action, step = e.get("action"), e.get("step")
+    if action in ("off", "refused") and isinstance(e.get("bytes"), int) and isinstance(e.get("budget_bytes"), int):
+        over = (f"rank {e.get('rank')} would hold {human_bytes(e['bytes'])}, over its budget of "
+                f"{human_bytes(e['budget_bytes'])} ([recovery] memory_budget_bytes)")
+        if action == "off":
+            return f"[memory tier] off at step {step}: {over}; recoveries restore from the checkpoint"
+        return f"[memory tier] snapshot of step {step} refused: {over}; the resize commits a checkpoint"
+    if action == "fallback":
+        return f"[memory tier] step {step} from the checkpoint, not memory: {e.get('reason')}"
+    return f"[memory tier] {action}: {e.get('reason')}"
+
+
+def tier_status_line(status: dict) -> str | None:
+    """``etrain status RUN``'s line on the memory tier (the status' ``memory_tier``); None when it has none."""
+    t = status.get("memory_tier")
+    if not isinstance(t, dict):
+        return None
+    if t.get("state") == "disabled":
+        return "memory tier: off ([recovery] memory_every_steps = 0)"
+    line = (f"memory tier: off since step {t.get('since_step')} ({t.get('reason')})" if t.get("state") == "off"
+            else f"memory tier: on, budget {t.get('describe')}")
+    if t.get("fallbacks"):
+        line += f"; {t['fallbacks']} restore(s) from the checkpoint instead (last: {t.get('last_fallback')})"
+    return line
+
+
 def describe_event(e: dict) -> str | None:
     """One line for the events a user wants to see as they happen; None for the rest."""
     k = e.get("kind")
+    if k == "memory_tier":
+        return tier_event_line(e)
     if k == "failure":
         return f"[failure] step {e.get('step')}: {e.get('failure_kind')}: {e.get('message')} -> {e.get('decision')}"
     if k == "recovered":

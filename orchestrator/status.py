@@ -49,6 +49,7 @@ class RunStatus(ControllerObserver):
         self.steps_lost = 0
         self.resizes = 0
         self.recovery_seconds: list[float] = []
+        self.memory_tier: dict | None = None  # the memory tier now, from the formed and memory_tier events
 
     # --- observations ---------------------------------------------------------------------
 
@@ -58,7 +59,23 @@ class RunStatus(ControllerObserver):
     def on_event(self, ctl, event):
         self.events_log.append(event)
         self._unsent.append(event)
+        self._track_tier(event)
         self._flush_events(ctl)
+
+    def _track_tier(self, e: dict) -> None:
+        """The status' ``memory_tier``: on with its budget from each ``formed`` event, off (and why) from a
+        ``memory_tier`` event that turned it off, and how often a restore fell back to the checkpoint."""
+        t = self.memory_tier
+        if e["kind"] == "formed" and e.get("memory_tier"):
+            self.memory_tier = t = {"fallbacks": 0, "last_fallback": None, **(t or {}), **e["memory_tier"],
+                                    "state": "on", "since_step": e.get("step"), "reason": ""}
+        elif e["kind"] == "memory_tier" and t is not None:
+            if e.get("action") == "off":
+                t.update(state="off", since_step=e.get("step"), reason=e.get("reason"))
+            elif e.get("action") == "fallback":
+                t.update(fallbacks=t["fallbacks"] + 1, last_fallback=e.get("reason"))
+            elif e.get("action") == "unbounded":
+                t["describe"] = e.get("reason")
 
     def on_history(self, ctl, rows):
         self.history.extend(rows)
@@ -73,8 +90,10 @@ class RunStatus(ControllerObserver):
         self.resizes += 1
 
     def status_fields(self, ctl):
+        tier = self.memory_tier if ctl.recovery.enabled else {"state": "disabled"}
         return {"recoveries": self.recoveries, "steps_lost": self.steps_lost, "resizes": self.resizes,
-                "last_recovery_s": self.recovery_seconds[-1] if self.recovery_seconds else None}
+                "last_recovery_s": self.recovery_seconds[-1] if self.recovery_seconds else None,
+                "memory_tier": tier}
 
     def on_end(self, ctl, state):
         self._publish_final(ctl)

@@ -90,6 +90,8 @@ class TrainWorker:
         self.held = HeldSnapshots()  # what the tiers of earlier groups held
         self._snap = None  # the future of the tier's last snapshot
         self.tier_note = ""  # why the tier is off in this group, when it is
+        self.tier_budget = None  # this group's checkpointing.memory_budget.Budget
+        self._tier_events: list[dict] = []  # the tier turned off (rank 0), for the controller (progress)
         # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
         timed = self.cfg.metrics.enabled and self.cfg.metrics.comm
         self.meter = comm_meter(install=timed)
@@ -179,15 +181,23 @@ class TrainWorker:
                                                               "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s}}
 
     def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
-        """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks."""
-        self.tier, self._snap, self.tier_note = None, None, ""
+        """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
+        its budget (``checkpointing.memory_budget``: by default a share of this host's available memory)."""
+        self.tier, self._snap, self.tier_note, self.tier_budget = None, None, "", None
         self.tier_every = int(recovery.get("memory_every_steps", 0) or 0)
         if self.tier_every <= 0:
             return
+        from checkpointing.memory_budget import DEFAULT_FRACTION, available_bytes, tier_budget
         from checkpointing.memory_tier import MemoryTier
 
+        setting = int(recovery.get("memory_budget_bytes", 0))
+        nodes = recovery.get("nodes") or []
+        on_host = sum(1 for n in nodes if n == nodes[rank]) if rank < len(nodes) else world_size
+        self.tier_budget = tier_budget(setting, float(recovery.get("memory_budget_fraction", DEFAULT_FRACTION)),
+                                       on_host, held_bytes=self.held.nbytes(),
+                                       available=available_bytes() if setting == 0 else None)
         self.tier = MemoryTier(rank, world_size, replicas=int(recovery.get("replicas", 1)),
-                               memory_budget_bytes=int(recovery.get("memory_budget_bytes", 0)),
+                               memory_budget_bytes=self.tier_budget.bytes,
                                node_ids=recovery.get("nodes"), timeout_s=min(60.0, self.pg_timeout_s))
 
     def _fence(self):
@@ -211,17 +221,32 @@ class TrainWorker:
             if not fallback:  # with the restored step's history row: a rank 0 that died may never have sent it
                 return {"step": self.trainer.step, "from_step": None, "tier": "memory",
                         "history_row": state.get("history_row"), "world_size_at_save": None,
-                        "seconds": time.monotonic() - t0}
+                        "seconds": time.monotonic() - t0, "memory_tier": self._tier_state()}
             log.warning("restore from memory failed, restoring from the durable checkpoint: %s", fallback)
         manifest = self.trainer.load_checkpoint(self.ckpt) if self.ckpt is not None else None
         return {"step": self.trainer.step, "from_step": manifest.step if manifest else None,
                 "tier": "durable" if manifest else "none", "fallback": fallback,
-                "world_size_at_save": manifest.world_size if manifest else None, "seconds": time.monotonic() - t0}
+                "world_size_at_save": manifest.world_size if manifest else None, "seconds": time.monotonic() - t0,
+                "memory_tier": self._tier_state()}
 
     # --- the memory tier ----------------------------------------------------------------
 
     def _memory_view(self):
         return self.held.view(self.tier, self.epoch)
+
+    def _tier_state(self) -> dict | None:
+        """This rank's tier in this group: its budget (``Budget.to_dict``, and ``describe``), None when off."""
+        if self.tier_budget is None:
+            return None
+        return {**self.tier_budget.to_dict(), "describe": self.tier_budget.describe(), "rank": self.rank}
+
+    def _tier_refused(self, res, action: str) -> dict:
+        """The event for a snapshot refused over the budget: ``action`` (off: the tier turned itself off
+        for this group; refused: that snapshot only), the first rank over its budget, its bytes, its budget."""
+        rank = min(res.over_budget)
+        held, budget = res.over_budget[rank]
+        return {"action": action, "step": res.step, "rank": rank, "bytes": held, "budget_bytes": budget,
+                "ranks": sorted(res.over_budget), "reason": res.reason}
 
     def memory_holdings(self) -> dict:
         """Per snapshot key (step, epoch), the files this worker holds and the files of that step."""
@@ -249,6 +274,9 @@ class TrainWorker:
             if res.status == "refused":  # every rank learns it from the same vote: all turn off together
                 self.tier_note = f"memory tier off for this group: {res.reason}"
                 log.warning("%s; recoveries restore from the durable checkpoint", self.tier_note)
+                if self.rank == 0:  # the controller polls rank 0: one event for the group
+                    with self._lock:
+                        self._tier_events.append(self._tier_refused(res, "off"))
                 self.held.keep(self.epoch, tier.detach())
                 self.tier = None
                 return
@@ -270,11 +298,13 @@ class TrainWorker:
         if not has_tier:
             return {"step": None, "seconds": time.monotonic() - t0,
                     "reason": self.tier_note or "the memory tier is off on some rank"}
-        ok, reason = held, ""
+        ok, reason, refused = held, "", None
         if not held:
             res = tier.take(tr.step, tr.optimizer.checkpoint_state(), tr.train_state())
             ok, reason = res.ok, res.reason
-        return {"step": tr.step if ok else None, "seconds": time.monotonic() - t0, "reason": reason}
+            refused = self._tier_refused(res, "refused") if res.status == "refused" else None
+        return {"step": tr.step if ok else None, "seconds": time.monotonic() - t0, "reason": reason,
+                "refused": refused}
 
     def _teardown(self) -> None:
         if self.tier is not None:  # its process groups end here; what it holds is kept for a restore
@@ -371,7 +401,8 @@ class TrainWorker:
         with self._lock:
             saves, self._committed = self._committed, []
             history, self._history = self._history, []
-            return {**self._last, "saves": saves, "history": history}
+            tier_events, self._tier_events = self._tier_events, []
+            return {**self._last, "saves": saves, "history": history, "memory_tier": tier_events}
 
     def flush_saves(self) -> list[dict]:
         """Wait for the save in flight (if any); return the results not yet reported (rank 0's)."""

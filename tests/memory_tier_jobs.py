@@ -133,3 +133,67 @@ def restore(payload: dict) -> dict:
         return out
     finally:
         shutdown_distributed()
+
+
+def hostile_copy(payload: dict) -> dict:
+    """Two ranks take a snapshot of one step and copy it to each other, rank 1 as a broken or hostile peer:
+    ``mode`` "table": its snapshot lists rank 0's file with another crc32c (consistent in itself);
+    "size": it announces a copy of 2**62 bytes and sends nothing. Each rank's outcome of ``replicate``:
+    "ok", or the error's type and message."""
+    from checkpointing.manifest import FileEntry
+    from checkpointing.memory_replicate import replicate
+
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=30)
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        res = tier.take(1, {f"w{world.rank}": torch.randn(64, 8, generator=g)}, {"step": 1, "samples_consumed": 12})
+        assert res.ok, res.reason
+        snap = res.snapshot
+        if world.rank == 1 and payload["mode"] == "size":
+            dist = torch.distributed
+            dist.send(torch.tensor([1 << 62], dtype=torch.int64), dst=0, group=tier.replica_group)
+            dist.recv(torch.zeros(1, dtype=torch.int64), src=0, group=tier.replica_group)
+            return {"outcome": "sent a size only"}
+        if world.rank == 1:
+            other = next(p for p, o in snap.owners.items() if o == 0)
+            snap.table[other] = FileEntry(other, snap.table[other].size, "00000000")
+        try:
+            replicate(snap, tier.replica_group, tier.peers)
+        except Exception as e:
+            return {"outcome": f"{type(e).__name__}: {e}"}
+        return {"outcome": "ok"}
+    finally:
+        tier.close()
+        shutdown_distributed()
+
+
+def bad_trainer_state(payload: dict) -> dict:
+    """One rank restores from its own memory snapshot through ``TrainWorker.restore``'s path
+    (``orchestrator.memory_restore.restore_from_memory``) after the snapshot's trainer state was replaced
+    by ``payload["trainer_state"]``: the reason it gave (""=restored) and the trainer's step and cursor."""
+    from types import SimpleNamespace
+
+    from checkpointing.memory_held import HeldView
+    from orchestrator.memory_restore import restore_from_memory
+
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size)
+    try:
+        trainer = _trainer(payload, world)
+        trainer.train_step()
+        res = tier.take(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
+        assert res.ok, res.reason
+        res.snapshot.trainer_state = payload["trainer_state"]
+        key = (res.snapshot.step, 0)
+        worker = SimpleNamespace(trainer=_trainer(payload, world),
+                                 _memory_view=lambda: HeldView({key: (res.snapshot, {})}))
+        plan = {"key": key, "where": {n: "w0" for n in res.snapshot.file_table()}, "handles": {}}
+        reason, state = restore_from_memory(worker, plan)
+        return {"reason": reason, "state": state, "step": worker.trainer.step,
+                "samples_consumed": worker.trainer.samples_consumed}
+    finally:
+        tier.close()
+        shutdown_distributed()

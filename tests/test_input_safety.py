@@ -236,7 +236,7 @@ def test_elastic_float_ranges(field, value, message):
 @pytest.mark.parametrize("table, message", [
     ({"memory_every_steps": -1}, "recovery.memory_every_steps=-1 must be an integer >= 0 (0: no memory tier)"),
     ({"replicas": -2}, "recovery.replicas=-2 must be an integer >= 0"),
-    ({"memory_budget_bytes": -5}, "recovery.memory_budget_bytes=-5 must be an integer >= 0 (0: no bound)"),
+    ({"memory_budget_bytes": -5}, "recovery.memory_budget_bytes=-5 must be an integer: bytes per rank, 0 to derive"),
     ({"replica": 1}, "unknown key recovery.replica"),
     ({"replicas": "two"}, "recovery.replicas"),
 ])

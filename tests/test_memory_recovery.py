@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from checkpointing.manager import CheckpointManager
+from orchestrator.progress import describe_event
 from tests.cluster import GLOBAL_BATCH, RUN_BASE, STEPS, start_run
 from tests.harness import wait_for
 
@@ -69,6 +70,10 @@ def test_killed_worker_restores_from_memory_and_ends_bitwise_as_the_failure_free
     assert final["phase"] == "FINISHED" and final["step"] == STEPS
     assert rec["tier"] == "memory", rec
     assert rec["steps_lost"] <= 1
+    # The default budget, derived from the host's available memory, holds the tiny model's snapshots.
+    budget = next(e for e in store.events(run.spec.run_id) if e["kind"] == "formed")["memory_tier"]
+    assert budget["budget"] == "derived" and budget["min_budget_bytes"] > 0, budget
+    assert not [e for e in store.events(run.spec.run_id) if e["kind"] == "memory_tier"]
     assert rec["restored_step"] > 8  # newer than the newest commit: the memory tier's step, not storage's
     assert [e for e in store.events(run.spec.run_id) if e["kind"] == "formed"][1]["pids"][0] == survivor
     # No sample skipped or repeated: the data cursor, and every step's loss, as in the failure-free run.
@@ -103,13 +108,26 @@ def test_a_rank_lost_with_its_replica_holder_falls_back_to_the_durable_checkpoin
 
 def test_a_tier_over_its_budget_turns_itself_off_and_recovery_uses_storage(cluster, tmp_path):
     root = f"file://{tmp_path}/runs"
-    run, _ = start_run(root, "elastic.standby=1", "recovery.memory_budget_bytes=100000")  # under one snapshot
+    run, store = start_run(root, "elastic.standby=1", "recovery.memory_budget_bytes=100000")  # under one snapshot
     run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 6 and s["latest_checkpoint"], what="step 6")
+    # The turn-off is in the run's events, its status and etrain run's lines, not only in the workers' logs.
+    off = run.wait_event("memory_tier")
+    assert off["action"] == "off" and off["budget_bytes"] == 100000 and off["bytes"] > 100000, off
+    assert off["rank"] in (0, 1) and "memory_budget_bytes=100000" in off["reason"]
+    assert describe_event(off).startswith(f"[memory tier] off at step {off['step']}: rank {off['rank']} would hold ")
+    status = run.wait(lambda s: (s.get("memory_tier") or {}).get("state") == "off", what="the status says off")
+    assert status["memory_tier"]["since_step"] == off["step"]
     os.kill(run.events("formed")[0]["pids"][1], signal.SIGKILL)
     rec = run.wait_event("recovered")
     final = run.join()
     assert final["phase"] == "FINISHED" and final["step"] == STEPS
     assert rec["tier"] == "durable" and rec["tier_reason"] == "no worker holds a snapshot in memory", rec
+    events = [e for e in store.events(run.spec.run_id) if e["kind"] == "memory_tier"]
+    fallback = next(e for e in events if e["action"] == "fallback")
+    assert fallback["step"] == rec["restored_step"] and fallback["reason"] == rec["tier_reason"]
+    assert final["memory_tier"]["fallbacks"] >= 1
+    formed = [e for e in store.events(run.spec.run_id) if e["kind"] == "formed"]
+    assert formed[0]["memory_tier"]["budget"] == "explicit" and formed[0]["memory_tier"]["min_budget_bytes"] == 100000
 
 
 def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:

@@ -267,3 +267,29 @@ def test_copies_go_to_another_node_at_world3(world2):
         status, reason, held, restorable = r["again"]
         assert status == "refused" and held == r["held"] and restorable == 1
         assert "rank 0 would hold" in reason and "rank 2 would hold" in reason and "rank 1 " not in reason
+
+
+def test_a_copy_whose_table_differs_from_the_receivers_is_refused():
+    ranks = run_ranks("tests.memory_tier_jobs:hostile_copy", 2, {"mode": "table"}, timeout=120)
+    # Rank 1's copy lists rank 0's file with another checksum: consistent in itself, not this step's table.
+    assert ranks[0]["outcome"].startswith("CorruptCheckpointError: the copy of rank 1's snapshot disagrees with "
+                                          "this rank's snapshot of step 1"), ranks[0]
+    assert ranks[1]["outcome"].startswith("CorruptCheckpointError"), ranks[1]
+
+
+def test_a_peers_announced_size_is_bounded_before_anything_is_allocated():
+    ranks = run_ranks("tests.memory_tier_jobs:hostile_copy", 2, {"mode": "size"}, timeout=120)
+    assert ranks[0]["outcome"].startswith(f"CorruptCheckpointError: rank 1 announced a copy of {1 << 62} bytes; "
+                                          "its snapshot of step 1 takes at most"), ranks[0]
+
+
+@pytest.mark.parametrize("trainer_state, why", [
+    ({"step": 1, "samples_consumed": "twelve"}, "samples_consumed"),
+    ({"step": 1}, "lacks samples_consumed"),
+    ({"step": 5, "samples_consumed": 12}, "step is 5"),
+])
+def test_a_bad_trainer_state_falls_back_before_anything_is_loaded(trainer_state, why):
+    (r,) = run_ranks("tests.memory_tier_jobs:bad_trainer_state", 1,
+                     {"base": BASE, "run_id": "bad-state", "trainer_state": trainer_state}, timeout=120)
+    assert why in r["reason"] and r["state"] == {}, r
+    assert (r["step"], r["samples_consumed"]) == (0, 0)  # nothing applied: the durable checkpoint loads next
