@@ -19,9 +19,11 @@ The rules, in the order they apply:
    below it. An admitted run is never below its minimum.
 2. **Admission, highest priority first, then first come.** A queued run is admitted
    when its minimum fits together (a gang; the workers above it are its elastic part).
-   If the free workers are too few, capacity is taken from preemptible runs of lower
-   priority by the cheapest rung: shrink them toward their minimum (from memory, no step
-   lost), else suspend the lowest-priority ones whole. Never kill. It is all or
+   If the free workers are too few, capacity is taken from preemptible runs by the
+   cheapest rung: shrink toward their minimum (from memory, no step lost) the runs of
+   the same or a lower priority (what idle capacity lent them above their minimum goes
+   back first), else suspend the lowest-priority runs below the newcomer's priority
+   whole. Never kill. It is all or
    nothing: a run that cannot get its minimum even so takes nothing and waits, with the
    reason; runs of lower priority may still be admitted into what is free (they can be
    shrunk or suspended for it later), so nothing waits behind a run that cannot start.
@@ -187,24 +189,24 @@ class _State:
         return self.valid[r.run_id][0] if self.valid[r.run_id] else self.target[r.run_id]
 
 
-def _give_back(st: _State, victims: list[RunDemand], need: float, cause: str, why: str) -> float:
-    """Free ``need`` workers from ``victims`` (in the order given) by the cheapest rung: shrink them a valid
-    size at a time toward their minimum; where that cannot be enough, first suspend as few as will do, from
-    the front, then shrink the rest. Returns what is still missing (> 0: not enough)."""
-    order = list(victims)
-    shrinkable = {r.run_id: st.target[r.run_id] - st.smallest(r) for r in order}
-    reach = sum(shrinkable.values())
+def _give_back(st: _State, shrinkable: list[RunDemand], suspendable: list[RunDemand], need: float, cause: str,
+               why: str) -> float:
+    """Free ``need`` workers by the cheapest rung: shrink the ``shrinkable`` runs (in order) a valid size at
+    a time toward their minimum; where that cannot be enough, first suspend as few of the ``suspendable``
+    runs as will do (in order), then shrink. Returns what is still missing (> 0: not enough)."""
+    room = {r.run_id: st.target[r.run_id] - st.smallest(r) for r in shrinkable}
+    reach = sum(room.values())
     suspended = []
-    for r in order:
+    for r in suspendable:
         if reach >= need:
             break
-        suspended.append(r)
-        reach += st.target[r.run_id] - shrinkable[r.run_id]  # its minimum is freed too
+        if st.target[r.run_id]:
+            suspended.append(r)
+            reach += st.target[r.run_id] - room.get(r.run_id, 0)  # its minimum is freed too
     for r in suspended:
-        order.remove(r)
         need -= st.target[r.run_id]
         st.set(r, 0, cause, why)
-    for r in order:
+    for r in shrinkable:
         while need > 0 and st.target[r.run_id] > r.min_workers:
             n = st.smaller(r, st.target[r.run_id])
             if n < r.min_workers:
@@ -222,13 +224,13 @@ def _shed_order(runs: Iterable[RunDemand]) -> list[RunDemand]:
 def _hold_limits(st: _State) -> None:
     """Rule 1: the cluster's capacity and each team's quota."""
     if st.free() < 0:
-        _give_back(st, _shed_order(r for r in st.runs.values() if st.target[r.run_id]), -st.free(), "capacity",
-                   f"the cluster holds {st.cluster.capacity} workers")
+        order = _shed_order(r for r in st.runs.values() if st.target[r.run_id])
+        _give_back(st, order, order, -st.free(), "capacity", f"the cluster holds {st.cluster.capacity} workers")
     for team, quota in st.cluster.quotas.items():
         over = st.team_used.get(team, 0) - quota
         if over > 0:
-            members = [r for r in st.runs.values() if r.team == team and st.target[r.run_id]]
-            _give_back(st, _shed_order(members), over, "quota", f"team {team!r} is over its quota of {quota}")
+            members = _shed_order(r for r in st.runs.values() if r.team == team and st.target[r.run_id])
+            _give_back(st, members, members, over, "quota", f"team {team!r} is over its quota of {quota}")
 
 
 def _admit(st: _State, waiting: dict[str, str]) -> None:
@@ -257,14 +259,17 @@ def _admit_pass(st: _State, waiting: dict[str, str]) -> bool:
             continue
         missing = need - st.free()
         if missing > 0:
-            victims = [v for v in running if v.priority < r.priority and st.target[v.run_id]]
-            reclaimable = sum(st.target[v.run_id] for v in victims)
+            # What idle capacity lent above their minimum goes back to any run of the same or a higher
+            # priority; a whole run is suspended only for a higher one.
+            lenders = [v for v in running if v.priority <= r.priority and st.target[v.run_id] > st.smallest(v)]
+            lower = [v for v in running if v.priority < r.priority and st.target[v.run_id]]
+            reclaimable = (sum(st.target[v.run_id] - st.smallest(v) for v in lenders if v.priority == r.priority)
+                           + sum(st.target[v.run_id] for v in lower))
             if reclaimable < missing:
                 waiting[r.run_id] = (f"needs {need} workers together: {max(0, st.free())} free"
-                                     + (f", {reclaimable} held by preemptible runs of lower priority"
-                                        if reclaimable else ""))
+                                     + (f", {reclaimable} reclaimable from preemptible runs" if reclaimable else ""))
                 continue
-            left = _give_back(st, victims, missing, "preempted", f"preempted by run {r.run_id!r} (priority "
+            left = _give_back(st, lenders, lower, missing, "preempted", f"preempted by run {r.run_id!r} (priority "
                               f"{r.priority})")
             assert left <= 0, (r.run_id, left)  # reclaimable covered it
         # A run suspended earlier in this decision and let back in smaller keeps the cause it was cut for.
