@@ -35,7 +35,6 @@ at 1,000 runs on 10,000 workers).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
