@@ -63,7 +63,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from checkpointing.memory_tier import MemoryTier
+    from checkpointing.recovery.tier import MemoryTier
     from trainer.config_load import load_config
     from trainer.loop import Trainer, checkpoint_manager
     from trainer.world import World, init_distributed, shutdown_distributed

@@ -44,7 +44,7 @@ def slowest_rank_means(*series: list[float]) -> list[float]:
 def worker(args) -> None:
     import torch
 
-    from checkpointing.memory_tier import MemoryTier
+    from checkpointing.recovery.tier import MemoryTier
     from trainer.config_load import load_config
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed

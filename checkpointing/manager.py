@@ -22,7 +22,7 @@ Only the first save of a state layout goes through DCP's planning (its
 object collectives, and per tensor the work of finding its shard). A save
 whose every rank still holds the layout that this manager's last planned
 save was made for (same keys, tensors, dtypes, shapes, shardings, same
-group; see ``_layout_fingerprint``) and lays its items out in the same
+group; see ``checkpointing.host_copy.layout_fingerprint``) and lays its items out in the same
 places reuses that save's plan and DCP metadata: each rank lays out and
 starts writing its files at once, and one small collective confirms that
 every rank could; any difference, on any rank, makes it a planned save.
@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import CheckpointError, ConfigError, StorageError, UnsafePathError
+from .host_copy import HostCopy, PlannedLayout
 from .layout import RunRoot, fence_blob, parse_fence
 from .lock import WriterLock
 from .manifest import (
@@ -61,7 +62,6 @@ from .transaction import (  # noqa: F401  (SaveResult, group_rank_errors: caller
     FenceUnavailable,
     SaveResult,
     SaveTransaction,
-    _PlannedLayout,
     group_rank_errors,
 )
 
@@ -112,9 +112,8 @@ class CheckpointManager(SaveTransaction):
         self._stale_checked = -float("inf")  # when retention last looked for stale multipart uploads
         self._group = None  # process group of the background saves
         self._control = None  # process group of the busy vote (the main thread's, never the saves')
-        self._snap_cache: dict = {}  # path -> host buffer of the async snapshot
-        self._snap_views: dict = {}  # path -> the DTensor over that buffer, made once (from_local costs)
-        self._planned: _PlannedLayout | None = None  # the last save DCP planned, while its layout holds
+        self._host = HostCopy()  # the async save's copy of the state: host buffers kept between saves
+        self._planned: PlannedLayout | None = None  # the last save DCP planned, while its layout holds
         self._io: ThreadPoolExecutor | None = None  # file upload threads, kept from one save to the next
         self._done: list[SaveResult] = []
         self._lock = threading.Lock()
@@ -239,7 +238,7 @@ class CheckpointManager(SaveTransaction):
     @property
     def staging_bytes(self) -> int:
         """Host memory held for checkpoints: snapshot buffers plus file staging buffers."""
-        snap = sum(t.numel() * t.element_size() for t in self._snap_cache.values())
+        snap = self._host.nbytes()
         w = self._writer
         files = w.staged_bytes if w is not None and w.staged_bytes else 0
         pooled = self._pool.held_bytes if self._pool is not None else 0
@@ -278,7 +277,7 @@ class CheckpointManager(SaveTransaction):
             return self._save_now(job, state_dict, self.process_group)
         group = self._checkpoint_group()
         try:
-            snapshot = self._snapshot(state_dict)
+            snapshot = self._host.copy(state_dict)
         except Exception as e:
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}", blocking_s=time.monotonic() - t0)
             log.warning("checkpoint at step %d failed: %s", step, res.error)

@@ -23,7 +23,6 @@ answer may still have committed). Saves never touch a file of another save.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import posixpath
@@ -32,35 +31,15 @@ import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from .errors import CheckpointError, ConfigError, FencedError
+from .host_copy import PlannedLayout, layout_fingerprint
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, checksum, is_listable_name
 from .retry import describe
 
 log = logging.getLogger("etrain")
 
 RANKS_DIR = "_ranks"
-
-
-@dataclass(frozen=True)
-class _PlannedLayout:
-    """What a save planned by DCP leaves for later saves of the same layout (see the module doc)."""
-
-    plan_id: str  # rank 0's nonce of the planned save: the same on every rank
-    layout: str  # _layout_fingerprint of the state it was planned for
-    plan: Any  # this rank's final DCP SavePlan
-    paths: dict  # where each of its items is in the state dict (dcp_io.PlannedItems)
-    results: list  # this rank's WriteResults: where each item went
-    is_coordinator: bool
-    metadata: Any  # the DCP Metadata (coordinator only)
-    tokens: tuple  # each rank's file token in that save
-
-    def metadata_for(self, tokens: list[str]):
-        """The planned save's metadata with every rank's file names of a new attempt."""
-        from .dcp_io import retoken_metadata
-
-        return retoken_metadata(self.metadata, dict(zip(self.tokens, tokens)))
 
 
 def _parse_marker(blob: bytes) -> dict | None:
@@ -127,41 +106,6 @@ def group_rank_errors(errors: dict[int, str]) -> str:
 class SaveTransaction:
     """The save path of :class:`checkpointing.manager.CheckpointManager` (mixed in; it reads the
     manager's storage, rank, world size, epoch, fence, lock and caches)."""
-
-    def _snapshot(self, state_dict: dict) -> dict:
-        """A copy of every tensor in ``state_dict`` in host buffers kept from one save to the next."""
-        import torch
-
-        devices: set[str] = set()
-        out = self._snapshot_tree(state_dict, "", devices)
-        if "cuda" in devices:
-            torch.cuda.current_stream().synchronize()  # once, after every copy was queued
-        return out
-
-    def _snapshot_tree(self, obj, path: str, devices: set[str]):
-        import torch
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(obj, dict):
-            return {k: self._snapshot_tree(v, f"{path}/{k}", devices) for k, v in obj.items()}
-        if not isinstance(obj, torch.Tensor):
-            return obj
-        local = obj._local_tensor if isinstance(obj, DTensor) else obj
-        buf = self._snap_cache.get(path)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
-            self._snap_cache[path] = buf
-        devices.add(local.device.type)
-        buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
-        if not isinstance(obj, DTensor):
-            return buf
-        view = self._snap_views.get(path)
-        if (view is None or view._local_tensor.data_ptr() != buf.data_ptr() or view.device_mesh is not obj.device_mesh
-                or view.placements != obj.placements or view.shape != obj.shape or view.stride() != obj.stride()):
-            view = DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
-            self._snap_views[path] = view
-        return view
 
     def _agree(self, plan_id: str | None, token: str, refusal: tuple[str, str],
                group) -> tuple[str, bool, list[str], tuple[str, str]]:
@@ -265,7 +209,7 @@ class SaveTransaction:
         token = uuid.uuid4().hex[:8]
         try:
             refusal = self._refusal(step)
-            layout = _layout_fingerprint(state_dict)
+            layout = layout_fingerprint(state_dict)
             writer, plan_id = (None, None) if refusal[0] else self._lay_out_as_planned(step, state_dict, layout,
                                                                                         token)
             t1 = time.monotonic()
@@ -294,7 +238,7 @@ class SaveTransaction:
                 job["metadata"] = writer.metadata if writer.is_coordinator else None
                 paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
                 if paths is not None:
-                    self._planned = _PlannedLayout(job["nonce"], layout, writer.plan, paths, writer.results,
+                    self._planned = PlannedLayout(job["nonce"], layout, writer.plan, paths, writer.results,
                                                    writer.is_coordinator, writer.metadata, tuple(tokens))
                 t3 = time.monotonic()
                 w0, w1 = writer.timings.get("write_data", t3), writer.timings.get("write_data_end", t3)
@@ -457,39 +401,3 @@ class SaveTransaction:
                     found = "is missing" if size is None else f"holds {size} bytes"
                     raise CheckpointError(f"not committed: {rel}/{f['path']} {found}, {f['size']} were written "
                                           "(a truncated or lost write)")
-
-
-def _layout_fingerprint(state_dict) -> str:
-    """A digest of everything this rank's DCP save plan depends on: the keys, and per tensor its
-    dtype, shapes, sharding and the properties DCP records (``TensorProperties``). Where non-tensor
-    items land (their serialized size) is checked after laying out instead."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.blake2b(digest_size=16)
-    coords: dict[int, tuple] = {}
-
-    def props(t: torch.Tensor, requires_grad: bool) -> str:
-        return f"{t.dtype}{t.layout}{int(requires_grad)}{int(t.is_pinned())}"
-
-    def walk(obj, path: str) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{path}/{k}")
-        elif isinstance(obj, (list, tuple)):
-            h.update(f"{path}:{type(obj).__name__}{len(obj)};".encode())
-            for i, v in enumerate(obj):
-                walk(v, f"{path}/{i}")
-        elif isinstance(obj, DTensor):
-            mesh, local = obj.device_mesh, obj._local_tensor
-            if id(mesh) not in coords:
-                coords[id(mesh)] = (tuple(mesh.shape), mesh.get_coordinate())
-            h.update(f"{path}:D{tuple(obj.shape)}{tuple(local.shape)}{obj.placements}{coords[id(mesh)]}"
-                     f"{props(local, obj.requires_grad)};".encode())
-        elif isinstance(obj, torch.Tensor):
-            h.update(f"{path}:T{tuple(obj.shape)}{props(obj, obj.requires_grad)};".encode())
-        else:
-            h.update(f"{path}:{type(obj).__name__};".encode())
-
-    walk(state_dict, "")
-    return h.hexdigest()

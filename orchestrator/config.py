@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
-from checkpointing.memory_budget import DEFAULT_FRACTION, NO_BOUND
+from checkpointing.recovery.budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
 from trainer.config_load import build_section
 from trainer.parallel_dims import valid_world_sizes
@@ -73,7 +73,7 @@ class RecoveryConfig:
     replicas: int = 1  # peers holding a copy of each rank's snapshot, on other nodes where there are any
     # Host bytes per rank the tier may hold; over it, it turns off for the group. 0: derived from the host's
     # available memory when the group forms (memory_budget_fraction of it, shared by the ranks on the host);
-    # -1: no bound (checkpointing.memory_budget).
+    # -1: no bound (checkpointing.recovery.budget).
     memory_budget_bytes: int = 0
     memory_budget_fraction: float = DEFAULT_FRACTION
     resize_through_storage: bool = False  # a resize saves and loads the durable checkpoint instead of memory

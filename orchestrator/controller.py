@@ -49,7 +49,7 @@ from trainer.config_load import config_from_dict
 from trainer.parallel_dims import valid_world_sizes
 
 from .config import recovery_from_raw
-from .memory_plan import flush_outcome, memory_restore_plan, restore_outcome
+from .restore_plan import flush_outcome, group_restore_plan, restore_outcome
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .policies import FailureLog, FailurePolicy, ScalingPolicy, ScalingStatus
 from .states import Failed, Initializing, Recovering, State
@@ -303,12 +303,12 @@ class Controller:
         return step
 
     def memory_plan(self, chosen: list[str]) -> tuple[dict | None, str]:
-        """Where the new group restores from in the memory tier (:func:`memory_restore_plan`), asking the
+        """Where the new group restores from in the memory tier (:func:`group_restore_plan`), asking the
         members and the spares that are up; (None, why) when it restores from storage instead."""
         if not self.recovery.enabled:
             return None, "the memory tier is off ([recovery] memory_every_steps = 0)"
         holders = chosen + self.group.ready([w for w in self.spares if w in self.group.workers], timeout=0)
-        return memory_restore_plan(self.group, holders, self.committed_step)
+        return group_restore_plan(self.group, holders, self.committed_step)
 
     def memory_flush(self) -> bool:
         """Every member holds the current step in memory and a restore of it can be planned (a resize

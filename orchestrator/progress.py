@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from checkpointing.memory_budget import human_bytes
+from checkpointing.recovery.budget import human_bytes
 from trainer.cli import clock, human
 from trainer.trackers import TrackerNotice
 

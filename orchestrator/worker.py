@@ -13,7 +13,7 @@ The controller drives every member of a group with the same calls at once:
 and, from a second thread of the actor while ``train`` runs, ``progress()``
 and ``request_stop()``; from any thread ``memory_holdings()``, ``memory_file()``
 and ``memory_header()``, what this worker holds of the memory tier (its own
-group's and earlier groups', see ``checkpointing.memory_held``) for a restore
+group's and earlier groups', see ``checkpointing.recovery.held``) for a restore
 planned by the controller: the files a restoring rank does not hold come from
 their holder by a Ray actor call.
 The calls that touch torch (the five above and
@@ -41,7 +41,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from checkpointing.memory_held import HeldSnapshots
+from checkpointing.recovery.held import HeldSnapshots
 from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
@@ -51,7 +51,7 @@ from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, shutdown_distributed
 
-from .memory_restore import everyone, restore_from_memory
+from .tier_restore import everyone, restore_from_memory
 from .store import HistoryRow
 
 log = logging.getLogger("etrain")
@@ -85,12 +85,12 @@ class TrainWorker:
         self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[HistoryRow] = []
-        self.tier = None  # this group's checkpointing.memory_tier.MemoryTier ([recovery])
+        self.tier = None  # this group's checkpointing.recovery.tier.MemoryTier ([recovery])
         self.tier_every = 0  # its snapshot after every N-th step
         self.held = HeldSnapshots()  # what the tiers of earlier groups held
         self._snap = None  # the future of the tier's last snapshot
         self.tier_note = ""  # why the tier is off in this group, when it is
-        self.tier_budget = None  # this group's checkpointing.memory_budget.Budget
+        self.tier_budget = None  # this group's checkpointing.recovery.budget.Budget
         self._tier_events: list[dict] = []  # the tier turned off (rank 0), for the controller (progress)
         # Collectives are timed from the first process group on (docs/metrics.md); off, torch is left as is.
         timed = self.cfg.metrics.enabled and self.cfg.metrics.comm
@@ -182,13 +182,13 @@ class TrainWorker:
 
     def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
         """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
-        its budget (``checkpointing.memory_budget``: by default a share of this host's available memory)."""
+        its budget (``checkpointing.recovery.budget``: by default a share of this host's available memory)."""
         self.tier, self._snap, self.tier_note, self.tier_budget = None, None, "", None
         self.tier_every = int(recovery.get("memory_every_steps", 0) or 0)
         if self.tier_every <= 0:
             return
-        from checkpointing.memory_budget import DEFAULT_FRACTION, available_bytes, tier_budget
-        from checkpointing.memory_tier import MemoryTier
+        from checkpointing.recovery.budget import DEFAULT_FRACTION, available_bytes, tier_budget
+        from checkpointing.recovery.tier import MemoryTier
 
         setting = int(recovery.get("memory_budget_bytes", 0))
         nodes = recovery.get("nodes") or []
@@ -231,7 +231,7 @@ class TrainWorker:
 
     # --- the memory tier ----------------------------------------------------------------
 
-    def _memory_view(self):
+    def memory_view(self):
         return self.held.view(self.tier, self.epoch)
 
     def _tier_state(self) -> dict | None:
@@ -250,16 +250,16 @@ class TrainWorker:
 
     def memory_holdings(self) -> dict:
         """Per snapshot key (step, epoch), the files this worker holds and the files of that step."""
-        view = self._memory_view()
+        view = self.memory_view()
         return {"holdings": view.holdings(), "needed": view.needed()}
 
     def memory_file(self, key: tuple, name: str) -> bytes:
         """One file of the snapshot ``key`` this worker holds (for a restoring rank that does not)."""
-        return self._memory_view().file(tuple(key), name)
+        return self.memory_view().file(tuple(key), name)
 
     def memory_header(self, key: tuple) -> bytes:
         """The snapshot ``key`` without files: its agreed table, DCP metadata and trainer state."""
-        return self._memory_view().header(tuple(key))
+        return self.memory_view().header(tuple(key))
 
     def _snapshot(self, step: int, row: HistoryRow) -> None:
         """The memory tier's snapshot of ``step``, when due: waits for the previous one (whose outcome

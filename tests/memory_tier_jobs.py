@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from checkpointing.memory_restore import load_from_memory
-from checkpointing.memory_snapshot import MemorySnapshot, MemoryStorage
-from checkpointing.memory_tier import MemoryTier
+from checkpointing.recovery.restore import load_from_memory
+from checkpointing.recovery.snapshot import MemorySnapshot, MemoryStorage
+from checkpointing.recovery.tier import MemoryTier
 from tests.ckpt_jobs import full_state
 from trainer.config_load import load_config
 from trainer.data import load_corpus
@@ -141,7 +141,7 @@ def hostile_copy(payload: dict) -> dict:
     "size": it announces a copy of 2**62 bytes and sends nothing. Each rank's outcome of ``replicate``:
     "ok", or the error's type and message."""
     from checkpointing.manifest import FileEntry
-    from checkpointing.memory_replicate import replicate
+    from checkpointing.recovery.peer_copy import replicate
 
     world = World.from_env()
     init_distributed(world, CPU)
@@ -171,12 +171,12 @@ def hostile_copy(payload: dict) -> dict:
 
 def bad_trainer_state(payload: dict) -> dict:
     """One rank restores from its own memory snapshot through ``TrainWorker.restore``'s path
-    (``orchestrator.memory_restore.restore_from_memory``) after the snapshot's trainer state was replaced
+    (``orchestrator.tier_restore.restore_from_memory``) after the snapshot's trainer state was replaced
     by ``payload["trainer_state"]``: the reason it gave (""=restored) and the trainer's step and cursor."""
     from types import SimpleNamespace
 
-    from checkpointing.memory_held import HeldView
-    from orchestrator.memory_restore import restore_from_memory
+    from checkpointing.recovery.held import HeldView
+    from orchestrator.tier_restore import restore_from_memory
 
     world = World.from_env()
     init_distributed(world, CPU)
@@ -189,7 +189,7 @@ def bad_trainer_state(payload: dict) -> dict:
         res.snapshot.trainer_state = payload["trainer_state"]
         key = (res.snapshot.step, 0)
         worker = SimpleNamespace(trainer=_trainer(payload, world),
-                                 _memory_view=lambda: HeldView({key: (res.snapshot, {})}))
+                                 memory_view=lambda: HeldView({key: (res.snapshot, {})}))
         plan = {"key": key, "where": {n: "w0" for n in res.snapshot.file_table()}, "handles": {}}
         reason, state = restore_from_memory(worker, plan)
         return {"reason": reason, "state": state, "step": worker.trainer.step,

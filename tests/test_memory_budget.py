@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from checkpointing.errors import ConfigError
-from checkpointing.memory_budget import available_bytes, tier_budget
+from checkpointing.recovery.budget import available_bytes, tier_budget
 from orchestrator.config import RecoveryConfig, recovery_from_raw
 from orchestrator.progress import describe_event, tier_status_line
 from tests.fake_group import FakeGroup

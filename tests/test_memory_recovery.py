@@ -135,7 +135,7 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
     a durable save; the restores' results. The final step is saved (to compare)."""
     import ray
 
-    from orchestrator.memory_plan import memory_restore_plan
+    from orchestrator.restore_plan import group_restore_plan
     from orchestrator.worker_group import RayWorkerGroup
     from trainer.config_load import load_config
 
@@ -154,7 +154,7 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
             members = wids[:size]
             plan = None
             if epoch and through_memory:
-                plan, why = memory_restore_plan(group, wids)
+                plan, why = group_restore_plan(group, wids)
                 assert plan is not None, why
             epoch += 1
             port = call(members[:1], "rendezvous_port")[0]

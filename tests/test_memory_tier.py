@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from checkpointing.dcp_format import CorruptCheckpointError
 from checkpointing.errors import CheckpointError
-from checkpointing.memory_restore import load_from_memory, plan_restore
-from checkpointing.memory_snapshot import MemorySnapshot, replica_peers
-from checkpointing.memory_tier import MemoryTier, state_bytes
+from checkpointing.recovery.restore import load_from_memory, plan_restore
+from checkpointing.recovery.snapshot import MemorySnapshot, replica_peers
+from checkpointing.recovery.tier import MemoryTier, state_bytes
 from tests.harness import run_ranks
 
 BASE = ["model.dim=32", "model.n_layers=2", "model.ffn_hidden=64", "data.max_bytes=60000", "data.seq_len=16",

@@ -18,8 +18,8 @@ import torch
 
 from checkpointing.dcp_format import CorruptCheckpointError
 from checkpointing.manifest import checksum
-from checkpointing.memory_snapshot import MAGIC, MemorySnapshot
-from checkpointing.memory_tier import MemoryTier
+from checkpointing.recovery.snapshot import MAGIC, MemorySnapshot
+from checkpointing.recovery.tier import MemoryTier
 
 FUZZ_SEED = 2026
 FUZZ_MUTATIONS = 400

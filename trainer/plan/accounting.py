@@ -21,7 +21,7 @@ at once (1F1B: pp - stage index; GPipe: all; interleaved: Narayanan et al. 2021'
 1 + (p - 1) / (p v)).
 
 Checkpoint staging is host memory (the async save's blocking copy), and so is the memory tier of
-recovery (:mod:`checkpointing.memory_tier`: the host buffers a snapshot is copied into, at most two
+recovery (:mod:`checkpointing.recovery.tier`: the host buffers a snapshot is copied into, at most two
 own snapshots and two of a peer's, ``host_recovery_tier``); its device bytes are a hook, :data:`RECOVERY_TIER`, 0 today.
 """
 
@@ -269,7 +269,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
     out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
-    # The memory tier (checkpointing.memory_tier), in host memory: the host buffers, at most two own snapshots
+    # The memory tier (checkpointing.recovery.tier), in host memory: the host buffers, at most two own snapshots
     # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]
     out["param_count"] = count

@@ -22,10 +22,11 @@ import dataclasses
 import threading
 from typing import Any
 
-from .manifest import METADATA_NAME
-from .memory_snapshot import MemorySnapshot
+from ..manifest import METADATA_NAME
+from .restore import SnapshotKey
+from .snapshot import MemorySnapshot
 
-Key = tuple[int, int]  # (step, epoch)
+Key = SnapshotKey
 Entry = tuple[MemorySnapshot | None, dict[int, MemorySnapshot]]  # own snapshot, copies held for peers
 
 
@@ -40,7 +41,7 @@ class HeldSnapshots:
         with self._lock:
             for step, (own, copies) in steps.items():
                 if own is not None or copies:
-                    self.entries[(step, epoch)] = (own, copies)
+                    self.entries[SnapshotKey(step, epoch)] = (own, copies)
 
     def clear(self) -> None:
         with self._lock:
@@ -55,7 +56,7 @@ class HeldSnapshots:
         with self._lock:
             entries = dict(self.entries)
         if tier is not None:
-            entries.update({(step, epoch): entry for step, entry in tier.held_steps().items()})
+            entries.update({SnapshotKey(step, epoch): entry for step, entry in tier.held_steps().items()})
         return HeldView(entries)
 
 

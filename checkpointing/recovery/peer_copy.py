@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .dcp_format import CorruptCheckpointError
-from .memory_snapshot import MemorySnapshot
+from ..dcp_format import CorruptCheckpointError
+from .snapshot import MemorySnapshot
 
 
 def senders_to(rank: int, peers: Mapping[int, Sequence[int]]) -> list[int]:

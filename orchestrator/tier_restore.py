@@ -6,16 +6,16 @@
 
 The controller plans (``Controller.memory_plan``): it gathers what every live
 worker holds (``memory_holdings``) and picks the newest snapshot whose every file
-some live worker holds (:func:`checkpointing.memory_restore.plan_restore`). Each
+some live worker holds (:func:`checkpointing.recovery.restore.plan_restore`). Each
 rank of the new group then reads through the durable reader and load planner
-(:func:`checkpointing.memory_restore.load_from_memory`), so a restore into another
+(:func:`checkpointing.recovery.restore.load_from_memory`), so a restore into another
 world size or layout reshards as a restore from storage does: the files it holds
 itself are read in place, the others are fetched from their holder by a Ray actor
 call (``memory_file``) when DCP reads them, and every byte is checked against the
 step's agreed table first. Ray's object transfer moves a restore's files because
 the group that made the snapshot is gone and the new one may include workers that
 were never in it; the copies to peers while training use a gloo group of their own
-(``checkpointing.memory_replicate``).
+(``checkpointing.recovery.peer_copy``).
 
 Every rank agrees before loading (an all-reduce), and DCP raises a failed read on
 every rank, so the whole group falls back to the durable checkpoint together.
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from checkpointing.manifest import METADATA_NAME
-from checkpointing.memory_restore import load_from_memory
-from checkpointing.memory_snapshot import MemorySnapshot, check_trainer_state
+from checkpointing.recovery.restore import load_from_memory
+from checkpointing.recovery.snapshot import MemorySnapshot, check_trainer_state
 from checkpointing.retry import describe
 
 log = logging.getLogger("etrain")
@@ -46,7 +46,7 @@ def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
     tr = worker.trainer
     reason = ""
     try:
-        view = worker._memory_view()
+        view = worker.memory_view()
         snap = view.snapshot(key)
         if snap is None:  # a worker new to that step: the table and metadata from a holder, checked
             holder = plan["where"][METADATA_NAME]

@@ -16,25 +16,38 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from .dcp_format import CorruptCheckpointError
-from .errors import CheckpointError
-from .manifest import METADATA_NAME
-from .memory_snapshot import MemorySnapshot, MemoryStorage, Source, step_rel
+from ..dcp_format import CorruptCheckpointError
+from ..errors import CheckpointError
+from ..manifest import METADATA_NAME
+from .snapshot import MemorySnapshot, MemoryStorage, Source, step_rel
+
+
+class SnapshotKey(NamedTuple):
+    """A snapshot held across a worker's process groups: the same step may be held from two groups of
+    different layouts (a step snapshotted at 3 workers, restored at 2, is not the 2-worker group's)."""
+
+    step: int
+    epoch: int
 
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """Where each file of step ``step`` is taken from: ``where[name]`` is a holder (a rank, a worker)."""
+    """Where each file of the snapshot ``key`` is taken from: ``where[name]`` is a holder (a rank, a worker).
+    ``key`` is a :class:`SnapshotKey`, or a step alone within one tier."""
 
-    step: int
+    key: SnapshotKey | int
     where: dict[str, Hashable]
     reason: str  # why this step (and not a newer one), for the recovery event
 
+    @property
+    def step(self) -> int:
+        return self.key.step if isinstance(self.key, SnapshotKey) else self.key
 
-def plan_restore(holdings: Mapping[Hashable, Mapping[int, Iterable[str]]],
-                 needed: Mapping[int, Iterable[str]]) -> RestorePlan | None:
+
+def plan_restore(holdings: Mapping[Hashable, Mapping[SnapshotKey | int, Iterable[str]]],
+                 needed: Mapping[SnapshotKey | int, Iterable[str]]) -> RestorePlan | None:
     """The newest agreed step whose every file is held by someone, and where each file is.
 
     ``holdings``: per holder (in order of preference: a restore takes each file from
@@ -43,7 +56,9 @@ def plan_restore(holdings: Mapping[Hashable, Mapping[int, Iterable[str]]],
     table and the DCP metadata, :meth:`MemorySnapshot.file_table`). None when no
     step is complete: the caller restores from the durable checkpoint.
     """
-    held: dict[int, dict[str, Hashable]] = {}
+    holdings = {h: {_key(k): v for k, v in steps.items()} for h, steps in holdings.items()}
+    needed = {_key(k): v for k, v in needed.items()}
+    held: dict[SnapshotKey | int, dict[str, Hashable]] = {}
     for holder, steps in holdings.items():
         for step, names in steps.items():
             for name in names:
@@ -61,6 +76,11 @@ def plan_restore(holdings: Mapping[Hashable, Mapping[int, Iterable[str]]],
     return None
 
 
+def _key(k) -> SnapshotKey | int:
+    """A key as planned: (step, epoch) pairs (lists after a trip through Ray or JSON) as a SnapshotKey."""
+    return SnapshotKey(*k) if isinstance(k, (tuple, list)) else k
+
+
 def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], snapshot: MemorySnapshot, *,
                      process_group=None) -> None:
     """Load step ``snapshot.step`` into ``state_dict`` in place, resharded to its layout, from ``sources``
@@ -74,8 +94,8 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp_read import EtrainReader, SafeLoadPlanner, load_failure
-    from .retry import describe
+    from ..dcp_read import EtrainReader, SafeLoadPlanner, load_failure
+    from ..retry import describe
 
     if not snapshot.agreed:
         raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "

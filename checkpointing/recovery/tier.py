@@ -13,7 +13,7 @@ format durable checkpoints use, so a restore from memory reshards exactly as a r
 :meth:`MemoryTier.take` saves ``state_dict`` (what the checkpoint manager saves:
 the optimizer's ``checkpoint_state()``) with ``dcp.save`` through the durable
 writer (:class:`checkpointing.dcp_io.EtrainWriter`) into a
-:class:`checkpointing.memory_snapshot.MemoryStorage`: the same shard files
+:class:`checkpointing.recovery.snapshot.MemoryStorage`: the same shard files
 (format 3, standard DCP) and the same DCP metadata, as ``{name: bytes}`` in
 this rank's memory. Then one ``all_gather`` over the tier's own gloo group is
 the agreement, as the manifest is for a durable save: every rank's (step, ok,
@@ -30,7 +30,7 @@ next (the async durable checkpoint's snapshot).
 Memory: at most two own snapshots per rank (the newest restorable one and the
 one being made or copied), the copies held for peers at those steps and, with
 ``take_async``, one host copy of the state.
-``memory_budget_bytes`` (0: no bound; ``checkpointing.memory_budget`` derives
+``memory_budget_bytes`` (0: no bound; ``checkpointing.recovery.budget`` derives
 a run's default from the host) is checked before a snapshot is taken, on every
 rank, and one refusal refuses it on all (the result's reason names the rank and
 the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
@@ -50,12 +50,13 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import FileEntry
-from .memory_held import Entry, HeldView
-from .memory_restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
-from .memory_snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
-from .retry import describe
-from .transaction import SaveTransaction, _layout_fingerprint, _PlannedLayout, group_rank_errors
+from ..manifest import FileEntry
+from .held import Entry, HeldView
+from .restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
+from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
+from ..retry import describe
+from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
+from ..transaction import group_rank_errors
 
 log = logging.getLogger("etrain")
 
@@ -88,18 +89,6 @@ class SnapshotResult:
     @property
     def ok(self) -> bool:
         return self.status == "agreed"
-
-
-class _HostCopy:
-    """Host buffers for the state, kept from one snapshot to the next: the async durable checkpoint's
-    snapshot (the same copy, DTensors rewrapped over their buffers)."""
-
-    _snapshot = SaveTransaction._snapshot
-    _snapshot_tree = SaveTransaction._snapshot_tree
-
-    def __init__(self):
-        self._snap_cache: dict = {}
-        self._snap_views: dict = {}
 
 
 def _lower_priority(niceness: int = 10) -> None:
@@ -164,8 +153,8 @@ class MemoryTier:
         self._token = uuid.uuid4().hex[:8]  # in every file name (each snapshot has a storage of its own)
         # The last planned snapshot of each of the last two layouts (the live state's, take; the host
         # copy's, take_async), reused while that layout holds.
-        self._plans: dict[str, _PlannedLayout] = {}
-        self._host = _HostCopy()
+        self._plans: dict[str, PlannedLayout] = {}
+        self._host = HostCopy()
 
     # --- taking a snapshot -------------------------------------------------------------
 
@@ -192,7 +181,7 @@ class MemoryTier:
         t0 = time.monotonic()
         self.wait()
         waited = time.monotonic() - t0
-        copy = self._host._snapshot(state_dict)
+        copy = self._host.copy(state_dict)
         blocking = time.monotonic() - t0
 
         def run() -> SnapshotResult:
@@ -219,14 +208,14 @@ class MemoryTier:
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_io import EtrainWriter, PlannedItems
+        from ..dcp_io import EtrainWriter, PlannedItems
 
         t0 = time.monotonic()
         phases: dict[str, float] = {}
         self._prune()
         storage = MemoryStorage()
         refusal, after = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ("", 0)
-        layout = _layout_fingerprint(state_dict)
+        layout = layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         try:
             votes = self._gather((refusal, plan_id, (after, self.memory_budget_bytes)))
@@ -255,7 +244,7 @@ class MemoryTier:
                 paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
                 md = pickle.dumps(writer.metadata) if writer.is_coordinator else None
                 if paths is not None:
-                    self._plans[layout] = _PlannedLayout(f"planned at step {step}", layout, writer.plan, paths,
+                    self._plans[layout] = PlannedLayout(f"planned at step {step}", layout, writer.plan, paths,
                                                          writer.results, writer.is_coordinator, md, ())
                     while len(self._plans) > 2:
                         del self._plans[next(iter(self._plans))]
@@ -308,7 +297,7 @@ class MemoryTier:
     def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
         """This rank's files laid out by the last plan (views of the state, nothing copied yet) when its
         layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote."""
-        from .dcp_io import EtrainWriter, PlannedItems, same_results
+        from ..dcp_io import EtrainWriter, PlannedItems, same_results
 
         planned = self._plans.get(layout)
         if planned is None:
@@ -374,7 +363,7 @@ class MemoryTier:
     def _replicate(self, snapshot: MemorySnapshot) -> ReplicationResult:
         import torch.distributed as dist
 
-        from .memory_replicate import replicate
+        from .peer_copy import replicate
 
         t0 = time.monotonic()
         got: dict[int, MemorySnapshot] = {}
@@ -429,7 +418,7 @@ class MemoryTier:
     def held_bytes(self) -> int:
         """Host bytes held by this rank's tier: its own snapshots, the copies it holds for peers, and the host
         buffers :meth:`take_async` copies the state into (kept from one snapshot to the next)."""
-        buffers = sum(t.numel() * t.element_size() for t in self._host._snap_cache.values())
+        buffers = self._host.nbytes()
         return buffers + self.view().nbytes()
 
     def held_steps(self) -> dict[int, Entry]:
@@ -439,7 +428,7 @@ class MemoryTier:
                     for s in set(self.snapshots) | set(self.copies)}
 
     def view(self) -> HeldView:
-        """What this tier holds, keyed by step (:class:`checkpointing.memory_held.HeldView`)."""
+        """What this tier holds, keyed by step (:class:`checkpointing.recovery.held.HeldView`)."""
         return HeldView(self.held_steps())
 
     def holdings(self) -> dict[int, set[str]]:

@@ -29,10 +29,10 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .dcp_format import CorruptCheckpointError
-from .dcp_read import check_locations, load_metadata
-from .manifest import CRC_RE, METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
-from .storage import Storage, confine
+from ..dcp_format import CorruptCheckpointError
+from ..dcp_read import check_locations, load_metadata
+from ..manifest import CRC_RE, METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
+from ..storage import Storage, confine
 
 MAGIC = b"ETRAIN-MEMORY-SNAPSHOT\n"
 WIRE_VERSION = 2
@@ -115,7 +115,7 @@ class MemoryStorage(Storage):
 class MemorySnapshot:
     """One rank's copy of step ``step``: its own shard files, and what a restore needs to check them and
     the other ranks' files. ``agreed``: every rank of the group holds its files of this step complete
-    (see :class:`checkpointing.memory_tier.MemoryTier`); a snapshot that is not agreed is never used."""
+    (see :class:`checkpointing.recovery.tier.MemoryTier`); a snapshot that is not agreed is never used."""
 
     step: int
     rank: int

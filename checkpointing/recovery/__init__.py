@@ -1,0 +1,17 @@
+"""The memory recovery tier: every rank's training state in host memory, its own and copies in its peers',
+restored by recoveries and resizes before the durable checkpoint is (docs/operations.md#recovery-tiers).
+
+One module per concept:
+
+- ``snapshot``: one rank's snapshot of a step (the standard-DCP files of that step), its wire format
+  and which peers hold copies of it;
+- ``tier``: :class:`~checkpointing.recovery.tier.MemoryTier`, taking, agreeing and holding snapshots;
+- ``peer_copy``: the copies to peers, over a gloo group of the tier's own;
+- ``held``: what a worker keeps of the tier across its process groups, and what it answers a restore;
+- ``restore``: the plan of a restore (which holder gives each file of which snapshot) and the load;
+- ``budget``: how many host bytes one rank's tier may hold.
+
+The host copy of the state and the DCP layout planned for it are shared with the durable checkpoint
+(:mod:`checkpointing.host_copy`); a restore reads through the durable reader and load planner
+(:mod:`checkpointing.dcp_read`), so it reshards exactly as a restore from storage does.
+"""
