@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from checkpointing.errors import ConfigError
 
 from .checks import check_finite
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def is_host(addr: str) -> bool:
+    """Whether ``addr`` is an IPv4/IPv6 address or a well-formed host name (RFC 1123; not resolved)."""
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    labels = addr.removesuffix(".").split(".")
+    return (len(addr) <= 253 and all(_LABEL.fullmatch(x) for x in labels)
+            and not labels[-1].isdigit())  # 999.1.1.1 is a bad address, not a name
 
 
 @dataclass(kw_only=True)
@@ -35,6 +52,10 @@ class MetricsConfig:
             raise ConfigError(f"metrics.every_s={self.every_s} must be > 0 (seconds between rank reports)")
         if not self.addr:
             raise ConfigError('metrics.addr is empty; use "127.0.0.1", or "0.0.0.0" to listen on every interface')
+        if not is_host(self.addr):
+            raise ConfigError(f"metrics.addr={self.addr!r} is neither an IP address nor a host name; use "
+                              '"127.0.0.1" (this machine only), the node\'s address or host name, or "0.0.0.0" '
+                              "to listen on every interface")
 
 
 @dataclass(kw_only=True)
