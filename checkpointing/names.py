@@ -3,6 +3,8 @@ keeps per-user state.
 
     validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
     check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
+    redact("s3://k:pw@bucket/x?token=t")         # "s3://***@bucket/x?***": how every message shows a URL
+    redact_in(str(error), url)                   # a library's message about url, its secrets replaced
     redact_config(cfg.to_dict())                 # a JSON-clean copy, any URL with a secret redacted
     etrain_home()                                # $ETRAIN_HOME, else ~/.etrain
 
@@ -37,6 +39,8 @@ CREDENTIAL_CHAINS = ("use the standard credential chains instead: for S3 the AWS
 def validate_run_id(run_id: object, field: str = "run_id") -> str:
     """``run_id`` if it is a safe name (``RUN_ID_PATTERN``, not ``.`` or ``..``); ConfigError otherwise."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or run_id in (".", ".."):
+        if isinstance(run_id, str) and ("@" in run_id or "?" in run_id):  # cut from a URL: its secrets may be in it
+            run_id = redact(f"//{run_id}").removeprefix("//")
         shown = repr(run_id) if not isinstance(run_id, str) or len(run_id) <= 40 else repr(run_id[:40] + "...")
         raise ConfigError(
             f"{field}={shown} is not a valid run id: use 1-128 characters from A-Z a-z 0-9 . _ -, "
@@ -65,6 +69,23 @@ def redact(url: str) -> str:
     if "@" in netloc:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
     return parts._replace(netloc=netloc, query="***" if parts.query else "").geturl()
+
+
+def redact_in(text: str, url: str) -> str:
+    """``text`` (a library's error message about ``url``) with ``url``, and each secret part of it
+    (user:password, the query) wherever it appears alone, replaced as :func:`redact` shows them."""
+    if not url:
+        return text
+    text = text.replace(url, redact(url))
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return text
+    secrets = [parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else "", parts.query, parts.password or ""]
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def check_url(url: str, field: str) -> str:
