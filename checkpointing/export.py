@@ -42,6 +42,7 @@ from .errors import CheckpointError, ConfigError
 from .layout import RunRoot
 from .manager import CheckpointManager
 from .manifest import CRC_RE, Manifest, checksum, parse_step_dir
+from .names import redact
 from .storage import MiB, Storage
 
 MODEL_PREFIX = "model."
@@ -84,7 +85,7 @@ class ModelSource:
             reader = EtrainReader(mgr.storage, mgr.step_rel(step), manifest.file_table())
             return cls(mgr, step, manifest, reader, **kw)
         except CheckpointError as e:
-            raise ConfigError(f"{url}: {e}") from None
+            raise ConfigError(f"{redact(url)}: {e}") from None
 
     @property
     def url(self) -> str:

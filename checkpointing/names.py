@@ -3,7 +3,8 @@ keeps per-user state.
 
     validate_run_id("tiny")                      # returns it; ConfigError for "..", "a/b", 300 chars, ...
     check_url("s3://bucket/runs", "checkpoint.url")   # ConfigError if a secret sits in the URL
-    redact_text(f"request to {uri} failed")      # every URL in a message with its user:password@ and query hidden
+    redact("s3://k:pw@bucket/x?token=t")         # "s3://***@bucket/x?***": how every message shows a URL
+    redact_text(str(error), url)                 # every URL in a message redacted, and url's secrets alone too
     redact_config(cfg.to_dict())                 # a JSON-clean copy, any URL with a secret redacted
     etrain_home()                                # $ETRAIN_HOME, else ~/.etrain
 
@@ -38,6 +39,8 @@ CREDENTIAL_CHAINS = ("use the standard credential chains instead: for S3 the AWS
 def validate_run_id(run_id: object, field: str = "run_id") -> str:
     """``run_id`` if it is a safe name (``RUN_ID_PATTERN``, not ``.`` or ``..``); ConfigError otherwise."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or run_id in (".", ".."):
+        if isinstance(run_id, str) and ("@" in run_id or "?" in run_id):  # cut from a URL: its secrets may be in it
+            run_id = redact(f"//{run_id}").removeprefix("//")
         shown = repr(run_id) if not isinstance(run_id, str) or len(run_id) <= 40 else repr(run_id[:40] + "...")
         raise ConfigError(
             f"{field}={shown} is not a valid run id: use 1-128 characters from A-Z a-z 0-9 . _ -, "
@@ -71,8 +74,22 @@ def redact(url: str) -> str:
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
-def redact_text(text: str) -> str:
-    """``text`` with every URL in it :func:`redact`-ed (an exception's message, a log line)."""
+def redact_text(text: str, *urls: str) -> str:
+    """``text`` (an exception's message, a log line) with every URL in it :func:`redact`-ed, and each secret
+    part of the ``urls`` it is about (user:password, the query) replaced wherever it appears alone, as a
+    library's message may repeat it."""
+    for url in urls:
+        if not url:
+            continue
+        text = text.replace(url, redact(url))
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            continue
+        for secret in (parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else "", parts.query,
+                       parts.password or ""):
+            if secret:
+                text = text.replace(secret, "***")
     return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 

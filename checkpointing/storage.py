@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec.asyn import sync as fsspec_sync
@@ -42,6 +41,7 @@ from fsspec.asyn import sync as fsspec_sync
 from .errors import StorageError, UnsafePathError
 from .faults import NO_FAULT, StorageFaults
 from .manifest import Checksum
+from .names import check_url, redact
 from .retry import RetryPolicy, describe
 
 log = logging.getLogger("etrain")
@@ -112,6 +112,7 @@ class Storage:
                  part_size: int = 32 * MiB, faults: StorageFaults | None = None):
         if not url:
             raise StorageError("the storage URL is empty")
+        check_url(url, "URL")  # a secret in it would be repeated by every message that names the storage
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
         self.concurrency = max(1, concurrency)
@@ -147,11 +148,8 @@ class Storage:
         self._pool_lock = threading.Lock()
 
     def _safe_url(self) -> str:
-        """The URL without any user:password@ part (some schemes allow one)."""
-        parts = urlsplit(self.url)
-        if "@" in parts.netloc:
-            return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
-        return self.url
+        """The URL as messages show it (:func:`checkpointing.names.redact`)."""
+        return redact(self.url)
 
     def __repr__(self) -> str:
         return f"Storage({self._safe_url()!r})"

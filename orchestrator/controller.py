@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import statistics
 import threading
 import time
@@ -266,7 +267,9 @@ class Controller:
         if self.recovery.enabled:
             recovery = {**dataclasses.asdict(self.recovery),
                         "nodes": [self.group.info(w).get("node_id", "") for w in chosen]}
-        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery) for r, w in enumerate(chosen)]
+        key = secrets.token_hex(16)  # the epoch's rendezvous keys, known only to its members (TrainWorker.form)
+        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key)
+                 for r, w in enumerate(chosen)]
         formed = self._collect(calls, "form")
         t1 = self.clock()
         plan, why = self.memory_plan(chosen)

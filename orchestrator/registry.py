@@ -61,7 +61,7 @@ def record(run_id: str, store_url: str) -> str | None:
         return path
     except OSError as e:
         log.warning("could not record run %r in %s (%s); control commands from other directories need "
-                    "--store %s", run_id, runs_dir(), e, store_url)
+                    "--store %s", run_id, runs_dir(), e, redact(store_url))
         return None
 
 

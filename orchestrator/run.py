@@ -29,7 +29,8 @@ import os
 import threading
 import time
 
-from checkpointing.names import check_url, validate_run_id
+from checkpointing.errors import EtrainError
+from checkpointing.names import check_url, redact, redact_text, validate_run_id
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict, load_raw
 
@@ -171,7 +172,11 @@ def connect(address: str | None, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
+        try:
+            ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
+        except (ConnectionError, RuntimeError, ValueError) as e:  # their text repeats the address
+            raise EtrainError(f"cannot join the Ray cluster at {redact(address)} (--address / $RAY_ADDRESS): "
+                              f"{_first_line(redact_text(str(e), address))}") from None
         return False
     from ray._private import ray_constants
 
@@ -371,7 +376,15 @@ def submit_job(address: str, entrypoint: list[str], working_dir: str = ".") -> s
     from ray.job_submission import JobSubmissionClient
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))}
-    client = JobSubmissionClient(address)
     python = os.environ.get("ETRAIN_JOB_PYTHON", "python")  # the cluster's interpreter that has etrain's deps
-    return client.submit_job(entrypoint=shlex.join([python, *entrypoint]),
-                             runtime_env={"working_dir": working_dir, "env_vars": env})
+    try:
+        client = JobSubmissionClient(address)
+        return client.submit_job(entrypoint=shlex.join([python, *entrypoint]),
+                                 runtime_env={"working_dir": working_dir, "env_vars": env})
+    except (ConnectionError, RuntimeError, ValueError) as e:  # their text repeats the address
+        raise EtrainError(f"cannot submit to the Ray dashboard at {redact(address)}: "
+                          f"{_first_line(redact_text(str(e), address))}") from None
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:300]

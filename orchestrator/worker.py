@@ -2,8 +2,10 @@
 
 The controller drives every member of a group with the same calls at once:
 
-    form(epoch, rank, world, addr, port, recovery)   new process group + Trainer for this layout
-                                           (at rank 0's rendezvous_port()), and its memory tier
+    form(epoch, rank, world, addr, port, recovery, key)
+                                           new process group + Trainer for this layout (at rank 0's
+                                           rendezvous_port(), under the epoch's secret key), and its
+                                           memory tier
     restore(plan)                          the step ``plan`` names from the memory tier, else the
                                            newest valid checkpoint, resharded (or a fresh start)
     train(until_step)                      the step loop; returns done / stopped / failed
@@ -49,7 +51,7 @@ from trainer.data import load_splits
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
-from trainer.world import World, init_distributed, shutdown_distributed
+from trainer.world import World, init_distributed, listening_store, shutdown_distributed
 
 from .tier_restore import everyone, restore_from_memory
 from .store import HistoryRow
@@ -125,11 +127,15 @@ class TrainWorker:
 
         Up before any peer dials it, unlike a store each ``init_process_group`` starts on its own:
         a peer that dials too early is refused and backs off for up to a second (0.4-0.8 s measured
-        at 3 ranks here, on every re-formation). Every epoch keys its rendezvous under its own prefix.
+        at 3 ranks here, on every re-formation). Every epoch keys its rendezvous under its own prefix,
+        with a key only its members learn from the controller (``form``), so that whoever else can
+        reach the port can neither read nor plant the group's addresses. It listens on this node's
+        address in the cluster (``info()["ip"]``, where the controller sends the peers), which is
+        127.0.0.1 for a local run, never on every interface.
         """
         if self._store is None:
-            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=self.pg_timeout_s))
+            self._store = listening_store(ray.util.get_node_ip_address(), 0,
+                                          datetime.timedelta(seconds=self.pg_timeout_s))
         return self._store.port
 
     def ping(self) -> int:
@@ -139,9 +145,11 @@ class TrainWorker:
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: dict | None = None) -> dict:
+             recovery: dict | None = None, key: str = "") -> dict:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
-        memory tier's settings (``[recovery]`` fields, and ``nodes``: each rank's node), None for none."""
+        memory tier's settings (``[recovery]`` fields, and ``nodes``: each rank's node), None for none.
+        ``key``: the epoch's secret, which prefixes every key of its rendezvous (the controller draws one
+        per epoch and tells only the members)."""
         t0 = time.monotonic()
         self._teardown()
         world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
@@ -156,7 +164,7 @@ class TrainWorker:
         else:
             store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.pg_timeout_s))
-        init_distributed(world, device, store=dist.PrefixStore(f"etrain/epoch_{epoch}", store),
+        init_distributed(world, device, store=dist.PrefixStore(f"etrain/epoch_{epoch}/{key}", store),
                          timeout_s=self.pg_timeout_s)
         t2 = time.monotonic()
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, val_corpus=self.val_corpus, device=device)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import redact
 
 from .config import ModelConfig, ParallelConfig, RunConfig
 
@@ -78,7 +79,7 @@ def load_hf_config(mcfg: ModelConfig):
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"model.hf_config={mcfg.hf_config!r} does not exist; give a directory holding "
+        raise ConfigError(f"model.hf_config={redact(mcfg.hf_config)!r} does not exist; give a directory holding "
                           "config.json, or the JSON file itself (nothing is downloaded)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig

@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from checkpointing.errors import ConfigError
+from checkpointing.names import redact
 
 log = logging.getLogger("etrain")
 
@@ -193,7 +194,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "bytes":
         return ByteTokenizer()
     if "://" in spec:
-        raise ConfigError(f"data.tokenizer={spec!r} is a URL; give a local tokenizer.json file or directory "
+        raise ConfigError(f"data.tokenizer={redact(spec)!r} is a URL; give a local tokenizer.json file or directory "
                           "(tokenizers are never downloaded)")
     if os.path.isfile(spec):
         return _from_json(spec, spec, _fingerprint([spec]))

@@ -9,13 +9,22 @@ Launcher-agnostic: torchrun, a Ray actor or a test harness only has to set
 the usual environment variables (or pass a ``World`` built by hand). A single
 process with no launcher gets a one-rank group on an in-memory store, so the
 training code has no special case for world size 1.
+
+Where the process group listens (docs/operations.md#ports): rank 0's
+rendezvous store on ``MASTER_ADDR`` only (:func:`listening_store`; torch's own
+store listens on every interface whatever host it is given), and the gloo and
+NCCL sockets of every group on the loopback interface when the job is local
+(``MASTER_ADDR`` is a loopback address, or one process with none): see
+:func:`collectives_on_loopback`.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -68,21 +77,82 @@ def init_distributed(world: World, device: torch.device, *, store: dist.Store | 
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = backend_for(device)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if (world.master_addr is None and world.size == 1) or (world.master_addr and is_loopback(world.master_addr)):
+        collectives_on_loopback()
     if store is None and world.size == 1 and world.master_addr is None:
         store = dist.HashStore()
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout,
-                                **kwargs)
-    else:
+    if store is None:
         if world.master_addr is None or world.master_port is None:
             raise ConfigError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them)")
         if _under_torchrun(world) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_agent_store(world, timeout), rank=world.rank,
-                                    world_size=world.size, timeout=timeout, **kwargs)
-            return
-        init_method = "env://" if _under_torchrun(world) else f"tcp://{world.master_addr}:{world.master_port}"
-        dist.init_process_group(backend, init_method=init_method, rank=world.rank, world_size=world.size,
-                                timeout=timeout, **kwargs)
+            store = _agent_store(world, timeout)
+        elif world.is_main:
+            store = listening_store(world.master_addr, world.master_port, timeout, world_size=world.size)
+        else:
+            store = dist.TCPStore(world.master_addr, world.master_port, world.size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout, **kwargs)
+
+
+def listening_store(addr: str, port: int, timeout: datetime.timedelta, *,
+                    world_size: int | None = None) -> dist.TCPStore:
+    """A rendezvous store (the server side) that listens on ``addr`` only, at ``port`` (0: a free one).
+
+    ``dist.TCPStore(addr, ...)`` would listen on every interface (0.0.0.0 / ::) whatever ``addr``
+    says; a socket bound here and handed over (``master_listen_fd``, which the store then owns and
+    closes) keeps the store to the address its peers dial.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` (an IP address or a host name) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(ai[4][0]).is_loopback for ai in socket.getaddrinfo(addr, None))
+    except (OSError, ValueError):
+        return False
+
+
+def collectives_on_loopback() -> None:
+    """Make the gloo and NCCL groups this process creates listen on the loopback interface, for a
+    job whose ranks all run on this machine: by default gloo listens on the address the machine's
+    host name resolves to and NCCL on its first network interface, both reachable from the
+    network. ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user are left as they are."""
+    lo = loopback_interface()
+    if lo is None:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, lo)
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux), None if it cannot be told."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+        except (OSError, ValueError):
+            continue
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _agent_store(world: World, timeout: datetime.timedelta) -> dist.Store:

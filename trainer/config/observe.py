@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,6 +14,21 @@ from .checks import check_finite
 
 MLFLOW_CREDENTIALS = ("give MLflow its credentials in the environment instead: MLFLOW_TRACKING_USERNAME and "
                       "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN")
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def is_host(addr: str) -> bool:
+    """Whether ``addr`` is an IPv4/IPv6 address or a well-formed host name (RFC 1123; not resolved)."""
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    labels = addr.removesuffix(".").split(".")
+    return (len(addr) <= 253 and all(_LABEL.fullmatch(x) for x in labels)
+            and not labels[-1].isdigit())  # 999.1.1.1 is a bad address, not a name
 
 
 @dataclass(kw_only=True)
@@ -39,6 +56,10 @@ class MetricsConfig:
             raise ConfigError(f"metrics.every_s={self.every_s} must be > 0 (seconds between rank reports)")
         if not self.addr:
             raise ConfigError('metrics.addr is empty; use "127.0.0.1", or "0.0.0.0" to listen on every interface')
+        if not is_host(self.addr):
+            raise ConfigError(f"metrics.addr={self.addr!r} is neither an IP address nor a host name; use "
+                              '"127.0.0.1" (this machine only), the node\'s address or host name, or "0.0.0.0" '
+                              "to listen on every interface")
 
 
 @dataclass(kw_only=True)

@@ -152,8 +152,12 @@ def _allreduce_worker(rank: int, port: int, backend: str, out, world: int = 2) -
     import torch
     import torch.distributed as dist
 
+    from ..world import World, init_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    # All on loopback: the rendezvous store and the group's sockets (tcp:// would listen on every interface).
+    init_distributed(World(rank=rank, size=world, local_rank=rank, master_addr="127.0.0.1", master_port=port), dev)
     if world > 2:  # crowded: more ranks than cores; the median time of a small all-reduce
         t = torch.ones(1)
         times = []
@@ -165,7 +169,6 @@ def _allreduce_worker(rank: int, port: int, backend: str, out, world: int = 2) -
             out.put(sorted(times)[len(times) // 2])
         dist.destroy_process_group()
         return
-    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     rows = []
     for size in SIZES:
         t = torch.ones(size // 4, device=dev)
