@@ -53,9 +53,13 @@ class Wait:
 # --- failures -------------------------------------------------------------------
 
 
+# Failure kinds a recovery cannot fix (it trains the same steps from the same state to the same values).
+NOT_RETRIED = {"nonfinite": "a recovery would meet the same nan/inf values again"}
+
+
 @dataclass(frozen=True)
 class FailureRecord:
-    kind: str  # "actor_died", "collective_failed", "hang", "error"
+    kind: str  # "actor_died", "collective_failed", "hang", "error", "nonfinite"
     step: int
     message: str
     time: float
@@ -70,7 +74,8 @@ class FailureStatus:
 
 @dataclass(frozen=True, kw_only=True)
 class FailurePolicy:
-    """Recover from failures with backoff; give up after ``max_failures`` or on a crash loop.
+    """Recover from failures with backoff; give up after ``max_failures``, on a crash loop, or at once on
+    a kind in :data:`NOT_RETRIED`.
 
     A crash loop is ``crash_loop_repeats`` failures in a row at the same step
     with the same message: restarting again would only repeat it.
@@ -96,6 +101,8 @@ class FailurePolicy:
         if not history:
             return Restart(0.0, "no failure recorded")
         last = history[-1]
+        if last.kind in NOT_RETRIED:
+            return Fail(f"{last.message}; not retried: {NOT_RETRIED[last.kind]}")
         if len(history) > self.max_failures:
             return Fail(f"{len(history)} failures exceed max_failures={self.max_failures}; last: {last.message}")
         tail = history[-self.crash_loop_repeats :]

@@ -48,7 +48,8 @@ from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
 from trainer.data import load_splits
-from trainer.loop import Trainer, checkpoint_manager
+from trainer.hf_dir import NonFiniteWeights
+from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, listening_store, shutdown_distributed
@@ -447,7 +448,10 @@ class TrainWorker:
 
 
 def _failure_kind(e: BaseException) -> str:
-    """collective_failed (a peer vanished), hang (a collective timed out) or error (anything else)."""
+    """nonfinite (the loss or init_from's weights hold nan/inf: not retried), collective_failed (a peer
+    vanished), hang (a collective timed out) or error (anything else)."""
+    if isinstance(e, (NonFiniteStep, NonFiniteWeights)):
+        return "nonfinite"
     text = f"{type(e).__name__}: {e}".lower()
     if "timeout" in text or "timed out" in text:
         return "hang"

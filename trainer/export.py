@@ -216,13 +216,13 @@ def write_hf_extras(out: str, cfg: dict) -> list[str]:
     if mcfg.source == "builtin":
         config = llama_config(mcfg, tokenizer if tokenizer == "bytes" else "files")
     elif mcfg.source == "hf":
+        from .hf_dir import read_config
+
         path = os.path.expanduser(mcfg.hf_config)
-        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path):
+        if not os.path.exists(os.path.join(path, "config.json") if os.path.isdir(path) else path):
             raise ConfigError(f"the run's model.hf_config={mcfg.hf_config!r} is not on this machine; export where it "
                               "is, or use --format safetensors")
-        with open(path) as f:
-            config = json.load(f)
+        config = read_config(path, f"the run's model.hf_config={mcfg.hf_config!r}")
         config.setdefault("etrain_tokenizer", tokenizer if tokenizer == "bytes" else "files")
     else:
         raise ConfigError("--format hf needs a built-in or a transformers model (model.source=\"python\" has no "
@@ -305,42 +305,28 @@ def main(argv: list[str]) -> int:
 
 class WeightSource:
     """Full tensors by the model's own names from an ``init_from``: a ``transformers`` directory (or one
-    ``.safetensors`` file), read with ``safe_open`` one tensor at a time, or an etrain checkpoint step
-    (:class:`ModelSource`). A built-in model reads a LlamaForCausalLM export through :func:`hf_name`."""
+    weights file), validated by :mod:`trainer.hf_dir` and read one tensor at a time, or an etrain
+    checkpoint step (:class:`ModelSource`). A built-in model reads a LlamaForCausalLM export through
+    :func:`hf_name`. Every tensor read is checked finite."""
 
     def __init__(self, spec: str, mcfg: ModelConfig):
+        from .hf_dir import open_weights
+
         self.spec, self.mcfg = spec, mcfg
+        self.what = f"model.init_from={spec!r}"
         path = os.path.expanduser(spec)
-        self.files: dict[str, str] = {}  # tensor name -> safetensors file
+        self.weights = None
         self.ckpt: ModelSource | None = None
-        if os.path.isfile(path) and path.endswith(".safetensors"):
-            self._index([path])
+        if os.path.isfile(path) and path.endswith((".safetensors", ".bin", ".pt")):
+            self.weights = open_weights(path, self.what)
         elif os.path.isdir(path) and not os.path.isdir(os.path.join(path, "checkpoints")) and \
                 (parse_step(path) is None or is_export_dir(path)):
-            refuse_incomplete_export(path, f"model.init_from={spec!r}")
-            index = os.path.join(path, "model.safetensors.index.json")
-            if os.path.isfile(index):
-                with open(index) as f:
-                    names = sorted(set(json.load(f)["weight_map"].values()))
-            else:
-                names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-            if not names:
-                raise ConfigError(f"model.init_from={spec!r} holds no .safetensors weights; give a transformers "
-                                  "directory saved with safetensors, or an etrain checkpoint URL")
-            self._index([os.path.join(path, n) for n in names])
+            refuse_incomplete_export(path, self.what)
+            self.weights = open_weights(path, self.what)
         else:
             self.ckpt = ModelSource.open(spec)
-        self.hf_names = mcfg.source == "builtin" and self.ckpt is None and "model.embed_tokens.weight" in self.files
-
-    def _index(self, paths: list[str]) -> None:
-        from safetensors import safe_open
-
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for p in paths:
-            with safe_open(p, framework="pt") as f:
-                for name in f.keys():
-                    self.files[name] = p
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+        self.hf_names = mcfg.source == "builtin" and self.weights is not None and \
+            "model.embed_tokens.weight" in self.weights.entries
 
     @property
     def where(self) -> str:
@@ -354,7 +340,8 @@ class WeightSource:
         if self.ckpt is not None:
             spec = self.ckpt.specs().get(fqn)
             return None if spec is None else spec[1]
-        return self.shapes.get(name)
+        entry = self.weights.entries.get(name)
+        return None if entry is None else entry.shape
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """ConfigError naming the first tensor the source lacks or holds in another shape."""
@@ -369,13 +356,18 @@ class WeightSource:
                                   f"model's {fqn!r} has shape {list(shape)}; use weights of this model's sizes")
 
     def read(self, fqn: str) -> torch.Tensor:
+        """The tensor of the model's ``fqn`` (a parameter); ConfigError when it is not floating point or
+        holds nan or inf."""
         if self.ckpt is not None:
-            return self.ckpt.read(fqn)
-        from safetensors import safe_open
+            from .hf_dir import refuse_nonfinite
 
-        name = self.name_of(fqn)
-        with safe_open(self.files[name], framework="pt") as f:
-            t = f.get_tensor(name)
+            t = self.ckpt.read(fqn)
+            refuse_nonfinite(fqn, t, f"{self.what}: {self.ckpt.url}")
+        else:
+            t = self.weights.read(self.name_of(fqn))
+        if not t.is_floating_point():
+            raise ConfigError(f"{self.what}: tensor {self.name_of(fqn)!r} is {t.dtype}, but the model's {fqn!r} is a "
+                              "floating-point parameter; are these the weights of this model?")
         return from_hf(fqn, t, self.mcfg) if self.hf_names else t
 
 
@@ -399,8 +391,9 @@ def parse_step(path: str) -> int | None:
 
 
 def init_from_preflight(cfg) -> None:
-    """Before any process group starts: ``model.init_from`` holds every parameter of the model (built on
-    the meta device) in its shape; ConfigError (exit 2) naming the tensor otherwise."""
+    """Before any process group starts: ``model.init_from`` is valid (:mod:`trainer.hf_dir`) and holds every
+    parameter of the model (built on the meta device) in its shape, every value finite; ConfigError
+    (exit 2) naming the file or the tensor otherwise."""
     if cfg.model.source == "builtin":
         from .model import Transformer
 
@@ -410,7 +403,12 @@ def init_from_preflight(cfg) -> None:
         from .models import build_model
 
         model = build_model(cfg, device="meta")
-    WeightSource(cfg.model.init_from, cfg.model).check({k: tuple(p.shape) for k, p in model.named_parameters()})
+    source = WeightSource(cfg.model.init_from, cfg.model)
+    expected = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    source.check(expected)
+    if source.weights is not None:  # local files: every value read once now (a checkpoint's as it loads)
+        for fqn in expected:
+            source.read(fqn)
 
 
 @torch.no_grad()

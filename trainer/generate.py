@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +31,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError, Stor
 from checkpointing.export import ModelSource
 
 from .export import model_config, refuse_incomplete_export, run_config, tokenizer_files
+from .hf_dir import open_weights, read_config, refuse_nonfinite
 from .tokenize import ByteTokenizer, load_tokenizer
 
 
@@ -49,12 +50,14 @@ def load(source: str, device: str | torch.device = "cpu") -> Loaded:
     device = torch.device(device)
     path = os.path.expanduser(source)
     refuse_incomplete_export(path, source)
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isdir(path) and os.path.lexists(os.path.join(path, "config.json")):
         return _load_export(path, device)
     src = ModelSource.open(source)
     cfg = run_config(src)
     mcfg = model_config(cfg)
     state = {fqn: src.read(fqn) for fqn in src.specs()}
+    for fqn, t in state.items():
+        refuse_nonfinite(fqn, t, src.url)
     if mcfg.source == "builtin":
         from .model import Transformer
 
@@ -92,17 +95,30 @@ def _load_tied(model, state: dict) -> None:
 
 
 def _load_export(path: str, device: torch.device) -> Loaded:
+    """A transformers directory, validated (:mod:`trainer.hf_dir`) before transformers reads it."""
+    config = read_config(path, path)
+    weights = open_weights(path, path)  # headers, index, a .bin only through torch.load(weights_only=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     from .models import hf_max_positions
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: transformers cannot load it ({str(e)[:200]})") from None
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                           use_safetensors=weights.safetensors, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a directory it cannot load
+        raise ConfigError(f"{path}: transformers cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
+    # transformers initializes what the weights lack at random: a model that would sample noise
+    for key, problem in (("missing_keys", "lack"), ("unexpected_keys", "hold tensors the model has no place for:"),
+                         ("mismatched_keys", "differ in shape from the model in")):
+        if info.get(key):
+            raise ConfigError(f"{path}: the weights {problem} {sorted(map(str, info[key]))[:4]}; config.json and "
+                              "the weights are of different models")
+    state = model.state_dict()
+    for name in weights.entries:  # what the model holds is what the files hold, every value finite
+        if name in state and not torch.equal(state[name], weights.read(name).to(state[name].dtype)):
+            raise ConfigError(f"{path}: the model's {name!r} is not the tensor of that name in the weights "
+                              "(config.json ties or reshapes it); config.json and the weights are of different models")
     if tokenizer_files(path):
         tokenizer = load_tokenizer(path)
     elif config.get("etrain_tokenizer", "bytes") == "bytes":
@@ -130,8 +146,7 @@ def decode(tokenizer, ids: list[int]) -> str:
 def generate(m: Loaded, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
              seed: int = 0) -> str:
     """The prompt's continuation (the new text only)."""
-    if temperature < 0 or top_k < 0 or max_new_tokens < 0:
-        raise ConfigError("--temperature, --top-k and --max-new-tokens must be >= 0")
+    check_sampling(temperature, top_k, max_new_tokens)
     ids = [int(i) for i in m.tokenizer.encode_batch([prompt])[0]]
     if not ids:
         if m.tokenizer.eos_id is None:
@@ -156,6 +171,32 @@ def generate(m: Loaded, prompt: str, *, max_new_tokens: int = 64, temperature: f
     return decode(m.tokenizer, ids[start:])
 
 
+def check_sampling(temperature: float, top_k: int, max_new_tokens: int) -> None:
+    """ConfigError naming the flag whose value cannot sample."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature {temperature} must be a finite number >= 0 (0: greedy)")
+    for flag, value in (("--top-k", top_k), ("--max-new-tokens", max_new_tokens)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value} must be >= 0")
+
+
+def pick_device(spec: str) -> torch.device:
+    """``--device``: auto (cuda when there is one), cpu, cuda or cuda:N; ConfigError otherwise."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {spec!r} is not a device here; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(f"--device {spec}: this machine has {have} CUDA device{'s' if have != 1 else ''}; "
+                          "use --device cpu" + (f" or cuda:0..{have - 1}" if have else ""))
+    return device
+
+
 def main(argv: list[str]) -> int:
     ap = ArgumentParser(prog="etrain generate", description="Sample text from a checkpoint or an export.")
     ap.add_argument("source", metavar="URL", help="a checkpoint (<root>/<run_id>[/checkpoints/step_N]) or an "
@@ -167,9 +208,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, metavar="S")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when there is one)")
     args = ap.parse_args(argv)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        text = generate(load(args.source, device), args.prompt, max_new_tokens=args.max_new_tokens,
+        check_sampling(args.temperature, args.top_k, args.max_new_tokens)
+        text = generate(load(args.source, pick_device(args.device)), args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     except (ConfigError, CheckpointError) as e:
         print(f"etrain generate: {e}", file=sys.stderr)

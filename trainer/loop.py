@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from checkpointing.errors import CheckpointError, ConfigError, StorageError
+from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.faults import StorageFaults
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
@@ -64,9 +64,17 @@ class StepStats:
     samples_consumed: int
     stop: bool = False  # some rank asked to stop after this step (all ranks agree)
     eval_loss: float | None = None  # held-out loss after this step, on the steps that evaluate ([eval])
+    # steps whose update this trainer skipped so far because their loss or gradient norm was not finite
+    # (train.skip_nonfinite_steps); this step is one of them when the count grew with it
+    skipped_nonfinite: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class NonFiniteStep(EtrainError):
+    """A step's loss or gradient norm is nan or inf (every rank raises it at the same step): the run
+    stops, since training on would only spread the non-finite values; a recovery would repeat it."""
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -127,6 +135,7 @@ class Trainer:
         self.mixed = resolve_precision(cfg.parallel, self.device) != torch.float32
         self.step = 0
         self.samples_consumed = 0
+        self.skipped_nonfinite = 0
         self.memory_measured: dict[str, int] | None = None
         self.parts.train()
         # model.init_from is loaded before the first step, unless a checkpoint was loaded (a resume).
@@ -193,7 +202,7 @@ class Trainer:
 
         # What the training math depends on (the config hash's sections); a layout change is a reshard.
         changed = config_changes(manifest.config, redact_config(self.cfg.to_dict()), ("model", "data", "train"),
-                                 ignore=("train.log_every",))
+                                 ignore=("train.log_every", "train.skip_nonfinite_steps"))
         if changed:
             what = ", ".join(f"{k} {str(old)[:40]} -> {str(new)[:40]}" for k, old, new in changed)
             lr = {k[6:]: v for k, v, _ in changed if k in ("train.steps", "train.warmup_steps", "train.lr",
@@ -259,10 +268,13 @@ class Trainer:
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
         norm_sq, loss, stop_votes = self._reduce_norm_and_loss(loss_sum, stop)
-        grad_norm = math.sqrt(norm_sq)
-        clip = cfg.train.grad_clip
-        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-        self.optimizer.step(lr, coef)
+        grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            clip = cfg.train.grad_clip
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.optimizer.step(lr, coef)
+        else:  # every rank sees the same reduced values: all skip, or all stop, at this step
+            self._nonfinite(loss, grad_norm)
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()
@@ -274,8 +286,23 @@ class Trainer:
             step=self.step, loss=loss, lr=lr, grad_norm=grad_norm,
             tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt,
             data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
-            stop=stop_votes > 0,
+            stop=stop_votes > 0, skipped_nonfinite=self.skipped_nonfinite,
         )
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> None:
+        """A step whose loss or gradient norm is not finite: NonFiniteStep, or with
+        ``train.skip_nonfinite_steps`` no update (parameters and optimizer state untouched; the
+        gradients are dropped by ``zero_grad``), counted and logged. The data cursor still moves on:
+        the batch was consumed, and training it again would give the same values."""
+        step = self.step + 1  # as the step log numbers it
+        what = f"the loss is {loss:.6g} and the gradient norm {grad_norm:.6g} at step {step}"
+        if not self.cfg.train.skip_nonfinite_steps:
+            raise NonFiniteStep(f"{what}: training diverged or its weights or data hold nan/inf; resume from an "
+                                "earlier checkpoint with a lower train.lr, or set train.skip_nonfinite_steps = true "
+                                "to skip such steps")
+        self.skipped_nonfinite += 1
+        log.warning("%s: its update is skipped (train.skip_nonfinite_steps; %d skipped so far)", what,
+                    self.skipped_nonfinite)
 
     def run_steps(self, until: int, ckpt: CheckpointManager | None = None, *, stop: bool | Callable[[], bool] = False,
                   final_by_caller: bool = False, save_when_stopping: bool = True) -> Iterator[StepStats]:

@@ -81,6 +81,9 @@ def load_hf_config(mcfg: ModelConfig):
     if not os.path.isfile(path):
         raise ConfigError(f"model.hf_config={redact(mcfg.hf_config)!r} does not exist; give a directory holding "
                           "config.json, or the JSON file itself (nothing is downloaded)")
+    from .hf_dir import read_config
+
+    read_config(path, f"model.hf_config={mcfg.hf_config!r}")  # JSON, an object, its sizes integers
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
@@ -110,8 +113,9 @@ def build_model(cfg: RunConfig, device: str | torch.device = "cpu", *, params_on
                 hf = load_hf_config(mcfg)
                 try:
                     model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-                except ValueError as e:
-                    raise ConfigError(f"model.hf_config={mcfg.hf_config!r}: {e}") from None
+                except Exception as e:  # noqa: BLE001 - transformers raises many kinds for values it cannot build
+                    raise ConfigError(f"model.hf_config={mcfg.hf_config!r} does not build a model "
+                                      f"({type(e).__name__}: {str(e)[:200]}); fix the config") from None
             else:
                 factory = resolve_ref(mcfg.factory, "model.factory")
                 try:

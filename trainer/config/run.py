@@ -104,6 +104,7 @@ class RunConfig:
         d.pop("eval")
         d.pop("run_id")
         d["train"].pop("log_every")
+        d["train"].pop("skip_nonfinite_steps")  # what a diverged step does, not the training math
         d["data"].pop("cache_dir")  # where the tokens are cached does not change them
         # Fields added after the first format count only when set, so older checkpoints keep their hash.
         for section, cls in (("model", ModelConfig), ("data", DataConfig)):

@@ -29,6 +29,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     log_every: int = 10
+    # A step whose loss or gradient norm is nan/inf stops the run (exit 1 / FAILED, naming the step);
+    # true: its update is skipped instead (counted and logged), the data cursor moving on.
+    skip_nonfinite_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "log_every"):
