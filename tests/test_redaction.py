@@ -112,7 +112,7 @@ def test_a_run_id_cut_from_a_url_is_shown_without_its_secrets():
         assert PASSWORD not in str(e.value) and TOKEN not in str(e.value), str(e.value)
 
 
-def test_redact_in_replaces_the_url_and_its_parts_in_a_librarys_message():
+def test_redact_text_replaces_the_url_and_its_parts_in_a_librarys_message():
     from checkpointing.names import redact_text
 
     url = URLS["http"]
