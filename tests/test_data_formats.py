@@ -159,6 +159,8 @@ def test_python_factory_and_token_directories(tmp_path):
 
 
 def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_path):
+    from trainer.token_cache import CorruptCacheError
+
     over = ['data.tokenizer="%s"' % corpus_dir["tokenizer"], f'data.source="{corpus_dir["dir"]}/txt"',
             f'data.cache_dir="{tmp_path}"', "model.vocab_size=512"]
     r = subprocess.run([sys.executable, "-m", "orchestrator", "data", "prepare", "examples/tiny.toml",
@@ -172,6 +174,9 @@ def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_pat
 
     with open(os.path.join(built["cache"], "tokens.bin"), "r+b") as f:
         f.write(b"\xff\xff")  # no longer what the header hashed
+    damaged = load_corpus(load_config(None, over).data)  # found whole: its tokens are checked as they are read
+    with pytest.raises(CorruptCacheError, match=r"tokens.bin bytes 0-\d+ differ .* moved aside"):
+        damaged.window(0, 16)
     c = load_corpus(load_config(None, over).data)
     assert c.describe()["cache_state"] == "built" and c.digest == built["digest"]
     assert any(".damaged-" in p for p in os.listdir(tmp_path))
