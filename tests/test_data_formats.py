@@ -159,6 +159,8 @@ def test_python_factory_and_token_directories(tmp_path):
 
 
 def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_path):
+    from trainer.token_cache import CorruptCacheError
+
     over = ['data.tokenizer="%s"' % corpus_dir["tokenizer"], f'data.source="{corpus_dir["dir"]}/txt"',
             f'data.cache_dir="{tmp_path}"', "model.vocab_size=512"]
     r = subprocess.run([sys.executable, "-m", "orchestrator", "data", "prepare", "examples/tiny.toml",
@@ -172,6 +174,9 @@ def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_pat
 
     with open(os.path.join(built["cache"], "tokens.bin"), "r+b") as f:
         f.write(b"\xff\xff")  # no longer what the header hashed
+    damaged = load_corpus(load_config(None, over).data)  # found whole: its tokens are checked as they are read
+    with pytest.raises(CorruptCacheError, match=r"tokens.bin bytes 0-\d+ differ .* moved aside"):
+        damaged.window(0, 16)
     c = load_corpus(load_config(None, over).data)
     assert c.describe()["cache_state"] == "built" and c.digest == built["digest"]
     assert any(".damaged-" in p for p in os.listdir(tmp_path))
@@ -201,15 +206,97 @@ def test_bad_data_is_a_config_error_naming_the_fix(corpus_dir, tmp_path_factory)
     assert [p for p in os.listdir(tmp_path) if not p.endswith(".lock") and p != "hf-datasets"] == []  # none half-built
 
 
+def raising_factory(table: dict):
+    raise RuntimeError("no shards under /data/corpus")
+
+
+class BrokenDataset:
+    """A map-style dataset broken one way: ``len`` not a count, an item that raises, or ragged items."""
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def __len__(self):
+        return "many" if self.how == "len" else 4  # noqa: PLE0303 - the breakage under test
+
+    def __getitem__(self, i: int):
+        if self.how == "item":
+            raise KeyError(f"doc-{i}")
+        return [[1, 2], [3]]
+
+
+def broken_dataset(table: dict) -> BrokenDataset:
+    return BrokenDataset(table["text_field"])
+
+
+def test_garbage_files_and_broken_factories_are_config_errors(corpus_dir, tmp_path, monkeypatch):
+    """A tokenizer directory transformers cannot read, or with no vocabulary; a file that is not what its
+    format says (as data.source or data.data_files); a data.factory that raises, returns no count, serves
+    items that raise or are ragged, or whose module fails to import: one ConfigError naming the field and
+    the fix, never the reader's own exception."""
+    (tmp_path / "garbage.parquet").write_bytes(np.random.default_rng(0).bytes(5000))
+    good = (corpus_dir["dir"] / "docs.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(good[: len(good) // 2])
+    (tmp_path / "garbage.txt.gz").write_bytes(b"\x1f\x8b" + np.random.default_rng(1).bytes(3000))
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('configured for another cluster')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, files in {"tok_list": {"tokenizer_config.json": "[]", "vocab.json": '{"a": 0}', "merges.txt": "#v\n"},
+                        "tok_empty": {"tokenizer.json": json.dumps({"version": "1.0", "model": {
+                            "type": "BPE", "vocab": {}, "merges": []}})}}.items():
+        (tmp_path / name).mkdir()
+        for fname, text in files.items():
+            (tmp_path / name / fname).write_text(text)
+    cache = str(tmp_path / "cache")
+    jsonl = str(corpus_dir["dir"] / "docs.jsonl")
+    cases = {
+        r"data.tokenizer='.*tok_list': AutoTokenizer cannot load it \(AttributeError: .*\); fix or replace": DataConfig(
+            source=jsonl, tokenizer=str(tmp_path / "tok_list"), cache_dir=cache),
+        r"data.tokenizer='.*tok_empty' has an empty vocabulary": DataConfig(
+            source=jsonl, tokenizer=str(tmp_path / "tok_empty"), cache_dir=cache),
+        r"data.source: .*garbage.parquet cannot be read as parquet \(ArrowInvalid: .*\); replace or remove the "
+        r"file, or set data.format": DataConfig(source=str(tmp_path / "garbage.parquet"), cache_dir=cache),
+        r"data.source: .*cut.parquet cannot be read as parquet": DataConfig(source=str(tmp_path / "cut.parquet"),
+                                                                          cache_dir=cache),
+        r"data.source: .*garbage.txt.gz cannot be read as text \(BadGzipFile": DataConfig(
+            source=str(tmp_path / "garbage.txt.gz"), cache_dir=cache),
+        r"data.source='parquet' with data.data_files: datasets cannot read them \(ArrowInvalid: .*every file of "
+        r"data.data_files must hold that format": DataConfig(source="parquet", format="hf", cache_dir=cache,
+                                                             data_files=[str(tmp_path / "garbage.parquet")]),
+        r"data.factory='tests.test_data_formats:raising_factory' raised RuntimeError: no shards under /data/corpus "
+        r"at .*test_data_formats.py:\d+; fix the factory": DataConfig(
+            source="python", factory="tests.test_data_formats:raising_factory", cache_dir=cache),
+        r"data.factory='raises_on_import:make': module 'raises_on_import' does not import \(RuntimeError: "
+        r"configured for another cluster\)": DataConfig(source="python", factory="raises_on_import:make",
+                                                         cache_dir=cache),
+        r"len\(\) of its BrokenDataset fails \(TypeError: .*\); __len__ must return the number of documents":
+            DataConfig(source="python", factory="tests.test_data_formats:broken_dataset", text_field="len",
+                       cache_dir=cache),
+        r"item 0 cannot be read as token ids \(KeyError: 'doc-0' at .*test_data_formats.py:\d+\); __getitem__":
+            DataConfig(source="python", factory="tests.test_data_formats:broken_dataset", text_field="item",
+                       cache_dir=cache),
+        r"item 0 cannot be read as token ids \(ValueError: .*inhomogeneous": DataConfig(
+            source="python", factory="tests.test_data_formats:broken_dataset", text_field="ragged", cache_dir=cache),
+    }
+    for message, cfg in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_corpus(cfg)
+    assert [p for p in os.listdir(cache) if not p.endswith(".lock") and p != "hf-datasets"] == []  # none half-built
+
+
 def test_bad_data_exits_2(corpus_dir, tmp_path):
-    """python -m trainer: a tokenizer larger than the vocabulary, a missing text_field, an empty dataset."""
+    """python -m trainer: a tokenizer larger than the vocabulary, a missing text_field, an empty dataset, a
+    garbage Parquet file, a factory that raises: before any process group starts."""
     d = corpus_dir["dir"]
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
     cases = {"model.vocab_size=256 is smaller than the vocabulary of data.tokenizer":
              [f'data.tokenizer="{corpus_dir["tokenizer"]}"', f'data.source="{d}/docs.jsonl"'],
              "has no column 'body'": [f'data.source="{d}/docs.parquet"', 'data.text_field="body"'],
-             "holds no text": [f'data.source="{tmp_path}/empty"']}
+             "holds no text": [f'data.source="{tmp_path}/empty"'],
+             "cannot be read as parquet (ArrowInvalid": [f'data.source="{tmp_path}/garbage.parquet"'],
+             "data.factory='tests.test_data_formats:raising_factory' raised RuntimeError":
+                 ['data.source="python"', 'data.factory="tests.test_data_formats:raising_factory"']}
+    (tmp_path / "garbage.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 8)
     args = ["-m", "trainer", "--config", "examples/tiny.toml", "--set", f'data.cache_dir="{tmp_path}"']
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = {message: subprocess.Popen([sys.executable, *args, *sum((["--set", s] for s in sets), [])], cwd=ROOT,

@@ -40,7 +40,16 @@ from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError
 
 from .config import DataConfig, RunConfig
-from .data_sources import Progress, expand, iter_pieces, list_inputs, python_dataset, resolve_format, stdlib_files
+from .data_sources import (
+    Progress,
+    expand,
+    factory_item,
+    iter_pieces,
+    list_inputs,
+    python_dataset,
+    resolve_format,
+    stdlib_files,
+)
 from .token_cache import TokenCache, open_or_build, resolve_cache_dir
 from .tokenize import encode_stream, load_tokenizer, token_dtype
 
@@ -233,23 +242,9 @@ def _read_text(cfg: DataConfig, source: str, fmt: str, progress: Progress | None
     return _cache_corpus(cache, fmt, list(inputs.files), tok.vocab_size, tok.name)
 
 
-def _item_ids(item, i: int, limit: int, factory: str) -> np.ndarray:
-    if isinstance(item, torch.Tensor):
-        item = item.numpy()
-    arr = np.asarray(item)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ConfigError(f"data.factory={factory!r}: item {i} is not a 1-D sequence of integer token ids "
-                          f"(got shape {arr.shape}, dtype {arr.dtype})")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
-        raise ConfigError(f"data.factory={factory!r}: item {i} holds token id {int(arr.max())} or "
-                          f"{int(arr.min())}, outside [0, {limit}); check data.tokenizer and the dataset")
-    return arr
-
-
 def _read_python(cfg: DataConfig, progress: Progress | None) -> Corpus:
     """``data.factory``'s map-style dataset: item i is a document of token ids, packed as given."""
-    ds = python_dataset(cfg)
-    n = len(ds)
+    ds, n = python_dataset(cfg)
     if n == 0:
         raise ConfigError(f"data.factory={cfg.factory!r} returned an empty dataset (len 0); it must hold documents")
     tok = None if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer)
@@ -257,7 +252,7 @@ def _read_python(cfg: DataConfig, progress: Progress | None) -> Corpus:
     probes = sorted({int(i) for i in np.linspace(0, n - 1, min(n, 16))})
     h = xxhash.xxh64()
     for i in probes:
-        h.update(np.ascontiguousarray(_item_ids(ds[i], i, limit, cfg.factory), dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(factory_item(ds, i, limit, cfg.factory), dtype=np.int64).tobytes())
     fingerprint = getattr(ds, "fingerprint", None)
     fingerprint = fingerprint() if callable(fingerprint) else fingerprint
     table = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
@@ -268,7 +263,7 @@ def _read_python(cfg: DataConfig, progress: Progress | None) -> Corpus:
     def build(writer) -> None:
         batch = []
         for i in range(n):
-            batch.append(_item_ids(ds[i], i, limit, cfg.factory))
+            batch.append(factory_item(ds, i, limit, cfg.factory))
             if len(batch) == 1024 or i == n - 1:
                 writer.add(batch, [True] * len(batch))
                 batch = []

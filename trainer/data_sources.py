@@ -17,14 +17,15 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import glob as globmod
-import importlib
 import json
 import os
 import sysconfig
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 
 from checkpointing.errors import ConfigError
 
@@ -225,21 +226,44 @@ def _hf_docs(cfg: DataConfig, inputs: Inputs, cache_dir: str) -> Iterator[str]:
     try:
         ds = datasets.load_dataset(cfg.source, data_files=[f.path for f in inputs.files], split="train",
                                    streaming=True, cache_dir=os.path.join(cache_dir, "hf-datasets"))
-    except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise ConfigError(f"data.source={cfg.source!r} with data.data_files: datasets.load_dataset fails ({e}); "
-                          "data.source names a builder such as \"json\", \"parquet\", \"csv\" or \"text\"") from None
-    first = True
-    for batch in ds.iter(batch_size=1000):
-        if cfg.text_field not in batch:
-            cols = ", ".join(sorted(batch)[:10])
-            raise ConfigError(f"the {cfg.source!r} dataset has no column {cfg.text_field!r} (its columns: {cols}); "
-                              "set data.text_field to the column that holds the text")
-        col = batch[cfg.text_field]
-        if first and col and not isinstance(col[0], str):
-            raise ConfigError(f"the {cfg.source!r} dataset's column {cfg.text_field!r} holds "
-                              f"{type(col[0]).__name__}, not text; set data.text_field to a text column")
-        first = False
-        yield from (s for s in col if s is not None)
+        first = True
+        for batch in ds.iter(batch_size=1000):
+            if cfg.text_field not in batch:
+                cols = ", ".join(sorted(batch)[:10])
+                raise ConfigError(f"the {cfg.source!r} dataset has no column {cfg.text_field!r} (its columns: "
+                                  f"{cols}); set data.text_field to the column that holds the text")
+            col = batch[cfg.text_field]
+            if first and col and not isinstance(col[0], str):
+                raise ConfigError(f"the {cfg.source!r} dataset's column {cfg.text_field!r} holds "
+                                  f"{type(col[0]).__name__}, not text; set data.text_field to a text column")
+            first = False
+            yield from (s for s in col if s is not None)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many kinds for a bad builder or file
+        raise ConfigError(f"data.source={cfg.source!r} with data.data_files: datasets cannot read them "
+                          f"({_error_phrase(e)}); data.source names a builder such as \"json\", \"parquet\", "
+                          "\"csv\" or \"text\", and every file of data.data_files must hold that format: replace "
+                          "or remove a damaged file") from None
+
+
+def _file_docs(inputs: Inputs, path: str, fmt: str, cfg: DataConfig,
+               as_bytes: bool) -> Iterator[tuple[str | bytes, bool]]:
+    """The pieces of one file; a file that cannot be opened, decompressed or parsed as ``fmt`` is a
+    ConfigError naming it (pyarrow, gzip, zstd and the rest each raise their own kinds)."""
+    try:
+        with _open(inputs, path) as fh:
+            if fmt == "text":
+                yield from _text_pieces(fh, as_bytes)
+            elif fmt == "jsonl":
+                yield from ((t, True) for t in _jsonl_docs(fh, path, cfg.text_field))
+            else:
+                yield from ((t, True) for t in _parquet_docs(fh, path, cfg.text_field))
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or mislabelled input file, whatever its reader raises
+        raise ConfigError(f"data.source: {path} cannot be read as {fmt} ({_error_phrase(e)}); replace or remove "
+                          "the file, or set data.format to what it holds") from None
 
 
 def iter_pieces(cfg: DataConfig, fmt: str, inputs: Inputs, *, as_bytes: bool, cache_dir: str,
@@ -272,49 +296,70 @@ def iter_pieces(cfg: DataConfig, fmt: str, inputs: Inputs, *, as_bytes: bool, ca
         if progress is not None:
             progress(total, total)
         return
+    if fmt not in ("text", "jsonl", "parquet"):
+        raise ConfigError(f"data.format={fmt!r} is not a text format")
     for f in inputs.files:
-        with _open(inputs, f.path) as fh:
-            if fmt == "text":
-                docs = _text_pieces(fh, as_bytes)
-            elif fmt == "jsonl":
-                docs = ((t, True) for t in _jsonl_docs(fh, f.path, cfg.text_field))
-            elif fmt == "parquet":
-                docs = ((t, True) for t in _parquet_docs(fh, f.path, cfg.text_field))
-            else:
-                raise ConfigError(f"data.format={fmt!r} is not a text format")
-            for text, end in docs:
-                text, spent = clip(text)
-                if as_bytes and isinstance(text, str):
-                    text = text.encode("utf-8")
-                yield text, end or spent
-                if spent:
-                    return
+        for text, end in _file_docs(inputs, f.path, fmt, cfg, as_bytes):
+            text, spent = clip(text)
+            if as_bytes and isinstance(text, str):
+                text = text.encode("utf-8")
+            yield text, end or spent
+            if spent:
+                return
         done += f.size
         if progress is not None:
             progress(done, total)
 
 
-def load_factory(ref: str, field: str = "data.factory") -> Callable:
-    """The function ``package.module:function`` names (ConfigError naming ``field``)."""
-    module, _, name = ref.partition(":")
-    if not module or not name:
-        raise ConfigError(f"{field}={ref!r} must look like \"package.module:function\"")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        raise ConfigError(f"{field}={ref!r}: cannot import {module!r} ({e})") from None
-    except AttributeError:
-        raise ConfigError(f"{field}={ref!r}: module {module!r} has no {name!r}") from None
-    if not callable(fn):
-        raise ConfigError(f"{field}={ref!r} is not callable")
-    return fn
+def _error_phrase(e: BaseException, user_code: bool = False) -> str:
+    """An exception as one phrase: its type and message, and with ``user_code`` the line that raised it."""
+    tb = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__] if user_code else []
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
 
 
 def python_dataset(cfg: DataConfig):
-    """``data.factory``(the [data] table as a dict): a map-style dataset of token ids."""
-    ds = load_factory(cfg.factory)(dataclasses.asdict(cfg))
+    """``data.factory``(the [data] table as a dict): a map-style dataset of token ids, and its length.
+
+    Anything wrong with the factory, its module or what it returns is a ConfigError naming data.factory."""
+    from .models import resolve_ref  # torch: only for a Python dataset
+
+    ref = cfg.factory
+    if ref.count(":") != 1 or not all(ref.split(":")):
+        raise ConfigError(f"data.factory={ref!r} must look like \"package.module:function\"")
+    factory = resolve_ref(ref, "data.factory")
+    try:
+        ds = factory(dataclasses.asdict(cfg))
+    except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises, the field to fix is this one
+        raise ConfigError(f"data.factory={ref!r} raised {_error_phrase(e, user_code=True)}; fix the factory (it "
+                          "gets the [data] table as a dict and returns a map-style dataset of token ids)") from None
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(ds, m)]
     if missing:
-        raise ConfigError(f"data.factory={cfg.factory!r} returned a {type(ds).__name__} without "
+        raise ConfigError(f"data.factory={ref!r} returned a {type(ds).__name__} without "
                           f"{' and '.join(missing)}; return a map-style dataset (__len__, __getitem__(i) -> token ids)")
-    return ds
+    try:
+        n = len(ds)
+    except Exception as e:  # noqa: BLE001 - a __len__ that raises or returns no count
+        raise ConfigError(f"data.factory={ref!r}: len() of its {type(ds).__name__} fails ({_error_phrase(e)}); "
+                          "__len__ must return the number of documents, an int >= 0") from None
+    return ds, n
+
+
+def factory_item(ds, i: int, limit: int, factory: str):
+    """Item ``i`` of a factory's dataset as a 1-D array of ids below ``limit`` (ConfigError naming data.factory)."""
+    try:
+        item = ds[i]
+        if type(item).__module__.startswith("torch") and hasattr(item, "numpy"):
+            item = item.detach().cpu().numpy()
+        arr = np.asarray(item)
+    except Exception as e:  # noqa: BLE001 - the user's __getitem__, or an item numpy cannot make an array of
+        raise ConfigError(f"data.factory={factory!r}: item {i} cannot be read as token ids "
+                          f"({_error_phrase(e, user_code=True)}); __getitem__(i) must return a 1-D sequence of "
+                          "ints for every i below len()") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ConfigError(f"data.factory={factory!r}: item {i} is not a 1-D sequence of integer token ids "
+                          f"(got shape {arr.shape}, dtype {arr.dtype})")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        raise ConfigError(f"data.factory={factory!r}: item {i} holds token id {int(arr.max())} or "
+                          f"{int(arr.min())}, outside [0, {limit}); check data.tokenizer and the dataset")
+    return arr

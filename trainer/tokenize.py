@@ -186,7 +186,7 @@ def _from_json(path: str, name: str, fingerprint: str) -> HFTokenizer:
         tok = RustTokenizer.from_file(path)
     except Exception as e:  # the Rust side raises a plain Exception on a malformed file
         raise ConfigError(f"data.tokenizer={name!r}: {path} is not a tokenizers JSON file ({e})") from None
-    return HFTokenizer(tok, name, fingerprint, _config_eos(os.path.dirname(path) or "."))
+    return _nonempty(HFTokenizer(tok, name, fingerprint, _config_eos(os.path.dirname(path) or ".")))
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -215,12 +215,19 @@ def load_tokenizer(spec: str) -> Tokenizer:
     except ImportError:
         raise ConfigError(f"data.tokenizer={spec!r} has no tokenizer.json and transformers is not installed; "
                           "pip install 'etrain[hf]' or save the tokenizer as tokenizer.json") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer={spec!r}: AutoTokenizer cannot load it ({e})") from None
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for malformed tokenizer files
+        raise ConfigError(f"data.tokenizer={spec!r}: AutoTokenizer cannot load it ({type(e).__name__}: {e}); fix "
+                          "or replace its tokenizer files") from None
     if getattr(tok, "is_fast", False):
         eos = tok.eos_token if isinstance(tok.eos_token, str) else None
-        return HFTokenizer(tok.backend_tokenizer, spec, fp, eos)
-    return SlowHFTokenizer(tok, spec, fp)
+        return _nonempty(HFTokenizer(tok.backend_tokenizer, spec, fp, eos))
+    return _nonempty(SlowHFTokenizer(tok, spec, fp))
+
+
+def _nonempty(tok: Tokenizer) -> Tokenizer:
+    if tok.vocab_size < 1:
+        raise ConfigError(f"data.tokenizer={tok.name!r} has an empty vocabulary; point it at a trained tokenizer")
+    return tok
 
 
 def _batches(pieces: Iterable[tuple[str | bytes, bool]]) -> Iterator[tuple[list, list[bool], int]]:
