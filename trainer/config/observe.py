@@ -83,6 +83,8 @@ class LoggingConfig:
             raise ConfigError(f"logging.flush_timeout_s={self.flush_timeout_s} must be >= 0 (seconds the final "
                               "flush of the trackers may take)")
         check_url(self.mlflow_uri, "logging.mlflow_uri", fix=MLFLOW_CREDENTIALS)
+        for fld in ("tensorboard_dir", "wandb_dir"):  # TensorBoard writes to fsspec URLs too (s3://...)
+            check_url(getattr(self, fld), f"logging.{fld}")
         if self.wandb_mode not in ("offline", "online", "disabled"):
             raise ConfigError(f'logging.wandb_mode={self.wandb_mode!r} must be "offline", "online" or "disabled"')
         import importlib.util
