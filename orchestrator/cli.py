@@ -38,18 +38,29 @@ output went away (``etrain status | head -1``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import redact, redact_text, validate_run_id
 
-from .phase import TERMINAL, Phase
-
-EXIT_FAILED, EXIT_USAGE = 1, 2
+from .cli_control import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    cmd_chaos,
+    cmd_data,
+    cmd_events,
+    cmd_logs,
+    cmd_plot,
+    cmd_resize,
+    cmd_status,
+    cmd_stop,
+    cmd_suspend,
+    cmd_top,
+    looked_where,
+    store_url,
+)
 
 
 def _run_id(field: str):
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return quiet_when_pipe_closes(COMMANDS[args.command], args)  # `etrain status | head -1`: no traceback
     except UnknownRun as e:
-        print(redact_text(f"etrain: {e}\n  {_looked_where(args)}"), file=sys.stderr)
+        print(redact_text(f"etrain: {e}\n  {looked_where(args)}"), file=sys.stderr)
         return EXIT_USAGE
     except EtrainError as e:
         print(redact_text(f"etrain: {e}"), file=sys.stderr)  # a URL given on the command line keeps its secrets
@@ -254,42 +265,6 @@ def _elastic_range(raw: dict) -> tuple[int, int]:
 
     e = elastic_from_raw(raw)
     return e.min_workers, e.max_workers
-
-
-def _store_url(args) -> str:
-    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs."""
-    from .run import store_url_for
-
-    if not args.store and not os.environ.get("ETRAIN_STORE") and getattr(args, "run", None):
-        from checkpointing.names import check_url
-
-        from . import registry
-
-        found = registry.lookup(args.run)
-        if found:
-            return check_url(found, f"the run registry entry {registry.runs_dir()}/{args.run}.json")
-    return store_url_for(args.store)
-
-
-def _looked_where(args) -> str:
-    """Where a control command looked for a run, and how to point it elsewhere (for UnknownRun)."""
-    from . import registry
-
-    if args.store:
-        where = "--store"
-    elif os.environ.get("ETRAIN_STORE"):
-        where = "$ETRAIN_STORE"
-    else:
-        where = (f"the run registry {registry.runs_dir()} (no entry for it) and then ./runs of this directory"
-                 if getattr(args, "run", None) else "./runs of this directory")
-    return (f"looked in {where}; name the run's store with --store URL or $ETRAIN_STORE "
-            "(the URL `etrain run` printed, or the run's checkpoint root)")
-
-
-def _store(args):
-    from .store import open_store
-
-    return open_store(_store_url(args))
 
 
 def cmd_run(args) -> int:
@@ -320,17 +295,6 @@ def _detach(args) -> int:
         return code or EXIT_FAILED
     print(f"etrain: run {run_id!r} runs in the background (pid {pid}, log {log}); `etrain logs {run_id} -f` "
           f"follows it, `etrain status {run_id}` shows where it is, `etrain stop {run_id}` ends it")
-    return 0
-
-
-def cmd_logs(args) -> int:
-    from . import registry
-
-    if not registry.print_log(args.run, follow=args.follow):
-        print(f"etrain: no log of run {args.run!r} at {registry.log_path(args.run)}: only `etrain run --detach` "
-              f"keeps one; `etrain events {args.run}` shows its events, `ray job logs JOB` a Ray job's output",
-              file=sys.stderr)
-        return EXIT_FAILED
     return 0
 
 
@@ -384,7 +348,7 @@ def _report(final: dict) -> int:
 def cmd_resume(args) -> int:
     from .run import launch, prepare_resume
 
-    url = _store_url(args)
+    url = store_url(args)
     if args.submit:
         from .store import open_store
 
@@ -400,183 +364,6 @@ def cmd_resume(args) -> int:
     spec, store = prepare_resume(args.run, url, args.workers)
     print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {redact(store.url)}", flush=True)
     return _report(launch(spec, store, address=args.address, progress=not args.no_progress))
-
-
-def cmd_status(args) -> int:
-    from . import registry
-    from .progress import listing_console, status_table, tier_status_line
-
-    explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
-    if args.run:
-        store = _store(args)
-        store.get_spec(args.run)  # UnknownRun names the fix
-        rows = [store.get_status(args.run) or {"run_id": args.run, "phase": Phase.PENDING}]
-    else:  # the runs of one store (--store, $ETRAIN_STORE), else of ./runs and of the run registry
-        rows = registry.statuses([_store_url(args)], registered=not explicit, strict=explicit)
-    if args.json:
-        print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
-    elif not rows:
-        print(f"no runs in {redact(_store_url(args))}" + ("" if explicit else
-                                                          f" or in the run registry {registry.runs_dir()}"))
-    else:
-        listing_console().print(status_table(rows))
-        if args.run and rows[0].get("reason"):
-            print(f"reason: {rows[0]['reason']}")
-        if args.run and tier_status_line(rows[0]):
-            print(tier_status_line(rows[0]))
-        for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
-                                           if r.get("phase") in registry.NOT_A_STATUS):
-            print(f"{store}: {reason}")
-    return 0
-
-
-def cmd_chaos(args) -> int:
-    from .chaos.cli import main as chaos_main
-
-    return chaos_main(args, _store(args))
-
-
-def cmd_top(args) -> int:
-    from .top import main as top_main
-
-    if not args.run and not args.url:
-        print("etrain: top needs a RUN (or --url http://HOST:PORT/metrics)", file=sys.stderr)
-        return EXIT_USAGE
-    return top_main(args, None if args.url else _store(args))
-
-
-def cmd_events(args) -> int:
-    from .progress import event_line
-
-    store = _store(args)
-    store.get_spec(args.run)
-    events = store.events(args.run)
-    if args.json:
-        print(json.dumps(events, indent=2, sort_keys=True))
-        return 0
-    for e in events:
-        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        print(f"{when}  {event_line(e)}")
-    return 0
-
-
-def _live(store, run_id: str) -> dict:
-    from .store import RunConflict
-
-    store.get_spec(run_id)
-    st = store.get_status(run_id) or {}
-    phase = Phase.of(st)
-    if phase in (Phase.FINISHED, Phase.FAILED):
-        raise RunConflict(f"run {run_id!r} has {phase}; nothing to change")
-    if phase == Phase.SUSPENDED:
-        raise RunConflict(f"run {run_id!r} is already suspended; nothing changed "
-                          f"(`etrain resume {run_id} [--workers N]` continues it)")
-    if not store.leader_alive(run_id):
-        raise RunConflict(f"run {run_id!r} is not running (its controller is gone); "
-                          f"`etrain resume {run_id}` continues it")
-    return st
-
-
-def _wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = store.get_status(run_id) or {}
-        if st.get("phase") in phases:
-            print(f"etrain: run {run_id!r} {st['phase']} at step {st.get('step')}")
-            return 0 if st["phase"] != Phase.FAILED else EXIT_FAILED
-        time.sleep(0.5)
-    print(f"etrain: run {run_id!r} did not get there within {timeout:.0f} s; `etrain status {run_id}` shows where "
-          "it is", file=sys.stderr)
-    return EXIT_FAILED
-
-
-def cmd_suspend(args) -> int:
-    store = _store(args)
-    _live(store, args.run)
-    store.update_spec(args.run, suspended=True)
-    print(f"etrain: suspend of run {args.run!r} requested; it stops at the next step boundary")
-    return 0 if args.no_wait else _wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
-
-
-def cmd_stop(args) -> int:
-    store = _store(args)
-    _live(store, args.run)
-    store.update_spec(args.run, stop=True)
-    print(f"etrain: stop of run {args.run!r} requested; it ends at the next step boundary")
-    return 0 if args.no_wait else _wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
-
-
-def cmd_resize(args) -> int:
-    from .config import allowed_sizes
-    from .run import parse_spec
-    from .store import RunConflict
-
-    store = _store(args)
-    st = _live(store, args.run)
-    spec = store.get_spec(args.run)
-    allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
-    if args.workers not in allowed:
-        raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
-                          f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-    store.update_spec(args.run, workers=args.workers)
-    print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
-          "boundary; `etrain events` shows when it did")
-    return 0
-
-
-def cmd_data(args) -> int:
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-    from trainer.config_load import load_config
-    from trainer.data import prepare
-
-    cfg = load_config(args.config, args.set)
-    with Progress(TextColumn("tokenizing"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                  transient=True) as bar:
-        task = bar.add_task("tokenizing", total=None)
-        splits = prepare(cfg, lambda done, total: bar.update(task, completed=min(done, total), total=total))
-    for s in splits:
-        where = (f"cache {s['cache_state']} at {s['cache']}" if "cache" in s else
-                 "no cache: token files are mapped in place" if s["kind"] == "tokens" else
-                 "no cache: the default byte corpus is read into memory")
-        print(f"etrain: {s['split']}: {s['tokens']:,} tokens, {s.get('documents', '?')} documents, {s['kind']}, "
-              f"digest {s['digest']}; {where}", flush=True)
-    return 0
-
-
-def cmd_plot(args) -> int:
-    from .plot import check_output, draw, log_series, run_series
-
-    if bool(args.run) == bool(args.log_file):
-        print("etrain: plot needs a RUN or --log-file STEPS.jsonl (one of them)", file=sys.stderr)
-        return EXIT_USAGE
-    out = check_output(args.output or (f"{args.run}.png" if args.run else args.log_file.rsplit(".", 1)[0] + ".png"))
-    if args.log_file:
-        try:
-            with open(args.log_file) as f:
-                series = log_series([json.loads(line) for line in f if line.strip()])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise EtrainError(f"--log-file {args.log_file!r} is not a readable step log: {e}") from None
-        title = f"step log {args.log_file}"
-    else:
-        store = _store(args)
-        spec = store.get_spec(args.run)
-        seq_len = (spec.config.get("data") or {}).get("seq_len")
-        try:
-            series = run_series(store.get_history(args.run), store.events(args.run),
-                                seq_len=seq_len if isinstance(seq_len, int) else None)
-        except ValueError as e:
-            raise EtrainError(f"run {args.run!r}: {e}") from None
-        title = f"run {args.run}"
-    try:
-        draw(out, series, title=title)
-    except OSError as e:
-        raise EtrainError(f"-o {out!r} cannot be written ({e.strerror or e}); give a path in a writable directory")
-
-    marks = ", ".join(f"{n} {k}" for k in ("failure", "recovery", "resize", "suspend", "resume")
-                      if (n := sum(m["kind"] == k for m in series["marks"])))
-    print(f"etrain: wrote {out}: {len(series['step'])} steps" + (f"; {marks}" if marks else ""))
-    return 0
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,

@@ -2,7 +2,7 @@
 
     spec = RunSpec.from_json(blob, where="file:///runs/tiny/control/spec.json")   # CorruptRunStore if not one
     rows = [HistoryRow.of(r) for r in history]                                      # step, loss, world_size, ...
-    status = load_doc(raw, where, _status_problem)
+    status = load_doc(raw, where, status_problem)
 
 The run store (:mod:`orchestrator.store`) keeps a run's spec (desired state,
 written by the CLI), status, events and step history (observed state, written
@@ -72,17 +72,17 @@ def _spec_problem(doc: Any) -> str | None:
     return problem
 
 
-def _status_problem(doc: Any) -> str | None:
+def status_problem(doc: Any) -> str | None:
     return _object_problem(doc, {"run_id": (str,), "phase": (str,), "reason": (str,), "step": (int,),
                                  "total_steps": (int,), "world_size": (int,), "epoch": (int,),
                                  "loss": _NUMBER, "updated_unix": _NUMBER, "metrics_url": (str,)}, none_ok=True)
 
 
-def _event_problem(doc: Any) -> str | None:
+def event_problem(doc: Any) -> str | None:
     return _object_problem(doc, {"kind": (str,), "time": _NUMBER})
 
 
-def _history_problem(doc: Any) -> str | None:
+def history_problem(doc: Any) -> str | None:
     ok = isinstance(doc, list) and all(
         isinstance(row, list) and len(row) >= 6  # rows written before tokens_per_s and eval_loss: 6 long
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6])
@@ -93,7 +93,7 @@ def _history_problem(doc: Any) -> str | None:
     return None
 
 
-def _leader_problem(doc: Any) -> str | None:
+def leader_problem(doc: Any) -> str | None:
     return _object_problem(doc, {"id": (str,), "expires_unix": _NUMBER}, required=("id", "expires_unix"))
 
 

@@ -47,10 +47,10 @@ from .documents import (  # noqa: F401  (HistoryRow, CorruptRunStore: callers im
     HistoryRow,
     Lease,
     RunSpec,
-    _event_problem,
-    _history_problem,
-    _leader_problem,
-    _status_problem,
+    event_problem,
+    history_problem,
+    leader_problem,
+    status_problem,
     load_doc,
 )
 from .phase import Phase
@@ -130,7 +130,7 @@ class RunStore(ABC):
 
     def get_status(self, run_id: str) -> dict | None:
         raw = self._read(run_id, "status")
-        return load_doc(raw, self._where(run_id, "status"), _status_problem) if raw else None
+        return load_doc(raw, self._where(run_id, "status"), status_problem) if raw else None
 
     def put_history(self, run_id: str, rows: list[HistoryRow]) -> None:
         """Every step the run trained (:class:`HistoryRow`), in order (a step redone after a restore
@@ -139,7 +139,7 @@ class RunStore(ABC):
 
     def get_history(self, run_id: str) -> list[HistoryRow]:
         raw = self._read(run_id, "history")
-        rows = load_doc(raw, self._where(run_id, "history"), _history_problem) if raw else []
+        rows = load_doc(raw, self._where(run_id, "history"), history_problem) if raw else []
         return [HistoryRow.of(r) for r in rows]
 
     @abstractmethod
@@ -244,7 +244,7 @@ class StorageRunStore(RunStore):
         names = self._guard(lambda: self.storage.list_dir(events)) or {}
         paths = [f"{events}/{n}" for n in sorted(names)]
         blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
-        return [load_doc(blobs[p], redact(self.storage.join(p)), _event_problem) for p in paths if p in blobs]
+        return [load_doc(blobs[p], redact(self.storage.join(p)), event_problem) for p in paths if p in blobs]
 
     def list_runs(self):
         names = self._guard(lambda: self.storage.list_dir("")) or {}
@@ -253,7 +253,7 @@ class StorageRunStore(RunStore):
 
     def _leader(self, run_id) -> dict | None:
         raw = self._read(run_id, "leader")
-        return load_doc(raw, self._where(run_id, "leader"), _leader_problem) if raw else None
+        return load_doc(raw, self._where(run_id, "leader"), leader_problem) if raw else None
 
     def acquire(self, run_id, controller_id, ttl_s=15.0):
         holder = self._leader(run_id)
@@ -363,7 +363,7 @@ class EtcdRunStore(RunStore):
     def events(self, run_id):
         items = self._call(lambda: self.client.get_prefix(self._key(run_id, "events/")))
         rows = sorted(((_text(meta["key"]), value) for value, meta in items), key=lambda kv: kv[0])
-        return [load_doc(value, f"etcd key {key} at {redact(self.url)}", _event_problem) for key, value in rows]
+        return [load_doc(value, f"etcd key {key} at {redact(self.url)}", event_problem) for key, value in rows]
 
     def list_runs(self):
         items = self._call(lambda: self.client.get_prefix(f"/{self.prefix}/runs/"))

@@ -1,5 +1,7 @@
-"""The house rules, checked on the source: dependencies run orchestrator -> trainer -> checkpointing,
-and modules stay small.
+"""The house rules, checked on the source: dependencies run orchestrator -> trainer -> checkpointing
+(no import runs uphill), no modules import each other in a circle, no private name (``_x``) is imported
+from another module, and modules stay small (at most 500 lines) in trainer/, checkpointing/,
+orchestrator/ and etrain/. Each rule is a function over files, tested on planted violations too.
 
     pytest tests/test_architecture.py
 
@@ -10,6 +12,7 @@ counts as much as one at the top. No Ray, no torch, no process group: it runs in
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Packages that must work without Ray and without the orchestrator (torchrun, tests, tools).
 LOWER = ("trainer", "checkpointing")
 UPHILL = ("orchestrator", "ray")
-MAX_LINES = 600
+MAX_LINES = 500
+HOUSE = ("trainer", "checkpointing", "orchestrator", "etrain")
 
 
 def modules(*packages: str) -> list[Path]:
@@ -92,8 +96,108 @@ def test_the_exporter_names_the_controllers_phases():
     assert PHASES == tuple(p.value for p in ORDER if p is not Phase.PENDING)
 
 
-@pytest.mark.parametrize("path", modules("trainer", "checkpointing", "orchestrator"),
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_modules_are_small(path: Path):
-    n = len(path.read_text().splitlines())
-    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES}): split it by job"
+def long_modules(paths: list[Path], limit: int = MAX_LINES) -> list[str]:
+    return [f"{p.relative_to(ROOT)} has {n} lines (at most {limit}): split it by job"
+            for p in paths if (n := len(p.read_text().splitlines())) > limit]
+
+
+def _runtime_imports(path: Path, known: set[str]) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of the imports of ``path`` that run (``if TYPE_CHECKING:`` blocks left out),
+    ``from pkg import sub`` resolved to the submodule ``pkg.sub`` where that is a module of ``known``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = {id(n) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+            for n in ast.walk(node)}
+    package = module_name(path).split(".") if path.name == "__init__.py" else module_name(path).split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, node.module] if node.module else base)
+            subs = [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in known]
+            out += [(node.lineno, sub, []) for sub in subs]
+            if len(subs) < len(node.names):
+                out.append((node.lineno, name, [a.name for a in node.names if f"{name}.{a.name}" not in known]))
+    return out
+
+
+def private_imports(paths: list[Path]) -> list[str]:
+    """``from other_module import _name``: a private name used outside the module that defines it."""
+    known = {module_name(p) for p in paths}
+    return [f"{p.relative_to(ROOT)}:{line}: imports {mod}.{n}"
+            for p in paths for line, mod, names in _runtime_imports(p, known)
+            if mod in known and mod != module_name(p)
+            for n in names if n.startswith("_") and not n.startswith("__")]
+
+
+def import_circles(paths: list[Path]) -> list[list[str]]:
+    """The groups of modules that import each other in a loop (strongly connected, more than one)."""
+    known = {module_name(p) for p in paths}
+    graph = {module_name(p): {m for _, m, _ in _runtime_imports(p, known) if m in known} for p in paths}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_modules_are_small():
+    assert not long_modules(modules(*HOUSE)), "\n".join(long_modules(modules(*HOUSE)))
+
+
+def test_no_private_name_is_imported_from_another_module():
+    bad = private_imports(modules(*HOUSE))
+    assert not bad, "private names used outside their module (make them public, or move the code):\n" + \
+        "\n".join(bad)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    circles = import_circles(modules(*HOUSE))
+    assert not circles, "modules that import each other (move what both need below them):\n" + \
+        "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
+    """A throwaway house under tmp_path breaking each rule once: every rule names its violation."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    pkg = tmp_path / "checkpointing"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from checkpointing.b import _secret\nimport orchestrator.run\n")
+    (pkg / "b.py").write_text("from . import a\n_secret = 1\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
+                              + "y = 1\n" * (MAX_LINES + 1))
+    paths = sorted(pkg.rglob("*.py"))
+    assert private_imports(paths) == ["checkpointing/a.py:1: imports checkpointing.b._secret"]
+    assert import_circles(paths) == [["checkpointing.a", "checkpointing.b"]]  # c's TYPE_CHECKING import is none
+    assert long_modules(paths) == [f"checkpointing/c.py has {MAX_LINES + 4} lines (at most {MAX_LINES}): split it "
+                                   "by job"]
+    uphill = [name for p in paths for _, name in imported(p) if name.split(".")[0] in UPHILL]
+    assert uphill == ["orchestrator.run"]

@@ -235,9 +235,9 @@ def write_hf_extras(out: str, cfg: dict) -> list[str]:
 
 def tokenizer_files(directory: str) -> list[str]:
     """The tokenizer's own files in ``directory`` (not a model's config.json)."""
-    from .tokenize import _tokenizer_files
+    from .tokenize import files_of_tokenizer
 
-    return [p for p in _tokenizer_files(directory) if os.path.basename(p) != "config.json"]
+    return [p for p in files_of_tokenizer(directory) if os.path.basename(p) != "config.json"]
 
 
 def copy_tokenizer(spec: str, out: str) -> list[str]:

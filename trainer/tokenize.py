@@ -173,7 +173,7 @@ def _fingerprint(paths: list[str]) -> str:
     return h.hexdigest()
 
 
-def _tokenizer_files(directory: str) -> list[str]:
+def files_of_tokenizer(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in sorted(os.listdir(directory))
             if os.path.isfile(os.path.join(directory, n)) and n.startswith(_TOKENIZER_FILES)
             or n.endswith((".model", ".tiktoken")) and os.path.isfile(os.path.join(directory, n))]
@@ -201,7 +201,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if not os.path.isdir(spec):
         raise ConfigError(f"data.tokenizer={spec!r} does not exist; use \"bytes\" or a local tokenizer.json file "
                           "or a directory holding one")
-    files = _tokenizer_files(spec)
+    files = files_of_tokenizer(spec)
     if not files:
         raise ConfigError(f"data.tokenizer={spec!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
                           "vocab/merges); point it at a tokenizer directory")
