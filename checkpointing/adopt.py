@@ -100,14 +100,14 @@ def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int
     if not listing:
         raise AdoptRefused(f"{shown} is not a DCP checkpoint: nothing is there")
     if MANIFEST_NAME in listing or mgr.is_committed(step):
-        raise AdoptRefused(f"step {step} of run {run_id!r} is committed already ({mgr.url_of(step)}); "
+        raise AdoptRefused(f"step {step} of run {run_id!r} is committed already ({redact(mgr.url_of(step))}); "
                            "nothing to adopt")
     if METADATA_NAME not in listing:
         raise AdoptRefused(f"{shown} is not a DCP checkpoint: it has no {METADATA_NAME} (dcp.save writes it last; "
                            "was the save finished?)")
     if into is not None and mgr.storage.list_dir(rel):
-        raise AdoptRefused(f"{mgr.url_of(step)} holds files of an uncommitted save; remove it or adopt as another "
-                           "--step")
+        raise AdoptRefused(f"{redact(mgr.url_of(step))} holds files of an uncommitted save; remove it or adopt as "
+                           "another --step")
     md_blob = _read_metadata(src, src_rel, listing, shown)
     md, names = _check_metadata(md_blob, listing, shown)
     mgr.take_writer_lock(owner="etrain ckpt adopt")
@@ -143,9 +143,9 @@ def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int
             try:
                 mgr.storage.delete_tree(f"{rel}/{name}")
             except Exception as e:
-                log(f"could not remove {mgr.url_of(step)}/{name}: {e}")
+                log(f"could not remove {redact(mgr.url_of(step))}/{name}: {e}")
         mgr.close()
-    log(f"adopted {shown} as step {step} of run {run_id!r} at {mgr.url_of(step)}: {len(files)} files, "
+    log(f"adopted {shown} as step {step} of run {run_id!r} at {redact(mgr.url_of(step))}: {len(files)} files, "
         f"{manifest.total_bytes} bytes, data cursor at {samples_consumed} samples; resume with run_id = "
         f"\"{run_id}\" and --resume")
     return manifest

@@ -176,13 +176,13 @@ def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
     if step is None:
         step = mgr.latest_committed()
         if step is None:
-            print(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+            print(f"no committed checkpoint under {redact(mgr.storage.join(mgr.prefix))}", file=sys.stderr)
             return 1
     m = mgr.read_manifest(step)
     if as_json:
         print(m.to_json().decode())
         return 0
-    print(f"checkpoint  {mgr.storage.join(mgr.step_rel(step))}")
+    print(f"checkpoint  {redact(mgr.storage.join(mgr.step_rel(step)))}")
     print(f"run         {m.run_id}   step {m.step}   epoch {m.epoch}")
     print(f"saved at    world {m.world_size}, layout {json.dumps(m.layout, sort_keys=True)}")
     recorded = f", resolved config recorded ({', '.join(sorted(m.config))}; --json shows it)" if m.config else ""

@@ -38,6 +38,7 @@ from checkpointing.export import (
 )
 from checkpointing.export_manifest import CHECKPOINT_KEY, export_dir_state
 from checkpointing.layout import EXPORTS
+from checkpointing.names import redact
 
 from .config import ModelConfig
 from .config_load import build_section
@@ -297,7 +298,7 @@ def main(argv: list[str]) -> int:
         print(f"etrain ckpt export: {e}", file=sys.stderr)
         return 1
     print(f"exported step {summary['step']} ({summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB, "
-          f"{summary['dtype']}) to {args.out}: {', '.join(os.path.basename(f) for f in summary['files'])}")
+          f"{summary['dtype']}) to {redact(args.out)}: {', '.join(os.path.basename(f) for f in summary['files'])}")
     return 0
 
 
