@@ -9,7 +9,9 @@ A stock DCP checkpoint (``FileSystemWriter`` or ``FsspecWriter``, default
 settings) has every file etrain needs but no manifest, so no etrain reader
 sees it. ``adopt`` checks it the way a load would, then commits it:
 
-1. the DCP metadata is read with the restricted unpickler; every item must be
+1. the DCP metadata (at most ``dcp_read.MAX_METADATA_BYTES``, checked on the
+   listing before a byte is read) is read with the restricted unpickler, as a
+   load reads it, one pickle and nothing after it; every item must be
    a ``_StorageInfo`` byte range, without stream transforms, of a bare
    ``*.distcp`` file of the directory, and every chunk the metadata describes
    must have one;
@@ -22,10 +24,11 @@ sees it. ``adopt`` checks it the way a load would, then commits it:
    beside).
 
 The step is the checkpoint's ``step_<N>`` directory, or ``--step`` with
-``--into``. The data cursor is the user's to say (``--samples-consumed``: how
-many samples the run has trained on; etrain resumes its data order there, at
-``step x train.global_batch`` for a run that always trained with etrain's
-batch). The manifest records no config (``config_hash`` empty), the fence's
+``--into`` (or the step ``--into`` names); where more than one of these is
+given they must agree, and the refusal names each. The data cursor is the
+user's to say (``--samples-consumed``: how many samples the run has trained
+on; etrain resumes its data order there, at ``step x train.global_batch``
+for a run that always trained with etrain's batch). The manifest records no config (``config_hash`` empty), the fence's
 epoch, and where it came from (``extra.adopted_from``). Anything that is not
 an adoptable DCP checkpoint is refused (:class:`AdoptRefused`, exit 2) naming
 what is wrong; nothing is written then (files copied by ``--into`` are removed).
@@ -33,13 +36,12 @@ what is wrong; nothing is written then (files copied by ``--into`` are removed).
 
 from __future__ import annotations
 
-import io
 import posixpath
 import re
 import time
 
 from .cli import parse_url
-from .dcp_format import CorruptCheckpointError, StorageInfo, chunk_of, item_tensor
+from .dcp_format import CorruptCheckpointError, StorageInfo
 from .errors import CheckpointError
 from .manager import CheckpointManager
 from .manifest import MANIFEST_NAME, METADATA_NAME, SHARD_RE, FileEntry, Manifest, checksum, parse_step_dir
@@ -56,23 +58,28 @@ class AdoptRefused(CheckpointError):
 def resolve(url: str, *, into: str | None, step: int | None) -> tuple[str, str, int]:
     """(root, run_id, step) of the etrain checkpoint that adopting ``url`` makes."""
     check_url(url, "URL")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise AdoptRefused(f"--step must be an integer >= 0, not {step!r}")
+    dir_name = url.rstrip("/").rsplit("/", 1)[-1]
     if into is None:
         root, run_id, url_step = parse_url(url)
         if url_step is None:
             raise AdoptRefused(f"{redact(url)} is not a step directory of a run: adopt one in place at "
                                "<root>/<run_id>/checkpoints/step_<N>, or copy it into a run with "
                                "--into <root>/<run_id> --step N")
-        if step is not None and step != url_step:
-            raise AdoptRefused(f"--step {step} disagrees with the directory's step {url_step}")
-        return root, run_id, url_step
-    check_url(into, "--into")
-    root, run_id, into_step = parse_url(into)
-    chosen = [s for s in (step, into_step, parse_step_dir(url.rstrip("/").rsplit("/", 1)[-1])) if s is not None]
-    if not chosen:
+        into_step = None
+    else:
+        check_url(into, "--into")
+        root, run_id, into_step = parse_url(into)
+        url_step = parse_step_dir(dir_name)
+    said = [(s, who) for s, who in ((step, "--step"), (into_step, "--into"), (url_step, f"URL's directory {dir_name}"))
+            if s is not None]
+    if not said:
         raise AdoptRefused("--into needs the step the checkpoint is of: pass --step N")
-    if len(set(chosen[:2])) > 1:
-        raise AdoptRefused(f"--step {step} disagrees with --into's step {into_step}")
-    return root, run_id, chosen[0]
+    if len({s for s, _ in said}) > 1:
+        raise AdoptRefused("the step is ambiguous: " + ", ".join(f"{who} says {s}" for s, who in said)
+                           + "; make them agree: pass the step the checkpoint is of")
+    return root, run_id, said[0][0]
 
 
 def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int | None = None,
@@ -93,15 +100,15 @@ def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int
     if not listing:
         raise AdoptRefused(f"{shown} is not a DCP checkpoint: nothing is there")
     if MANIFEST_NAME in listing or mgr.is_committed(step):
-        raise AdoptRefused(f"step {step} of run {run_id!r} is committed already ({mgr.url_of(step)}); "
+        raise AdoptRefused(f"step {step} of run {run_id!r} is committed already ({redact(mgr.url_of(step))}); "
                            "nothing to adopt")
     if METADATA_NAME not in listing:
         raise AdoptRefused(f"{shown} is not a DCP checkpoint: it has no {METADATA_NAME} (dcp.save writes it last; "
                            "was the save finished?)")
     if into is not None and mgr.storage.list_dir(rel):
-        raise AdoptRefused(f"{mgr.url_of(step)} holds files of an uncommitted save; remove it or adopt as another "
-                           "--step")
-    md_blob = src.get(f"{src_rel}/{METADATA_NAME}" if src_rel else METADATA_NAME)
+        raise AdoptRefused(f"{redact(mgr.url_of(step))} holds files of an uncommitted save; remove it or adopt as "
+                           "another --step")
+    md_blob = _read_metadata(src, src_rel, listing, shown)
     md, names = _check_metadata(md_blob, listing, shown)
     mgr.take_writer_lock(owner="etrain ckpt adopt")
     copied: list[str] = []
@@ -136,12 +143,26 @@ def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int
             try:
                 mgr.storage.delete_tree(f"{rel}/{name}")
             except Exception as e:
-                log(f"could not remove {mgr.url_of(step)}/{name}: {e}")
+                log(f"could not remove {redact(mgr.url_of(step))}/{name}: {e}")
         mgr.close()
-    log(f"adopted {shown} as step {step} of run {run_id!r} at {mgr.url_of(step)}: {len(files)} files, "
+    log(f"adopted {shown} as step {step} of run {run_id!r} at {redact(mgr.url_of(step))}: {len(files)} files, "
         f"{manifest.total_bytes} bytes, data cursor at {samples_consumed} samples; resume with run_id = "
         f"\"{run_id}\" and --resume")
     return manifest
+
+
+def _read_metadata(src: Storage, src_rel: str, listing: dict[str, int | None], shown: str) -> bytes:
+    """The DCP metadata's bytes, its size bounded on the listing before any is read (and after)."""
+    from .dcp_read import check_metadata_size
+
+    where = f"{shown}/{METADATA_NAME}"
+    try:
+        check_metadata_size(listing[METADATA_NAME] or 0, where)
+        blob = src.get(f"{src_rel}/{METADATA_NAME}" if src_rel else METADATA_NAME)
+        check_metadata_size(len(blob), where)  # it grew since it was listed
+    except CorruptCheckpointError as e:
+        raise AdoptRefused(f"{shown} is not a DCP checkpoint: {e}") from None
+    return blob
 
 
 def _check_metadata(blob: bytes, listing: dict[str, int | None], shown: str):
@@ -175,20 +196,10 @@ def _check_metadata(blob: bytes, listing: dict[str, int | None], shown: str):
 
 
 def _check_items(md, name: str, data: bytes, where: str) -> None:
-    """Every item of file ``name`` reads back: tensors of their recorded dtype and shape, plain data."""
-    import torch
+    """Every item of file ``name`` reads back as a load reads it (:func:`checkpointing.dcp_read.check_items`)."""
+    from .dcp_read import check_items
 
-    for index, loc in md.storage_data.items():
-        if loc.relative_path != name:
-            continue
-        what = f"{where}: {index.fqn[:80]!r}"
-        try:
-            chunk = chunk_of(md, index)
-            if chunk is not None:
-                item_tensor(data, loc, *chunk, what)
-                continue
-            torch.load(io.BytesIO(data[loc.offset : loc.offset + loc.length]), weights_only=True)
-        except CorruptCheckpointError as e:
-            raise AdoptRefused(str(e)) from None
-        except Exception as e:  # the weights-only unpickler refused it
-            raise AdoptRefused(f"{what} is not plain data that etrain may load ({str(e)[:160]})") from None
+    try:
+        check_items(md, name, data, where)
+    except CorruptCheckpointError as e:
+        raise AdoptRefused(str(e)) from None

@@ -4,18 +4,28 @@
     etrain ckpt ls s3://bucket/runs --run my-run        (the URL the config's checkpoint.url names)
     etrain ckpt inspect s3://bucket/runs/my-run/checkpoints/step_000001000
     etrain ckpt verify s3://bucket/runs/my-run [--step 1000]
+    etrain ckpt verify s3://bucket/runs/my-run/exports/step_000002000     (an export_every export)
     etrain ckpt adopt s3://bucket/runs/my-run/checkpoints/step_000001000 --samples-consumed 8000
     etrain ckpt export s3://bucket/runs/my-run/checkpoints/step_000001000 ./my-run-hf --format hf
 
 A URL names a run directory (``<root>/<run_id>``), its ``checkpoints``
 directory, or one ``step_<NNNNNNNNN>`` directory; or, with ``--run RUN``, the
 root the run config's ``checkpoint.url`` names. ``verify`` reads every
-listed file and checks its size and crc32c; it exits 1 on any problem, naming
-the file, and 0 when every checked checkpoint is sound. ``ls``, ``inspect``
-and ``verify`` exit 1 alike when the URL does not exist, holds no checkpoint
-or is a checkpoint root without ``--run`` (naming the runs it holds). ``adopt`` commits a
-checkpoint written by stock DCP (:mod:`checkpointing.adopt`); it exits 2
-naming what is wrong when it is not one. Only ``adopt`` imports torch.
+listed file and checks it as a load would: its size and crc32c, the DCP
+metadata through the restricted unpickler and against the files, and every
+item (tensors in their envelope, other items plain data); it exits 1 on any
+problem, naming the file, and 0 when every checked checkpoint is sound. Given
+a run's export (``<run>/exports/step_N``), ``verify`` checks its manifest,
+every file's size and crc32c, and that it was made from the step's
+checkpoint as it is now (not stale). ``ls`` lists the run's exports too, each
+with the checkpoint it was made from (:mod:`checkpointing.export_manifest`).
+``ls``, ``inspect`` and ``verify`` exit 1 alike when the URL does not exist,
+holds no checkpoint or is a checkpoint root without ``--run`` (naming the
+runs it holds). ``adopt`` commits a checkpoint written by stock DCP
+(:mod:`checkpointing.adopt`); it exits 2 naming what is wrong when it is not
+one. A URL that carries credentials is refused (exit 2); every URL a message
+shows goes through :func:`checkpointing.names.redact`. ``ls`` and
+``inspect`` do not import torch.
 
 A listing cut short by its reader (``etrain ckpt ls URL | head -1``) ends
 quietly with status 141, as a Unix tool killed by SIGPIPE does
@@ -33,9 +43,10 @@ import sys
 import time
 
 from .cli_args import ArgumentParser
-from .errors import ConfigError, EtrainError
+from .errors import CheckpointError, ConfigError, EtrainError
 from .manager import CheckpointManager
 from .manifest import parse_step_dir
+from .names import check_url, redact
 
 _URL_HELP = "the run's directory <checkpoint.url>/<run_id>[/checkpoints[/step_N]], or checkpoint.url with --run RUN"
 
@@ -73,6 +84,9 @@ def quiet_when_pipe_closes(fn, *args) -> int:
 
 def parse_url(url: str) -> tuple[str, str, int | None]:
     """``<root>/<run>[/checkpoints[/step_N]]`` -> (root, run_id, step or None)."""
+    if "?" in url or "#" in url:
+        raise EtrainError(f"{redact(url)!r}: a checkpoint URL takes no query or fragment (?, #); give "
+                          "<root>/<run_id>[/checkpoints/step_N] and credentials through the environment")
     parts = url.rstrip("/").split("/")
     step = parse_step_dir(parts[-1])
     if step is not None:
@@ -80,11 +94,11 @@ def parse_url(url: str) -> tuple[str, str, int | None]:
     if parts[-1] == "checkpoints":
         parts = parts[:-1]
     elif parts[-1] == "exports" and step is not None and len(parts) >= 3:
-        root, run = "/".join(parts[:-2]), parts[-2]
-        raise EtrainError(f"{url!r} is an export of run {run!r} (a transformers directory), not a checkpoint; "
-                          f"`etrain ckpt ls {root} --run {run}` lists the run's checkpoints and exports")
+        root, run = redact("/".join(parts[:-2])), parts[-2]
+        raise EtrainError(f"{redact(url)!r} is an export of run {run!r} (a transformers directory), not a "
+                          f"checkpoint; `etrain ckpt ls {root} --run {run}` lists the run's checkpoints and exports")
     if len(parts) < 2 or not parts[-1] or parts[-1].endswith(":"):
-        raise EtrainError(f"{url!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
+        raise EtrainError(f"{redact(url)!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
     return "/".join(parts[:-1]), parts[-1], step
 
 
@@ -108,21 +122,27 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
             continue
         rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
                      "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
-                     "samples_consumed": m.trainer_state.get("samples_consumed")})
-    from .export import list_exports
+                     "samples_consumed": m.trainer_state.get("samples_consumed"), "manifest_sha256": m.digest})
+    from .export_manifest import export_states
 
-    exports = list_exports(mgr.storage, mgr.run_id)  # [checkpoint] export_every: kept when checkpoints go
-    for r in rows:
-        if r["step"] in exports:
-            r["export"] = exports[r["step"]]
+    exports = export_states(mgr.storage, mgr.run_id)  # [checkpoint] export_every: kept when checkpoints go
+    by_step = {r["step"]: r for r in rows}
+    for step, st in exports.items():  # an export whose checkpoint is gone: a row of its own
+        r = by_step.get(step) or {"step": step, "committed": False, "checkpoint_gone": True}
+        r.update({"export": st.describe(), "export_checkpoint": st.made_from})
+        if step not in by_step:
+            rows.append(r)
+    rows.sort(key=lambda r: r["step"])
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0 if rows else 1
     if not rows:
-        print(f"no checkpoints under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+        print(f"no checkpoints under {redact(mgr.storage.join(mgr.prefix))}", file=sys.stderr)
         return 1
     print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  created")
     for r in rows:
+        if r.get("checkpoint_gone"):
+            continue  # in the exports' list below
         if not r["committed"]:
             print(f"{r['step']:>10}  {'corrupt' if r.get('corrupt') else 'uncommitted':<11}")
             continue
@@ -132,23 +152,38 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
         print(f"{r['step']:>10}  {'committed':<11} {r['epoch']:>5} {r['world_size']:>5}  {desc:<28} "
               f"{_size(r['bytes']):>10}  {when}")
     if exports:
-        print(f"exports under {mgr.storage.join(mgr.run_id)}/exports (transformers directories):")
-        for step, state in exports.items():
-            print(f"{step:>10}  {state}")
+        print(f"exports under {redact(mgr.storage.join(mgr.run_id))}/exports (transformers directories), each with "
+              "the checkpoint (manifest sha256) it was made from:")
+        for step, st in exports.items():
+            print(f"{step:>10}  {_export_line(mgr, step, st)}")
     return 0
+
+
+def _export_line(mgr: CheckpointManager, step: int, st) -> str:
+    """One export in ``etrain ckpt ls``: its state, the checkpoint it came from, and a stale one flagged
+    with the command that writes it again."""
+    if st.state == "complete":
+        where = "the step's checkpoint" if st.checkpoint else "its checkpoint is gone since"
+        return f"complete    from checkpoint {st.made_from[:12] if st.made_from else '(not recorded)'} ({where})"
+    if st.state == "stale":
+        from .export_manifest import export_rel
+
+        return (f"STALE       {st.why}; write it again: etrain ckpt export {redact(mgr.url_of(step))} "
+                f"{redact(mgr.storage.join(export_rel(mgr.run_id, step)))} --overwrite")
+    return st.describe()
 
 
 def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
     if step is None:
         step = mgr.latest_committed()
         if step is None:
-            print(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+            print(f"no committed checkpoint under {redact(mgr.storage.join(mgr.prefix))}", file=sys.stderr)
             return 1
     m = mgr.read_manifest(step)
     if as_json:
         print(m.to_json().decode())
         return 0
-    print(f"checkpoint  {mgr.storage.join(mgr.step_rel(step))}")
+    print(f"checkpoint  {redact(mgr.storage.join(mgr.step_rel(step)))}")
     print(f"run         {m.run_id}   step {m.step}   epoch {m.epoch}")
     print(f"saved at    world {m.world_size}, layout {json.dumps(m.layout, sort_keys=True)}")
     recorded = f", resolved config recorded ({', '.join(sorted(m.config))}; --json shows it)" if m.config else ""
@@ -162,14 +197,27 @@ def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
     return 0
 
 
+def verify_step(mgr: CheckpointManager, step: int) -> list[str]:
+    """Problems with one checkpoint, each naming the file, found as a load finds them: the manifest,
+    every file's size and crc32c, the DCP metadata (restricted unpickler, item locations) and every
+    item (:func:`checkpointing.dcp_read.verify_files`). Empty when a load would accept it."""
+    try:
+        manifest = mgr.read_manifest(step)
+    except CheckpointError as e:
+        return [str(e)]
+    from .dcp_read import EtrainReader, verify_files
+
+    return verify_files(EtrainReader(mgr.storage, mgr.step_rel(step), manifest.file_table()))
+
+
 def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
     steps = [step] if step is not None else mgr.committed_steps()
     if not steps:
-        print(f"no committed checkpoint under {mgr.storage.join(mgr.prefix)}", file=sys.stderr)
+        print(f"no committed checkpoint under {redact(mgr.storage.join(mgr.prefix))}", file=sys.stderr)
         return 1
     bad = 0
     for s in steps:
-        problems = mgr.verify(s)
+        problems = verify_step(mgr, s)
         if problems:
             bad += 1
             for p in problems:
@@ -179,18 +227,34 @@ def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
     return 1 if bad else 0
 
 
+def cmd_verify_export(url: str) -> int:
+    """``etrain ckpt verify <root>/<run>/exports/step_N``: the export's manifest, every file's size and
+    crc32c, and its checkpoint (:func:`checkpointing.export_manifest.export_state`)."""
+    from .export_manifest import export_dir_state
+
+    st = export_dir_state(url, contents=True)
+    shown = redact(url.rstrip("/"))
+    if st.complete:
+        origin = f"checkpoint {st.made_from[:12]}" if st.made_from else "a checkpoint it does not record"
+        print(f"ok   {shown} (made from {origin}{'' if st.checkpoint else ', which is gone since'})")
+        return 0
+    print(f"FAIL {shown}: {st.describe()}")
+    return 1
+
+
 def _refuse_a_root(storage, rel: str, args: argparse.Namespace) -> None:
     """EtrainError when the URL (``rel`` in ``storage``) holds no checkpoints: it does not exist, or it
     is a checkpoint root (``checkpoint.url``) whose runs are named (``--run RUN`` picks one)."""
     children = storage.list_dir(rel)
     if not children:
-        raise EtrainError(f"nothing at {args.url}; give the run's directory <checkpoint.url>/<run_id>, or "
+        raise EtrainError(f"nothing at {redact(args.url)}; give the run's directory <checkpoint.url>/<run_id>, or "
                           "checkpoint.url with --run RUN")
     runs = sorted(n for n, size in children.items() if size is None and "checkpoints" in storage.list_dir(
         f"{rel}/{n}".lstrip("/")))
     if runs:
-        raise EtrainError(f"{args.url} is a checkpoint root holding the runs {', '.join(runs)}; name one: "
-                          f"etrain ckpt {args.cmd} {args.url} --run {runs[0]}")
+        shown = redact(args.url)
+        raise EtrainError(f"{shown} is a checkpoint root holding the runs {', '.join(runs)}; name one: "
+                          f"etrain ckpt {args.cmd} {shown} --run {runs[0]}")
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
@@ -243,6 +307,16 @@ def main(argv: list[str]) -> int:
     if args.cmd == "adopt":
         return cmd_adopt(args)
     try:
+        check_url(args.url, "URL")
+    except ConfigError as e:
+        print(f"etrain ckpt {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.cmd == "verify" and not args.run:
+            from .export_manifest import split_export_url
+
+            if split_export_url(args.url) is not None:
+                return cmd_verify_export(args.url)
         try:
             root, run_id, step = (args.url.rstrip("/"), args.run, None) if args.run else parse_url(args.url)
         except EtrainError:  # "runs", "s3://bucket": no run in it, but perhaps a checkpoint root

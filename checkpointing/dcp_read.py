@@ -17,7 +17,11 @@ Stored bytes are data, never code: the DCP metadata (a pickle, as stock DCP
 writes it) is read with a restricted unpickler that knows only DCP's metadata
 classes (:func:`load_metadata`), every item location in it is checked against
 the manifest, and non-tensor items are loaded with ``torch.load(...,
-weights_only=True)``. Anything else makes the checkpoint corrupt.
+weights_only=True)``. Anything else makes the checkpoint corrupt. The metadata
+file is at most :data:`MAX_METADATA_BYTES` and holds one pickle and nothing
+after it. ``etrain ckpt verify`` and ``etrain ckpt adopt`` apply the same
+checks (:func:`verify_files`, :func:`check_items`): what they accept, a load
+accepts.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from .dcp_io import ItemLocation
 from .errors import CheckpointError, StorageError
 from .manifest import METADATA_RE, SHARD_RE, FileEntry, checksum
 from .storage import MiB, Storage
+
+# DCP metadata is a few MiB for the largest models (about 200 bytes a chunk); never read a bigger one.
+MAX_METADATA_BYTES = 256 * MiB
 
 # Exactly what DCP metadata pickles name: stock DCP's metadata classes and item location
 # (``_StorageInfo``), etrain's item location of formats 1 and 2, torch.Size, the layout
@@ -69,15 +76,29 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(blob: bytes, where: str) -> Metadata:
-    """DCP metadata from ``blob`` through the restricted unpickler; CorruptCheckpointError otherwise."""
+    """DCP metadata from ``blob`` (one pickle, nothing after it, at most :data:`MAX_METADATA_BYTES`)
+    through the restricted unpickler; CorruptCheckpointError otherwise."""
+    check_metadata_size(len(blob), where)
+    stream = io.BytesIO(blob)
     try:
-        md = _MetadataUnpickler(io.BytesIO(blob)).load()
+        md = _MetadataUnpickler(stream).load()
     except Exception as e:  # UnpicklingError, EOFError, a refused global, a constructor's TypeError, ...
         raise CorruptCheckpointError(f"{where} is not valid DCP metadata ({str(e)[:120]})") from None
+    if stream.tell() != len(blob):
+        raise CorruptCheckpointError(f"{where} is not valid DCP metadata ({len(blob) - stream.tell()} bytes after "
+                                     "its end)")
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or not isinstance(
             md.storage_data, dict):
         raise CorruptCheckpointError(f"{where} is not valid DCP metadata (a {type(md).__name__})")
     return md
+
+
+def check_metadata_size(size: int, where: str) -> None:
+    """CorruptCheckpointError when a DCP metadata file of ``size`` bytes is larger than any is
+    (:data:`MAX_METADATA_BYTES`): checked before it is read."""
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{where} is {size} bytes; DCP metadata is at most {MAX_METADATA_BYTES} "
+                                     f"({MAX_METADATA_BYTES // MiB} MiB), so this is not one")
 
 
 def check_locations(md: Metadata, files: dict[str, FileEntry], where: str) -> None:
@@ -185,6 +206,7 @@ class EtrainReader(StorageReader):
             raise CorruptCheckpointError(f"{self.step_rel}: the manifest lists {len(names)} DCP metadata files, "
                                          "not one")
         where = f"{self.step_rel}/{names[0]}"
+        check_metadata_size(self.files[names[0]].size, where)
         md = load_metadata(self._fetch(names)[names[0]], where)
         check_locations(md, self.files, where)
         return md
@@ -258,6 +280,46 @@ class EtrainReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def check_items(md: Metadata, name: str, data: bytes, where: str) -> None:
+    """Every item of file ``name`` (its bytes ``data``) reads back as a load reads it: a tensor of its
+    recorded dtype and shape (stock DCP's envelope, or the weights-only unpickler), any other item
+    plain data (``torch.load(weights_only=True)``). CorruptCheckpointError naming the item otherwise.
+    Locations are checked first (:func:`check_locations`)."""
+    for index, loc in md.storage_data.items():
+        if _path(loc) != name:
+            continue
+        what = f"{where}: {str(index.fqn)[:80]!r}"
+        chunk = chunk_of(md, index)
+        if chunk is not None:
+            if isinstance(loc, StorageInfo):  # formats 1 and 2: raw bytes, checked by check_location
+                item_tensor(data, loc, *chunk, what)
+            continue
+        try:
+            torch.load(io.BytesIO(data[loc.offset : loc.offset + loc.length]), weights_only=True)
+        except Exception as e:  # the weights-only unpickler refused it
+            raise CorruptCheckpointError(f"{what} is not plain data that etrain may load ({str(e)[:160]})") from None
+
+
+def verify_files(reader: EtrainReader) -> list[str]:
+    """Problems a load of ``reader``'s checkpoint would meet, each naming its file: the metadata (size
+    bound, checksum, restricted unpickler, locations), then each shard file read once (missing,
+    size, crc32c) and every item in it (:func:`check_items`). Empty when a load accepts it all."""
+    problems = []
+    try:
+        md = reader.read_metadata()
+    except CorruptCheckpointError as e:
+        md = None
+        problems.append(str(e))
+    for name in sorted(p for p in reader.files if not METADATA_RE.match(p)):
+        try:
+            data = reader._fetch([name])[name]
+            if md is not None:
+                check_items(md, name, data, f"{reader.step_rel}/{name}")
+        except CorruptCheckpointError as e:
+            problems.append(str(e))
+    return problems
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

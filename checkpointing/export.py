@@ -24,7 +24,6 @@ import json
 import math
 import mmap
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -39,10 +38,19 @@ import torch
 from .dcp_format import chunk_of, item_tensor
 from .dcp_read import EtrainReader, _path
 from .errors import CheckpointError, ConfigError
-from .layout import RunRoot
+from .export_manifest import (  # noqa: F401 (where the export's manifest is read back; re-exported)
+    EXPORT_FORMAT,
+    EXPORT_MANIFEST,
+    EXPORT_VERSION,
+    export_complete,
+    export_rel,
+    export_state,
+    list_exports,
+    read_export_manifest,
+)
 from .manager import CheckpointManager
-from .manifest import CRC_RE, Manifest, checksum, parse_step_dir
-from .names import redact
+from .manifest import Manifest, checksum
+from .names import check_url, redact
 from .storage import MiB, Storage
 
 MODEL_PREFIX = "model."
@@ -74,6 +82,7 @@ class ModelSource:
         ConfigError (exit 2) when it is not committed or its manifest or metadata are corrupt."""
         from .cli import parse_url
 
+        check_url(url, "URL")
         try:
             root, run_id, step = parse_url(url)
             mgr = CheckpointManager(root, run_id)
@@ -89,7 +98,7 @@ class ModelSource:
 
     @property
     def url(self) -> str:
-        return self.mgr.url_of(self.step)
+        return redact(self.mgr.url_of(self.step))
 
     def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{fqn: (dtype, full shape)} of every model tensor, in the metadata's order."""
@@ -291,31 +300,25 @@ def write_torch(path: str, specs: list[Spec], get: Callable[[str], torch.Tensor]
 
 
 def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
-    """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; make its directory."""
-    if os.path.exists(out):
-        busy = os.path.isfile(out) or bool(os.listdir(out))
-        if busy and not overwrite:
-            raise ConfigError(f"{out} exists and is not empty; choose another output or pass --overwrite")
-        if directory and os.path.isfile(out):
-            raise ConfigError(f"{out} is a file; the export is a directory")
-    if directory:
-        os.makedirs(out, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; make its
+    directory (ConfigError naming OUT when it cannot be made or read)."""
+    try:
+        if os.path.exists(out):
+            busy = os.path.isfile(out) or bool(os.listdir(out))
+            if busy and not overwrite:
+                raise ConfigError(f"{out} exists and is not empty; choose another output or pass --overwrite")
+            if directory and os.path.isfile(out):
+                raise ConfigError(f"{out} is a file; the export is a directory")
+        os.makedirs(out if directory else os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        probe = out if directory else os.path.dirname(os.path.abspath(out))
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", probe)
+    except OSError as e:
+        raise ConfigError(f"OUT {out}: cannot create or write {e.filename or out} ({e.strerror or e}); "
+                          "choose a directory you can write to, or create it first") from None
 
 
 # --- where an export goes, and its commit -----------------------------------------------------
-
-EXPORT_MANIFEST = "MANIFEST.json"  # written last: an export directory without it is incomplete
-EXPORT_FORMAT = "etrain-export"
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
-
-
-def export_rel(run_id: str, step: int) -> str:
-    """The key of one step's export under the checkpoint root, ``<run_id>/exports/step_<NNNNNNNNN>``:
-    the checkpoints' zero-padded step name (:meth:`checkpointing.layout.RunRoot.export`)."""
-    return RunRoot(run_id).export(step)
-
 
 class Output:
     """Where an export's files go: ``out``, a local path or a storage URL (``file://``, ``s3://``,
@@ -327,11 +330,13 @@ class Output:
     manifest that :meth:`commit` writes last."""
 
     def __init__(self, out: str, *, directory: bool):
+        check_url(out, "OUT")
         self.out, self.directory = out, directory
         if "://" in out:
             where, _, self.name = out.rstrip("/").rpartition("/") if not directory else (out.rstrip("/"), "", "")
             if where.endswith(":/"):
-                raise ConfigError(f"{out} names no object under a bucket or directory; give OUT as URL/name")
+                raise ConfigError(f"OUT {redact(out)} names no object under a bucket or directory; give OUT as "
+                                  "URL/name")
         else:
             path = os.path.abspath(out)
             where, self.name = (path, "") if directory else (os.path.dirname(path), os.path.basename(path))
@@ -356,9 +361,10 @@ class Output:
         present = self.storage.list_dir("")
         busy = bool(present) if self.directory else self.name in present
         if not self.directory and present.get(self.name, 0) is None:
-            raise ConfigError(f"{self.out} is a directory; the {self.name.rsplit('.', 1)[-1]} export is one file")
+            raise ConfigError(f"{redact(self.out)} is a directory; the {self.name.rsplit('.', 1)[-1]} export is one "
+                              "file")
         if busy and not overwrite:
-            raise ConfigError(f"{self.out} exists and is not empty; choose another output or pass --overwrite")
+            raise ConfigError(f"{redact(self.out)} exists and is not empty; choose another output or pass --overwrite")
         if self.directory and EXPORT_MANIFEST in present:
             self.storage.delete_tree(EXPORT_MANIFEST)
 
@@ -385,67 +391,15 @@ class Output:
 
     def commit(self, meta: dict) -> None:
         """Write ``MANIFEST.json`` (every file with its size and crc32c, and ``meta``), created exclusively."""
-        doc = {"format": EXPORT_FORMAT, "format_version": 1, "created_unix": time.time(), **meta, "files": self.files}
+        doc = {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "created_unix": time.time(), **meta,
+               "files": self.files}
         self.storage.put(EXPORT_MANIFEST, json.dumps(doc, indent=1).encode(), exclusive=True)
 
     @property
     def url(self) -> str:
-        return self.storage.join(self.name) if self.name else self.storage.url
+        return redact(self.storage.join(self.name) if self.name else self.storage.url)
 
     def close(self) -> None:
         if not self.local:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.storage.close()
-
-
-def read_export_manifest(storage: Storage, rel: str) -> dict | None:
-    """The manifest of the export directory ``rel`` (None when it has none: incomplete), checked as
-    data; CheckpointError naming the field when it is corrupt."""
-    try:
-        blob = storage.get(f"{rel}/{EXPORT_MANIFEST}")
-    except FileNotFoundError:
-        return None
-    where = storage.join(rel, EXPORT_MANIFEST)
-    try:
-        doc = json.loads(blob)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where} is not valid JSON ({str(e)[:60]})") from None
-    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT or doc.get("format_version") != 1:
-        raise CheckpointError(f"{where} is not an etrain export manifest (format {EXPORT_FORMAT!r}, version 1)")
-    files = doc.get("files")
-    ok = isinstance(files, list) and files and all(
-        isinstance(f, dict) and isinstance(f.get("path"), str) and _FILE_NAME_RE.match(f["path"])
-        and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool) and f["size"] >= 0
-        and isinstance(f.get("crc32c"), str) and CRC_RE.match(f["crc32c"]) for f in files)
-    if not ok:
-        raise CheckpointError(f"{where}: files must list bare file names, each with a size and a crc32c")
-    named = parse_step_dir(rel.rstrip("/").rsplit("/", 1)[-1])
-    if isinstance(doc.get("step"), bool) or not isinstance(doc.get("step"), int) or named not in (None, doc["step"]):
-        raise CheckpointError(f"{where}: step must be the integer its directory names ({named}), got "
-                              f"{str(doc.get('step'))[:20]}")
-    return doc
-
-
-def export_complete(storage: Storage, rel: str) -> bool:
-    """Whether the export directory ``rel`` is committed and its manifest sound (a corrupt one: not
-    complete, so it is written again)."""
-    try:
-        return read_export_manifest(storage, rel) is not None
-    except CheckpointError:
-        return False
-
-
-def list_exports(storage: Storage, run_id: str) -> dict[int, str]:
-    """{step: "complete" | "incomplete" | "corrupt: <why>"} of the run's ``exports/`` directories. Only
-    a complete one (its manifest present and sound) may be used."""
-    out = {}
-    rel = RunRoot(run_id).exports
-    for name, size in storage.list_dir(rel).items():
-        step = parse_step_dir(name)
-        if size is not None or step is None:
-            continue
-        try:
-            out[step] = "complete" if read_export_manifest(storage, f"{rel}/{name}") else "incomplete"
-        except CheckpointError as e:
-            out[step] = f"corrupt: {e}"
-    return dict(sorted(out.items()))

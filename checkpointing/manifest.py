@@ -7,10 +7,17 @@ step directory without a valid manifest does not exist for any reader. The
 manifest lists every file with its size and crc32c, so a reader can tell a
 complete checkpoint from a partial or corrupted one without trusting the
 storage listing.
+
+A commit's identity is :attr:`Manifest.digest`, the sha256 of its ``MANIFEST.json`` bytes: two
+commits of the same step (a run whose checkpoints were deleted and that trained again under the
+same run id, an adopted checkpoint) never share it, since each manifest records its own creation
+time and every file's size and crc32c. An export records the digest of the checkpoint it was
+made from (:mod:`checkpointing.export_manifest`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -45,6 +52,11 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     m = STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def manifest_digest(blob: bytes) -> str:
+    """The identity of one commit: the sha256 (64 hex digits) of its ``MANIFEST.json`` bytes."""
+    return hashlib.sha256(blob).hexdigest()
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -146,6 +158,12 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     @property
+    def digest(self) -> str:
+        """:func:`manifest_digest` of this manifest as stored: of the bytes :meth:`from_json` read, or of
+        :meth:`to_json` (the bytes a commit writes) for one made here."""
+        return getattr(self, "_stored_digest", "") or manifest_digest(self.to_json())
+
+    @property
     def metadata_file(self) -> str:
         return next(f.path for f in self.files if METADATA_RE.match(f.path))
 
@@ -197,6 +215,7 @@ class Manifest:
                 raise _Bad(f"trainer_state.step is {ts['step']} but step is {m.step}")
         except _Bad as e:
             raise CheckpointError(f"{where}: {e}; the checkpoint is corrupt") from None
+        m._stored_digest = manifest_digest(data.encode() if isinstance(data, str) else bytes(data))
         return m
 
     def file_table(self) -> dict[str, FileEntry]:

@@ -148,7 +148,7 @@ def test_flipped_byte_fails_verify_and_load_falls_back(storage_url):
     mgr.storage.put(shard, bytes(data))
     bad = ckpt_cli("verify", f"{storage_url}/run")
     assert bad.returncode == 1
-    assert f"FAIL run/checkpoints/step_000000002/{name}: crc32c" in bad.stdout
+    assert f"FAIL run/checkpoints/step_000000002/{name} fails its checksum (crc32c" in bad.stdout
     assert "ok   run/checkpoints/step_000000001" in bad.stdout
     res = plan(2, storage_url, [{"load": "run", "state": False}])
     assert res[0][0]["loaded_step"] == 1

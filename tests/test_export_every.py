@@ -195,7 +195,12 @@ def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(
     assert rows[8]["export"] == "complete" and "export" not in rows.get(6, {})
     assert ckpt(["ls", url, "--run", RUN]) == 0
     assert "        12  incomplete" in capsys.readouterr().out
-    assert ckpt(["verify", f"{url}/{RUN}/exports/step_000000004"]) == 1  # an export is not a checkpoint
+    # verify checks an export as an export: its manifest, every file's crc32c, the checkpoint it came from
+    assert ckpt(["verify", f"{url}/{RUN}/exports/step_000000004"]) == 0
+    assert "ok   " in capsys.readouterr().out
+    assert ckpt(["verify", f"{url}/{RUN}/exports/step_000000012"]) == 1
+    assert "FAIL " in (out := capsys.readouterr().out) and "incomplete" in out, out
+    assert ckpt(["inspect", f"{url}/{RUN}/exports/step_000000004"]) == 1  # an export is not a checkpoint
     err = capsys.readouterr().err
     assert "is an export of run 'ev'" in err and err.count("\n") == 1, err
     assert read_export_manifest(Storage(url), f"{RUN}/exports/step_000000012") is None

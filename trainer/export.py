@@ -36,7 +36,9 @@ from checkpointing.export import (
     write_safetensors,
     write_torch,
 )
+from checkpointing.export_manifest import CHECKPOINT_KEY, export_dir_state
 from checkpointing.layout import EXPORTS
+from checkpointing.names import redact
 
 from .config import ModelConfig
 from .config_load import build_section
@@ -174,7 +176,7 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
             files = _write(src, target, fmt, specs, get, cfg, shard_bytes)
             if fmt == "hf":  # the commit: written last, after every file is durable
                 target.commit({"run_id": src.manifest.run_id, "step": src.step, "source": src.url,
-                               "export_format": fmt, "dtype": dtype})
+                               "export_format": fmt, "dtype": dtype, CHECKPOINT_KEY: src.manifest.digest})
                 files.append(EXPORT_MANIFEST)
         finally:
             target.close()
@@ -296,7 +298,7 @@ def main(argv: list[str]) -> int:
         print(f"etrain ckpt export: {e}", file=sys.stderr)
         return 1
     print(f"exported step {summary['step']} ({summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB, "
-          f"{summary['dtype']}) to {args.out}: {', '.join(os.path.basename(f) for f in summary['files'])}")
+          f"{summary['dtype']}) to {redact(args.out)}: {', '.join(os.path.basename(f) for f in summary['files'])}")
     return 0
 
 
@@ -378,10 +380,13 @@ def is_export_dir(path: str) -> bool:
 
 
 def refuse_incomplete_export(path: str, what: str) -> None:
-    """ConfigError (exit 2) when ``path`` is an ``export_every`` directory without its manifest."""
-    if is_export_dir(path) and not os.path.isfile(os.path.join(path, EXPORT_MANIFEST)):
-        raise ConfigError(f"{what} is an incomplete export (no {EXPORT_MANIFEST}: it is being written or its "
-                          "export failed); use another step or a checkpoint URL")
+    """ConfigError (exit 2) when ``path`` is an ``export_every`` directory that is not complete: no
+    manifest, a corrupt one, files that are not what it lists, or stale (made from another checkpoint
+    than the step's; :mod:`checkpointing.export_manifest`)."""
+    state = export_dir_state(os.path.abspath(path)) if is_export_dir(path) else None
+    if state is not None and not state.complete:
+        raise ConfigError(f"{what} is an incomplete export ({state.state}: {state.why}); use another step or a "
+                          "checkpoint URL")
 
 
 def parse_step(path: str) -> int | None:

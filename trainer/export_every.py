@@ -22,11 +22,15 @@ Retention keeps the checkpoint of the step being exported and of the one waiting
 (``CheckpointManager.pinned``); exports themselves are never pruned (``keep_last`` and
 ``keep_every`` count checkpoints only).
 
-An export that already has its manifest is not redone; the leftovers of one cut short (no
-manifest: readers never use them) are removed and the export written again. A failed export
-is logged with the tail of its output and never fails the run. A run resumed from a step that is
-due exports it unless its export is complete (an export cut short by the end of the previous
-run). ``python -m trainer`` waits for the export in flight before it exits
+An export is tied to the checkpoint it was made from: its manifest records that checkpoint's
+identity (the sha256 of the checkpoint's ``MANIFEST.json``, :mod:`checkpointing.export_manifest`).
+A complete export of the step's checkpoint as it is now is not redone. Anything else is removed
+(its manifest first, so that no reader takes it meanwhile) and the export written again: the
+leftovers of one cut short (no manifest: readers never use them), a corrupt one, and a stale one,
+made from another checkpoint of the same step (the run's checkpoints were deleted and the run id
+trained again). A failed export is logged with the tail of its output and never fails the run. A
+run resumed from a step that is due exports it unless its export is complete (an export cut short
+by the end of the previous run). ``python -m trainer`` waits for the export in flight before it exits
 (:func:`wait_for_exports`).
 """
 
@@ -52,7 +56,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the
 @dataclass(frozen=True)
 class ExportResult:
     step: int
-    status: str  # "exported", "exists" (its manifest was there), "skipped" (a newer step came due) or "failed"
+    status: str  # "exported", "exists" (complete, of this checkpoint), "skipped" (a newer step came due) or "failed"
     url: str
     seconds: float = 0.0
     error: str = ""
@@ -93,9 +97,10 @@ class ExportJobs:
         return cls._registry.get((manager.storage.url, manager.run_id)) if manager is not None else None
 
     def export_url(self, step: int) -> str:
-        from checkpointing.export import export_rel
+        from checkpointing.export_manifest import export_rel
+        from checkpointing.names import redact
 
-        return f"{self.url}/{export_rel(self.run_id, step)}"
+        return redact(f"{self.url}/{export_rel(self.run_id, step)}")
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
@@ -142,17 +147,20 @@ class ExportJobs:
                 self._cond.notify_all()
 
     def _export(self, step: int) -> ExportResult:
-        from checkpointing.export import export_complete, export_rel
+        from checkpointing.export_manifest import export_state
         from checkpointing.storage import Storage
 
         url, t0 = self.export_url(step), time.monotonic()
         storage = Storage(self.url)
         try:
-            if export_complete(storage, export_rel(self.run_id, step)):  # no process for a complete one
-                log.info("export of step %d is complete already: %s", step, url)
-                return ExportResult(step, "exists", url)
+            state = export_state(storage, self.run_id, step)
         finally:
             storage.close()
+        if state.complete:  # no process for a complete one
+            log.info("export of step %d is complete already: %s", step, url)
+            return ExportResult(step, "exists", url)
+        if state.state in ("stale", "corrupt"):
+            log.warning("export of step %d at %s is %s; writing it again", step, url, state.describe())
         log.info("export of step %d started: %s", step, url)
         env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                    PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
@@ -231,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("step", type=int)
     ap.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
     args = ap.parse_args(argv)
-    from checkpointing.export import export_complete, export_rel
+    from checkpointing.export_manifest import EXPORT_MANIFEST, export_rel, export_state
     from checkpointing.layout import RunRoot
+    from checkpointing.names import redact
     from checkpointing.storage import Storage
 
     from .export import export
@@ -241,15 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     rel = export_rel(args.run_id, args.step)
     source = f"{url}/{RunRoot(args.run_id).step(args.step)}"
     storage = Storage(url)
+    shown = redact(storage.join(rel))
     try:
-        if export_complete(storage, rel):
-            print(json.dumps({"status": "exists", "url": storage.join(rel)}))
+        if export_state(storage, args.run_id, args.step).complete:
+            print(json.dumps({"status": "exists", "url": shown}))
             return 0
-        if storage.list_dir(rel):  # an export cut short: never used without its manifest; written again
+        if storage.list_dir(rel):  # cut short, corrupt or stale: never used as it is; written again
+            storage.delete_tree(f"{rel}/{EXPORT_MANIFEST}")  # the commit goes first: no reader takes the rest
             storage.delete_tree(rel)
         summary = export(source, storage.join(rel), "hf", args.dtype)
     except FileExistsError:  # its manifest is created exclusively: another export of the step committed first
-        print(json.dumps({"status": "exists", "url": storage.join(rel)}))
+        print(json.dumps({"status": "exists", "url": shown}))
         return 0
     except ConfigError as e:
         print(f"etrain export: {e}", file=sys.stderr)
