@@ -40,9 +40,9 @@ import posixpath
 import re
 import time
 
-from .cli import parse_url
 from .dcp_format import CorruptCheckpointError, StorageInfo
 from .errors import CheckpointError
+from .layout import parse_url
 from .manager import CheckpointManager
 from .manifest import MANIFEST_NAME, METADATA_NAME, SHARD_RE, FileEntry, Manifest, checksum, parse_step_dir
 from .names import check_url, redact

@@ -44,8 +44,8 @@ import time
 
 from .cli_args import ArgumentParser
 from .errors import CheckpointError, ConfigError, EtrainError
+from .layout import parse_url
 from .manager import CheckpointManager
-from .manifest import parse_step_dir
 from .names import check_url, redact
 
 _URL_HELP = "the run's directory <checkpoint.url>/<run_id>[/checkpoints[/step_N]], or checkpoint.url with --run RUN"
@@ -80,26 +80,6 @@ def quiet_when_pipe_closes(fn, *args) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_PIPE_CLOSED
-
-
-def parse_url(url: str) -> tuple[str, str, int | None]:
-    """``<root>/<run>[/checkpoints[/step_N]]`` -> (root, run_id, step or None)."""
-    if "?" in url or "#" in url:
-        raise EtrainError(f"{redact(url)!r}: a checkpoint URL takes no query or fragment (?, #); give "
-                          "<root>/<run_id>[/checkpoints/step_N] and credentials through the environment")
-    parts = url.rstrip("/").split("/")
-    step = parse_step_dir(parts[-1])
-    if step is not None:
-        parts = parts[:-1]
-    if parts[-1] == "checkpoints":
-        parts = parts[:-1]
-    elif parts[-1] == "exports" and step is not None and len(parts) >= 3:
-        root, run = redact("/".join(parts[:-2])), parts[-2]
-        raise EtrainError(f"{redact(url)!r} is an export of run {run!r} (a transformers directory), not a "
-                          f"checkpoint; `etrain ckpt ls {root} --run {run}` lists the run's checkpoints and exports")
-    if len(parts) < 2 or not parts[-1] or parts[-1].endswith(":"):
-        raise EtrainError(f"{redact(url)!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
-    return "/".join(parts[:-1]), parts[-1], step
 
 
 def _size(n: int) -> str:

@@ -118,7 +118,7 @@ def check_locations(md: Metadata, files: dict[str, FileEntry], where: str) -> No
 def check_location(md: Metadata, index, loc, files: dict[str, FileEntry], where: str) -> None:
     """An item's location is a byte range of a listed shard file, long enough for what the metadata
     says it holds; a format-2 location also has a real dtype and a shape that matches its length."""
-    path = _path(loc)
+    path = item_path(loc)
     if path is None:
         raise CorruptCheckpointError(f"{where}: an item location is a {type(loc).__name__}, not a DCP one")
     entry = files.get(path) if isinstance(path, str) and SHARD_RE.fullmatch(path) else None
@@ -146,7 +146,7 @@ def check_location(md: Metadata, index, loc, files: dict[str, FileEntry], where:
                                      f"({str(loc.dtype)[:20]!r}, {str(loc.shape)[:40]})")
 
 
-def _path(loc) -> str | None:
+def item_path(loc) -> str | None:
     """The file an item location names (stock DCP's or a format-2 one); None for anything else."""
     if isinstance(loc, StorageInfo):
         return loc.relative_path
@@ -224,7 +224,7 @@ class EtrainReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list] = {}
         for req in plan.items:
-            per_file.setdefault(_path(self.storage_data[req.storage_index]), []).append(req)
+            per_file.setdefault(item_path(self.storage_data[req.storage_index]), []).append(req)
         batch: list[str] = []
         size = 0
         for path in sorted(per_file):
@@ -288,7 +288,7 @@ def check_items(md: Metadata, name: str, data: bytes, where: str) -> None:
     plain data (``torch.load(weights_only=True)``). CorruptCheckpointError naming the item otherwise.
     Locations are checked first (:func:`check_locations`)."""
     for index, loc in md.storage_data.items():
-        if _path(loc) != name:
+        if item_path(loc) != name:
             continue
         what = f"{where}: {str(index.fqn)[:80]!r}"
         chunk = chunk_of(md, index)

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .dcp_format import chunk_of, item_tensor
-from .dcp_read import EtrainReader, _path
+from .dcp_read import EtrainReader, item_path
 from .errors import CheckpointError, ConfigError
 from .export_manifest import (  # noqa: F401 (where the export's manifest is read back; re-exported)
     EXPORT_FORMAT,
@@ -80,7 +80,7 @@ class ModelSource:
     def open(cls, url: str, **kw) -> ModelSource:
         """The step a URL names (``<root>/<run>[/checkpoints[/step_N]]``; the newest committed without a step).
         ConfigError (exit 2) when it is not committed or its manifest or metadata are corrupt."""
-        from .cli import parse_url
+        from .layout import parse_url
 
         check_url(url, "URL")
         try:
@@ -120,7 +120,7 @@ class ModelSource:
         for fqn in fqns:
             key = MODEL_PREFIX + fqn
             for chunk in self.md.state_dict_metadata[key].chunks:
-                path = _path(self.md.storage_data[MetadataIndex(key, chunk.offsets)])
+                path = item_path(self.md.storage_data[MetadataIndex(key, chunk.offsets)])
                 if path not in seen:
                     seen.add(path)
                     self._order.append(path)
@@ -187,14 +187,14 @@ class ModelSource:
             index = MetadataIndex(key, entry.chunks[0].offsets)
             loc = self.md.storage_data[index]
             dtype, shape = chunk_of(self.md, index)
-            path = _path(loc)
+            path = item_path(loc)
             return item_tensor(self._file(path), loc, dtype, shape, f"{self.reader.step_rel}/{path}: {key}")
         out = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for chunk in entry.chunks:
             index = MetadataIndex(key, chunk.offsets)
             loc = self.md.storage_data[index]
             dtype, shape = chunk_of(self.md, index)
-            path = _path(loc)
+            path = item_path(loc)
             src = item_tensor(self._file(path), loc, dtype, shape, f"{self.reader.step_rel}/{path}: {key}")
             dst = out
             for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 
-from .manifest import step_dir
-from .names import validate_run_id
+from .errors import EtrainError
+from .manifest import parse_step_dir, step_dir
+from .names import redact, validate_run_id
 
 FENCE = "FENCE"
 LOCK_DIR = "LOCK"
@@ -69,3 +70,23 @@ def parse_fence(blob: bytes) -> int:
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"it should hold {{\"epoch\": N}} with N an integer >= 0, not {str(doc)[:40]}")
     return epoch
+
+
+def parse_url(url: str) -> tuple[str, str, int | None]:
+    """``<root>/<run>[/checkpoints[/step_N]]`` -> (root, run_id, step or None)."""
+    if "?" in url or "#" in url:
+        raise EtrainError(f"{redact(url)!r}: a checkpoint URL takes no query or fragment (?, #); give "
+                          "<root>/<run_id>[/checkpoints/step_N] and credentials through the environment")
+    parts = url.rstrip("/").split("/")
+    step = parse_step_dir(parts[-1])
+    if step is not None:
+        parts = parts[:-1]
+    if parts[-1] == "checkpoints":
+        parts = parts[:-1]
+    elif parts[-1] == "exports" and step is not None and len(parts) >= 3:
+        root, run = redact("/".join(parts[:-2])), parts[-2]
+        raise EtrainError(f"{redact(url)!r} is an export of run {run!r} (a transformers directory), not a "
+                          f"checkpoint; `etrain ckpt ls {root} --run {run}` lists the run's checkpoints and exports")
+    if len(parts) < 2 or not parts[-1] or parts[-1].endswith(":"):
+        raise EtrainError(f"{redact(url)!r} does not name a run directory; use <root>/<run_id>[/checkpoints/step_N]")
+    return "/".join(parts[:-1]), parts[-1], step
