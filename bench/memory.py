@@ -78,7 +78,7 @@ def measure_ddp(cfg, world, trainer_batcher, device) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainer import memory
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
     from trainer.tensor_parallel import lm_loss
 
     model = Transformer(cfg.model)

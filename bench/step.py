@@ -31,7 +31,7 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.config_load import load_config
     from trainer.data import load_corpus
     from trainer.loop import Trainer
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
     from trainer.tensor_parallel import lm_loss
     from trainer.world import World, init_distributed, shutdown_distributed
 

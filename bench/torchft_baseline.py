@@ -5,7 +5,7 @@
 Two replica groups of one process each, each under its own ``torchrun --nproc_per_node=1`` (the
 Manager reads torchrun's store env), and a torchft lighthouse (``--min_replicas 1``, its defaults
 otherwise) on 127.0.0.1. Each replica trains etrain's built-in tiny model (``model.preset = "tiny"``
-on examples/tiny.toml: ``trainer.model.Transformer``, weights from ``train.seed``), AdamW lr 0.003,
+on examples/tiny.toml: ``trainer.models.decoder.Transformer``, weights from ``train.seed``), AdamW lr 0.003,
 6 samples of ``data.seq_len`` per replica per step: windows of the ``trainer.data.load_splits(cfg)``
 corpus (the stdlib sources, as recovery.py's BASE), picked by step and replica. The gradients go
 through torchft's fault-tolerant ``Manager.allreduce`` (one flat bucket, ProcessGroupGloo, Manager
@@ -93,7 +93,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from trainer.config_load import load_config
     from trainer.data import load_splits
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
 
     cfg = load_config(os.path.join(ROOT, "examples/tiny.toml"), OVERRIDES)
     corpus, _ = load_splits(cfg)

@@ -77,10 +77,9 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     raw = with_durable_checkpoints(raw)
     cfg, ecfg = parse_config(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
     check_sizes(cfg, ecfg)
-    if cfg.model.source != "builtin":
-        from trainer.models import model_preflight  # torch and transformers: only for such models
+    from trainer.models import model_preflight  # the model's family checks it (transformers: only for such models)
 
-        model_preflight(cfg)
+    model_preflight(cfg)
     if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any worker starts
         from trainer.export import init_from_preflight
 

@@ -61,7 +61,7 @@ def build_peak(payload: dict) -> dict:
     model's and its largest tensor's."""
     from torch.distributed.tensor import DTensor
 
-    from trainer.model import Transformer
+    from trainer.models import spec_for
     from trainer.parallel_dims import ParallelDims
     from trainer.parallelize import build_model_parts
 
@@ -73,13 +73,7 @@ def build_peak(payload: dict) -> dict:
             cfg = load_config(None, payload["base"] + overrides)
             dims = ParallelDims.from_config(cfg, world.size)
             mesh = dims.build_mesh("cpu")
-            if cfg.model.source == "builtin":
-                with torch.device("meta"):
-                    whole = Transformer(cfg.model)
-            else:
-                from trainer.models import build_model
-
-                whole = build_model(cfg, "meta")
+            whole = spec_for(cfg.model).build("meta")
             sizes = [p.numel() * p.element_size() for p in whole.parameters()]
             gc.collect()
             with memory.StepMemory([], torch.optim.SGD([torch.zeros(1, requires_grad=True)])) as mem:

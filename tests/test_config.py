@@ -5,7 +5,7 @@ import pytest
 from checkpointing.errors import ConfigError
 from trainer.config import MODEL_PRESETS
 from trainer.config_load import load_config
-from trainer.model import Transformer, count_params
+from trainer.models.decoder import Transformer, count_params
 from trainer.parallel_dims import ParallelDims, valid_world_sizes
 
 

@@ -49,7 +49,7 @@ def step_url(url: str, run: str) -> str:
 def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
     from transformers import AutoModelForCausalLM
 
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
 
     root, url = runs
     out = str(root / "z3-hf")

@@ -140,7 +140,7 @@ def test_transformers_loads_the_export_with_the_logits_of_its_checkpoint(run, tm
     from transformers import AutoModelForCausalLM
 
     from trainer.export import export, model_config
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
 
     step_url = f"{run['url']}/{RUN}/checkpoints/step_000000008"
     export(step_url, str(tmp_path / "ck8.safetensors"), "safetensors")

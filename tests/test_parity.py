@@ -89,7 +89,7 @@ def reference_loop(payload: dict) -> dict:
 
     from trainer.config_load import load_config
     from trainer.data import Batcher, load_corpus
-    from trainer.model import Transformer
+    from trainer.models.decoder import Transformer
 
     cfg = load_config(None, payload["base"])
     t = cfg.train

@@ -4,7 +4,7 @@ It never imports Ray or the orchestrator: the same code runs under ``torchrun``
 (``python -m trainer``), inside an orchestrator actor, or in a test harness.
 
     config          the run's dataclasses        config_load     TOML + --set -> RunConfig
-    model           the decoder                  data            corpus and global sample order
+    models          a spec per model family      data            corpus and global sample order
     parallel_dims   ParallelDims, valid sizes    parallelize     TP, AC, FSDP, pipeline stages
     optim           ZeRO 0-2 and FSDP optimizer  memory          predicted bytes per rank
     world           this process, its group      loop            Trainer (one step), save_due

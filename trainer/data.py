@@ -50,6 +50,7 @@ from .data_sources import (
     resolve_format,
     stdlib_files,
 )
+from .models import spec_for
 from .token_cache import TokenCache, open_or_build, resolve_cache_dir
 from .tokenize import encode_stream, load_tokenizer, token_dtype
 
@@ -300,15 +301,9 @@ def tokenizer_vocab_size(cfg: DataConfig) -> int:
 def check_vocab(cfg: RunConfig, have: int, what: str) -> None:
     """ConfigError unless ``have`` token ids (``what``: the tokenizer's size, or the data's largest id + 1)
     fit the model's vocabulary: ``model.vocab_size``, or the vocab_size of an HF model's config."""
-    if cfg.model.source == "hf":
-        from .models import model_vocab_size
-
-        vocab = model_vocab_size(cfg)
-        field = f"the vocab_size of model.hf_config={cfg.model.hf_config!r}"
-        fix = f"use a model config with vocab_size >= {have}, or another data.tokenizer"
-    else:
-        vocab, field, fix = cfg.model.vocab_size, f"model.vocab_size={cfg.model.vocab_size}", \
-            f"set model.vocab_size >= {have}"
+    spec = spec_for(cfg.model)  # a transformers model reads its config for it
+    vocab = spec.vocab_size
+    field, fix = spec.vocab_field(have)
     if have > vocab:
         raise ConfigError(f"{field} is smaller than {what}, which has {have} ids; {fix}")
 

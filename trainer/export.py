@@ -7,20 +7,18 @@
 Any layout consolidates (the checkpoint stores each parameter as a global tensor; see
 :mod:`checkpointing.export`), one tensor at a time. ``hf`` writes ``config.json``, the weights
 (``model.safetensors``, sharded with an index above 5 GB) and the run's tokenizer files; the
-built-in decoder is written as ``LlamaForCausalLM``: its names are mapped and the rows of ``wq``
-and ``wk`` permuted per head from interleaved rotary pairs (``trainer.model.apply_rope``) to the
-halves that ``transformers``' ``rotate_half`` pairs, so the logits match. A ``transformers``
-model keeps its own names and its own ``config.json``. ``safetensors`` and ``torch`` write the
-model's own state dict (etrain names). The run config comes from the manifest.
-
-:func:`to_hf` / :func:`from_hf` are the name and layout conversion, used by ``init_from`` as well.
+names, layouts and ``config.json`` are the model family's (its spec's ``hf_names()``,
+:mod:`trainer.models`): the built-in decoder is written as ``LlamaForCausalLM``
+(:mod:`trainer.models.llama_names`), a ``transformers`` model keeps its own names and its own
+``config.json``. ``safetensors`` and ``torch`` write the model's own state dict (etrain names). The
+run config comes from the manifest. The same mapping reads a transformers directory back for
+``model.init_from`` (:class:`WeightSource`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 
@@ -42,22 +40,10 @@ from checkpointing.names import redact
 
 from .config import ModelConfig
 from .config_load import build_section
+from .models import spec_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FORMATS = ("hf", "safetensors", "torch")
-# built-in name -> LlamaForCausalLM name (per block: the part after "layers.<i>.")
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
-          "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
-_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
-
-
 def run_config(src: ModelSource) -> dict:
     """The resolved run config the checkpoint's manifest records; ConfigError for an adopted one."""
     cfg = src.manifest.config
@@ -71,80 +57,19 @@ def model_config(cfg: dict) -> ModelConfig:
     return build_section("model", ModelConfig, dict(cfg["model"]))
 
 
-# --- built-in <-> LlamaForCausalLM --------------------------------------------------------------
-
-
-def hf_name(fqn: str) -> str:
-    """The LlamaForCausalLM name of a built-in parameter."""
-    if fqn in _TOP:
-        return _TOP[fqn]
-    m = _LAYER.match(fqn)
-    if m is None or m.group(3) not in _BLOCK:
-        raise ConfigError(f"{fqn!r} is not a parameter of the built-in decoder")
-    return f"model.layers.{m.group(2)}.{_BLOCK[m.group(3)]}"
-
-
-def builtin_name(name: str) -> str:
-    """The built-in name of a LlamaForCausalLM parameter (the inverse of :func:`hf_name`)."""
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    m = _LAYER.match(name)
-    if m is None or not m.group(1) or m.group(3) not in _BLOCK_BACK:
-        raise ConfigError(f"{name!r} is not a parameter of a Llama model that the built-in decoder has")
-    return f"layers.{m.group(2)}.{_BLOCK_BACK[m.group(3)]}"
-
-
-def _rope_permute(t: torch.Tensor, head_dim: int, to_hf: bool) -> torch.Tensor:
-    """Rows of a q/k projection per head: interleaved pairs (2j, 2j+1) <-> halves (j, j + head_dim/2)."""
-    rows, cols = t.shape
-    if to_hf:
-        return t.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-    return t.reshape(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def to_hf(fqn: str, t: torch.Tensor, mcfg: ModelConfig) -> torch.Tensor:
-    """A built-in tensor in LlamaForCausalLM's layout (q/k rows permuted; everything else as is)."""
-    if fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
-        return _rope_permute(t, mcfg.head_dim, to_hf=True)
-    return t
-
-
-def from_hf(fqn: str, t: torch.Tensor, mcfg: ModelConfig) -> torch.Tensor:
-    """The inverse of :func:`to_hf` (``fqn`` is the built-in name)."""
-    if fqn.endswith(("attention.wq.weight", "attention.wk.weight")) and t.dim() == 2 and t.shape[0] % mcfg.head_dim == 0:
-        return _rope_permute(t, mcfg.head_dim, to_hf=False)
-    return t
-
-
-def llama_config(mcfg: ModelConfig, tokenizer: str = "bytes") -> dict:
-    """The ``config.json`` of the built-in decoder as a LlamaForCausalLM."""
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_hidden,
-                      num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                      num_key_value_heads=mcfg.n_kv_heads, head_dim=mcfg.head_dim, rms_norm_eps=mcfg.norm_eps,
-                      rope_theta=mcfg.rope_theta, max_position_embeddings=mcfg.max_seq_len,
-                      tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                      torch_dtype="float32", bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg.architectures = ["LlamaForCausalLM"]
-    out = cfg.to_dict()
-    out["etrain_tokenizer"] = tokenizer  # what `etrain generate` encodes with when no tokenizer files are here
-    return out
-
-
 # --- the export -------------------------------------------------------------------------------
 
 
 def plan(src: ModelSource, fmt: str, dtype: torch.dtype):
     """(specs, get, config): what to write, a function returning each output tensor, the run config."""
     cfg = run_config(src)
-    mcfg = model_config(cfg)
+    names = spec_for(model_config(cfg)).hf_names() if fmt == "hf" else None
+    convert = names is not None and names.renames
     specs_in = src.specs()
-    convert = fmt == "hf" and mcfg.source == "builtin"
     back: dict[str, str] = {}
     specs = []
     for fqn, (dt, shape) in specs_in.items():
-        name = hf_name(fqn) if convert else fqn
+        name = names.hf_name(fqn) if convert else fqn
         back[name] = fqn
         out_dt = dtype if dt.is_floating_point else dt
         specs.append((name, out_dt, shape))
@@ -153,7 +78,7 @@ def plan(src: ModelSource, fmt: str, dtype: torch.dtype):
         fqn = back[name]
         t = src.read(fqn)
         if convert:
-            t = to_hf(fqn, t, mcfg)
+            t = names.to_hf(fqn, t)
         return t.to(dtype) if t.is_floating_point() else t
 
     return specs, get, cfg
@@ -212,23 +137,9 @@ def _nbytes(spec) -> int:
 
 def write_hf_extras(out: str, cfg: dict) -> list[str]:
     """config.json (and generation_config.json from an hf source) and the run's tokenizer files."""
-    mcfg = model_config(cfg)
     tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
     written = ["config.json"]
-    if mcfg.source == "builtin":
-        config = llama_config(mcfg, tokenizer if tokenizer == "bytes" else "files")
-    elif mcfg.source == "hf":
-        from .hf_dir import read_config
-
-        path = os.path.expanduser(mcfg.hf_config)
-        if not os.path.exists(os.path.join(path, "config.json") if os.path.isdir(path) else path):
-            raise ConfigError(f"the run's model.hf_config={mcfg.hf_config!r} is not on this machine; export where it "
-                              "is, or use --format safetensors")
-        config = read_config(path, f"the run's model.hf_config={mcfg.hf_config!r}")
-        config.setdefault("etrain_tokenizer", tokenizer if tokenizer == "bytes" else "files")
-    else:
-        raise ConfigError("--format hf needs a built-in or a transformers model (model.source=\"python\" has no "
-                          "transformers config); use --format safetensors or torch")
+    config = spec_for(model_config(cfg)).hf_config_json(tokenizer if tokenizer == "bytes" else "files")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     written += copy_tokenizer(tokenizer, out)
@@ -308,8 +219,9 @@ def main(argv: list[str]) -> int:
 class WeightSource:
     """Full tensors by the model's own names from an ``init_from``: a ``transformers`` directory (or one
     weights file), validated by :mod:`trainer.hf_dir` and read one tensor at a time, or an etrain
-    checkpoint step (:class:`ModelSource`). A built-in model reads a LlamaForCausalLM export through
-    :func:`hf_name`. Every tensor read is checked finite."""
+    checkpoint step (:class:`ModelSource`). Weights in the transformers layout of a family that maps its
+    names (the built-in decoder reads a LlamaForCausalLM directory) are mapped back through its spec's
+    ``hf_names()``. Every tensor read is checked finite."""
 
     def __init__(self, spec: str, mcfg: ModelConfig):
         from .hf_dir import open_weights
@@ -327,15 +239,16 @@ class WeightSource:
             self.weights = open_weights(path, self.what)
         else:
             self.ckpt = ModelSource.open(spec)
-        self.hf_names = mcfg.source == "builtin" and self.weights is not None and \
-            "model.embed_tokens.weight" in self.weights.entries
+        names = spec_for(mcfg).hf_names() if self.weights is not None else None
+        self.names = names if names is not None and names.renames else None
+        self.hf_names = self.names is not None and self.names.holds_hf_names(self.weights.entries)
 
     @property
     def where(self) -> str:
         return self.ckpt.url if self.ckpt is not None else self.spec
 
     def name_of(self, fqn: str) -> str:
-        return hf_name(fqn) if self.hf_names else fqn
+        return self.names.hf_name(fqn) if self.hf_names else fqn
 
     def shape_of(self, fqn: str) -> tuple[int, ...] | None:
         name = self.name_of(fqn)
@@ -370,7 +283,7 @@ class WeightSource:
         if not t.is_floating_point():
             raise ConfigError(f"{self.what}: tensor {self.name_of(fqn)!r} is {t.dtype}, but the model's {fqn!r} is a "
                               "floating-point parameter; are these the weights of this model?")
-        return from_hf(fqn, t, self.mcfg) if self.hf_names else t
+        return self.names.from_hf(fqn, t) if self.hf_names else t
 
 
 def is_export_dir(path: str) -> bool:
@@ -399,15 +312,7 @@ def init_from_preflight(cfg) -> None:
     """Before any process group starts: ``model.init_from`` is valid (:mod:`trainer.hf_dir`) and holds every
     parameter of the model (built on the meta device) in its shape, every value finite; ConfigError
     (exit 2) naming the file or the tensor otherwise."""
-    if cfg.model.source == "builtin":
-        from .model import Transformer
-
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-    else:
-        from .models import build_model
-
-        model = build_model(cfg, device="meta")
+    model = spec_for(cfg.model).build(device="meta")
     source = WeightSource(cfg.model.init_from, cfg.model)
     expected = {k: tuple(p.shape) for k, p in model.named_parameters()}
     source.check(expected)
@@ -420,7 +325,7 @@ def init_from_preflight(cfg) -> None:
 def load_weights(state: dict[str, torch.Tensor], source: WeightSource) -> None:
     """Copy each full tensor of ``source`` into this rank's part of ``state`` ({fqn: tensor or DTensor of
     the global shape}, as the optimizer's checkpoint state holds the weights), one tensor at a time."""
-    from .model import fill_local
+    from .models.decoder import fill_local
 
     source.check({fqn: tuple(t.shape) for fqn, t in state.items()})
     for fqn, t in state.items():

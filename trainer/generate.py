@@ -32,6 +32,9 @@ from checkpointing.export import ModelSource
 
 from .export import model_config, refuse_incomplete_export, run_config, tokenizer_files
 from .hf_dir import open_weights, read_config, refuse_nonfinite
+from .models import spec_for
+from .models.brought import hf_max_positions, plain_forward
+from .models.hf import hf_forward
 from .tokenize import ByteTokenizer, load_tokenizer
 
 
@@ -58,40 +61,9 @@ def load(source: str, device: str | torch.device = "cpu") -> Loaded:
     state = {fqn: src.read(fqn) for fqn in src.specs()}
     for fqn, t in state.items():
         refuse_nonfinite(fqn, t, src.url)
-    if mcfg.source == "builtin":
-        from .model import Transformer
-
-        model = Transformer(mcfg)
-        model.load_state_dict(state)
-        max_len = mcfg.max_seq_len
-    elif mcfg.source == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from .models import hf_max_positions, load_hf_config
-
-        hf = load_hf_config(mcfg)
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-        _load_tied(model, state)
-        max_len = hf_max_positions(hf) or 1 << 30
-    else:
-        from .models import resolve_ref
-
-        model = resolve_ref(mcfg.factory, "model.factory")(dataclasses.asdict(mcfg))
-        model.load_state_dict(state)
-        max_len = mcfg.max_seq_len
+    model, max_len = spec_for(mcfg).inference_model(state)
     tokenizer = load_tokenizer(str(cfg.get("data", {}).get("tokenizer", "bytes")))
     return Loaded(_forward(model.to(device).eval()), tokenizer, max_len, device)
-
-
-def _load_tied(model, state: dict) -> None:
-    """load_state_dict, allowing the keys a tied output embedding leaves out of the checkpoint."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
-    if unexpected or set(missing) - tied:
-        raise ConfigError(f"the checkpoint does not match its model: missing {sorted(set(missing) - tied)[:5]}, "
-                          f"unexpected {sorted(unexpected)[:5]}")
-    if tied:
-        model.tie_weights()
 
 
 def _load_export(path: str, device: torch.device) -> Loaded:
@@ -100,8 +72,6 @@ def _load_export(path: str, device: torch.device) -> Loaded:
     weights = open_weights(path, path)  # headers, index, a .bin only through torch.load(weights_only=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
-
-    from .models import hf_max_positions
 
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
@@ -130,8 +100,6 @@ def _load_export(path: str, device: torch.device) -> Loaded:
 
 def _forward(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """Logits for token ids, as training computes them (a transformers model or any other)."""
-    from .models import hf_forward, plain_forward
-
     hf = hasattr(model, "config") and hasattr(model, "generation_config")
     return functools.partial(hf_forward if hf else plain_forward, model)
 

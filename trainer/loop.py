@@ -367,8 +367,9 @@ class Trainer:
         return self.parts.has_last_stage and self.coords["tp"] == 0
 
     def _seed(self, sample_index: int) -> None:
-        # Models of other sources may drop out whatever model.dropout says.
-        if self.cfg.model.dropout > 0 or self.cfg.model.source != "builtin":
+        # Whether the forward pass draws random numbers is the model's spec's to say (a model a user brings
+        # may drop out whatever model.dropout says).
+        if self.parts.draws_random:
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
     def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool]) -> tuple[float, float, float]:

@@ -49,26 +49,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import RunConfig
-from .model import layer_split
+from .models import spec_for
 from .parallel_dims import ParallelDims
 
 
 def local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
-    """(parameters of one block, parameters this rank holds) after tensor and pipeline parallelism."""
-    m, tp = cfg.model, dims.tp
-    hd = m.head_dim
-    attn = (m.dim * m.n_heads * hd * 2 + m.dim * m.n_kv_heads * hd * 2) // tp
-    block = attn + 3 * m.dim * m.ffn_hidden // tp + 2 * m.dim
+    """(parameters of one block, parameters this rank holds) after tensor and pipeline parallelism: the
+    model's shape asked (:meth:`trainer.models.shape.ModelShape.local_counts`)."""
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
-    split = layer_split(m.n_layers, n_stages)
-    total = 0
-    for s in stages:
-        total += len(split[s]) * block
-        if s == 0:
-            total += m.vocab_size * m.dim // tp
-        if s == n_stages - 1:
-            total += m.vocab_size * m.dim // tp + m.dim
-    return block, total
+    return spec_for(cfg.model).shape().local_counts(dims.tp, stages, n_stages)
 
 
 def local_param_count(cfg: RunConfig, dims: ParallelDims, rank: int) -> int:
@@ -122,7 +111,7 @@ def transient_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, 
     if stage < 3:
         return 0
     block, total = local_counts(cfg, dims, rank)
-    n_blocks = cfg.model.n_layers // (dims.pp * cfg.parallel.pp_stages_per_rank)
+    n_blocks = spec_for(cfg.model).shape().n_layers // (dims.pp * cfg.parallel.pp_stages_per_rank)
     p = 2 if mixed else 4
     gathered = total if dims.pp > 1 else total - max(0, n_blocks - 2) * block
     return p * gathered + (p + 4) * block

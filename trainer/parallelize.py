@@ -5,14 +5,13 @@
     parts = build_model_parts(cfg, dims, mesh, rank, device)   # stages of this rank, parallelized
     loss = lm_loss(parts.modules[0](inputs), targets)
 
-The order of :func:`parallelize`: tensor parallelism first, because it replaces
-parameters with DTensors sharded over the ``tp`` axis; activation
-checkpointing next, because it only marks blocks; data parallelism last,
-because FSDP2 shards whatever parameters it finds (the TP DTensors included,
-as 2-D shards) and must see the final module tree to group its all-gathers
-per block. Pipeline stages are cut from the full model before any of it,
-keeping parameter names (FQNs). All of it happens on the meta device; only then
-does each rank allocate and fill its own shards.
+One order for every model family, each step asked of its spec (:mod:`trainer.models`): pipeline
+stages are cut from the full model first, keeping parameter names (FQNs); tensor parallelism
+next, because it replaces parameters with DTensors sharded over the ``tp`` axis; activation
+checkpointing next, because it only marks blocks; data parallelism last, because FSDP2 shards
+whatever parameters it finds (the TP DTensors included, as 2-D shards) and must see the final
+module tree to group its all-gathers per block. The built-in model goes through all of it on the
+meta device; only then does each rank allocate and fill its own shards.
 """
 
 from __future__ import annotations
@@ -26,25 +25,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
-from .model import Transformer, cut_stage
+from .models import spec_for
 from .parallel_dims import ParallelDims, axis_group, fsdp_mesh, resolve_precision, sub_mesh
-from .tensor_parallel import apply_tp, grads_as_placed, lm_loss
+from .tensor_parallel import grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
-
-
-def apply_ac(model: Transformer, mode: str, every_k: int) -> None:
-    """Activation checkpointing: recompute every block, or every k-th, in backward."""
-    for i, (name, block) in enumerate(model.layers.items()):
-        if mode == "full":
-            block.checkpoint_activations = True
-        elif mode == "every_k":
-            block.checkpoint_activations = int(name) % every_k == 0
-
-
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.device, pipelined: bool):
-    """ZeRO-3 of the built-in decoder: :func:`shard_blocks` over its ``layers``."""
-    shard_blocks(model, list(model.layers.values()), dp_mesh, pcfg, device, pipelined)
 
 
 def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, pcfg: ParallelConfig,
@@ -74,35 +59,6 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
 
 
-def parallelize(model: Transformer, pcfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
-                device: torch.device, *, use_fsdp: bool, seed: int) -> None:
-    """Apply the layout to one stage built on the meta device, in place: TP, then AC, then FSDP
-    (ZeRO-3); then allocate and initialise only this rank's shards; then the compute dtype (ZeRO 0-2).
-
-    The order matters (module docstring): TP turns parameters into DTensors, AC only marks blocks,
-    and FSDP2 must see the final module tree and the TP-sharded parameters. No rank ever holds more
-    of the stage than its own shards plus one whole tensor being drawn (``Transformer.init_weights``).
-    ZeRO 0-2 shard in the optimizer (:mod:`trainer.optim`), not here; they read each gradient as its
-    parameter's local shard, so TP gradients are brought to their parameters' placements (FSDP2 does
-    that itself). Rotary tables stay fp32 in every case.
-    """
-    tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(pcfg, device)
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
-    apply_ac(model, pcfg.activation_checkpoint, pcfg.ac_every_k)
-    if use_fsdp:
-        apply_fsdp(model, fsdp_mesh(mesh, dims), pcfg, device, pipelined=dims.pp > 1)
-    # FSDP's CPU offload keeps the sharded parameters in host memory.
-    model.to_empty(device="cpu" if use_fsdp and pcfg.offload == "cpu" else device)
-    model.init_weights(seed)
-    if not use_fsdp:
-        if dtype != torch.float32:
-            model.to(dtype)
-        if tp_mesh is not None:
-            grads_as_placed(model)  # after the cast, which replaces DTensor parameters
-    model.rope = model.rope.float()
-
-
 @dataclass
 class ModelParts:
     """What this rank runs: one module, or its pipeline stages, and their schedule."""
@@ -112,12 +68,14 @@ class ModelParts:
     n_stages: int
     pipeline: Pipeline | None
     uses_fsdp: bool
-    # Models of other sources (trainer.models): how to get logits, and the loss; None = the built-in's.
+    # How to get logits, and the loss (the model's spec, trainer.models); None: call the module, lm_loss.
     forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Parameters held after tensor parallelism, before ZeRO (for the memory prediction); 0 = compute it
-    # from the built-in model's sizes.
+    # from the model's shape.
     local_params: int = 0
+    # Whether the forward pass draws random numbers (dropout): the step loop seeds it per sample.
+    draws_random: bool = True
 
     @property
     def has_first_stage(self) -> bool:
@@ -148,80 +106,43 @@ class ModelParts:
 
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                       device: torch.device) -> ModelParts:
-    """Build, parallelize and initialise this rank's part of the model.
+    """Build, parallelize and initialise this rank's part of the model, in the order of the module docstring.
 
-    The built-in model is built on the meta device and parallelized there; only this rank's shards
-    are then allocated, each filled from its whole tensor drawn from (seed, FQN), so the result is
-    the same for every layout.
+    No rank ever holds more of a stage than its own shards plus one whole tensor being drawn (the built-in
+    model, ``Transformer.init_weights``), or than the whole model it builds on the host (a model a user
+    brings, unless ``model.init_from`` fills it: then its parameters are built on the meta device). ZeRO 0-2
+    shard in the optimizer (:mod:`trainer.optim`), not here; they read each gradient as its parameter's
+    local shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
     """
-    if cfg.model.source != "builtin":
-        return build_custom_parts(cfg, dims, mesh, rank, device)
-    p = cfg.parallel
-    n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
-    use_fsdp = p.zero_stage == 3 and dims.dp > 1
-    modules = []
-    for s in stage_ids:
-        with torch.device("meta"):
-            m = Transformer(cfg.model)
-        if dims.pp > 1:
-            cut_stage(m, s, n_stages)
-        parallelize(m, p, dims, mesh, device, use_fsdp=use_fsdp, seed=cfg.train.seed)
-        modules.append(m)
-    pipeline = None
-    if dims.pp > 1:
-        pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
-                            p.pp_schedule, dims.pp_microbatches(cfg))
-    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp)
-
-
-def build_custom_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
-                       device: torch.device) -> ModelParts:
-    """A hf/python model (:mod:`trainer.models`): built whole on the host from the seed, cut to this rank's
-    pipeline stages, then TP from its plan, activation checkpointing and FSDP per block, or the compute
-    dtype for ZeRO 0-2. With ``model.init_from`` its weights are loaded later, so its parameters are
-    built on the meta device and only this rank's shards are allocated, once parallelized."""
-    from . import models
-
+    spec = spec_for(cfg.model)
     p = cfg.parallel
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
     use_fsdp = p.zero_stage == 3 and dims.dp > 1
-    on_meta = bool(cfg.model.init_from)  # init_from (or a checkpoint on resume) fills every weight
     modules, local = [], 0
     for s in stage_ids:
-        model = models.build_model(cfg, "cpu", params_on_meta=on_meta)
-        if on_meta and models.shares_parameters(model):  # tied weights: built whole, as without init_from
-            on_meta, model = False, models.build_model(cfg, "cpu")
-        named = models.find_blocks(model, cfg.model)
-        blocks = [m for _, m in named]
-        if dims.pp > 1:
-            keep = models.stage_ranges([n for n, _ in named], n_stages, cfg.model.pp_split_points)[s]
-            blocks = models.cut_hf_stage(model, keep, first=s == 0, last=s == n_stages - 1)
-        if not on_meta:
-            model.to(device)
+        stage = spec.build_stage(cfg, s, n_stages if dims.pp > 1 else 1, device)
+        model = stage.module
         if tp_mesh is not None:
-            models.apply_tp_plan(model, cfg, tp_mesh)
-        local += models.local_param_count(model)
-        models.apply_block_ac(blocks, p.activation_checkpoint, p.ac_every_k)
+            spec.apply_tp(model, tp_mesh, p)
+        local += spec.local_params(model)
+        spec.apply_ac(stage, p.activation_checkpoint, p.ac_every_k)
         if use_fsdp:
-            shard_blocks(model, blocks, fsdp_mesh(mesh, dims), p, device,
-                         pipelined=dims.pp > 1)
-        if on_meta:
-            models.materialize(model, "cpu" if use_fsdp and p.offload == "cpu" else device)
+            shard_blocks(model, stage.blocks, fsdp_mesh(mesh, dims), p, device, pipelined=dims.pp > 1)
+        # FSDP's CPU offload keeps the sharded parameters in host memory.
+        spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
         if not use_fsdp:
             if dtype != torch.float32:
-                models.cast_parameters(model, dtype)
+                spec.cast(model, dtype)
             if tp_mesh is not None:
-                grads_as_placed(model)  # ZeRO 0-2 read gradients as the parameters' local shards
+                grads_as_placed(model)  # after the cast, which replaces DTensor parameters
         modules.append(model)
     pipeline = None
     if dims.pp > 1:
         pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
                             p.pp_schedule, dims.pp_microbatches(cfg))
-    loss_fn = models.resolve_ref(cfg.model.loss, "model.loss") if cfg.model.loss else None
-    forward = models.hf_forward if cfg.model.source == "hf" else models.plain_forward
-    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=forward, loss_fn=loss_fn,
-                      local_params=local)
+    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
+                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random)
 
 
 class Pipeline:

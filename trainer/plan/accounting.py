@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig
 from ..memory import predict, transient_bytes
+from ..models import spec_for
 from ..parallel_dims import ParallelDims
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -130,13 +131,8 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
 
 
 def block_activation_elems(cfg: RunConfig, tp: int, sp: bool) -> float:
-    """Elements per token one built-in block saves for backward (module docstring)."""
-    m = cfg.model
-    h, f, kvd = m.dim, m.ffn_hidden, m.n_kv_heads * m.head_dim
-    norms = 2 * h  # the two RMSNorms' inputs (the residual stream)
-    gathered = 2 * h  # the normed inputs of the first linears of attention and feed-forward
-    inside = (h + 2 * kvd) + (h + kvd) + (2 * h if m.n_kv_heads < m.n_heads else 0) + 2 * h + 4 * f
-    return (norms / tp if sp else norms) + gathered + inside / tp
+    """Elements per token one block saves for backward (module docstring): the model's shape asked."""
+    return spec_for(cfg.model).shape().block_activation_elems(tp, sp)
 
 
 def _in_flight(dims: ParallelDims, cfg: RunConfig, stage: int) -> float:
@@ -157,14 +153,12 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     """``activations`` (blocks, all micro-batches in flight), ``logits`` (the last stage's loss),
     ``workspace`` (backward's largest temporaries) and ``recompute`` (a checkpointed block's
     activations while backward recomputes it) of ``rank``, in bytes."""
-    from ..model import layer_split
-
-    p, m = cfg.parallel, cfg.model
+    p, m = cfg.parallel, spec_for(cfg.model).shape()
     tokens = cfg.train.micro_batch * cfg.data.seq_len
     n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-    split = layer_split(m.n_layers, n_stages)
+    split = m.stage_layers(n_stages)
     layers = sum(len(split[s]) for s in stages)
-    full = block_activation_elems(cfg, dims.tp, p.sequence_parallel) * tokens * act_bytes
+    full = m.block_activation_elems(dims.tp, p.sequence_parallel) * tokens * act_bytes
     kept = m.dim * tokens * act_bytes / (dims.tp if p.sequence_parallel else 1)
     recompute = 0.0  # one checkpointed block's activations, again, while backward recomputes it
     if p.activation_checkpoint == "full":
@@ -189,7 +183,7 @@ def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
     if stage not in (1, 2):
         return 0
-    n, m = dims.dp_shard, cfg.model
+    n, m = dims.dp_shard, spec_for(cfg.model).shape()
     largest = max(m.vocab_size * m.dim, m.dim * m.ffn_hidden) // dims.tp
     row = max(cfg.parallel.bucket_mb * 2**20 / (4 * n), largest / n)
     return int(4 * (n + 1) * min(row, local_params / n + 1))
@@ -222,9 +216,8 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
         return 0
     block, total = local_counts(cfg, dims, rank)
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
-    from ..model import layer_split
-
-    blocks = sum(len(layer_split(cfg.model.n_layers, n_stages)[s]) for s in stages)
+    split = spec_for(cfg.model).shape().stage_layers(n_stages)
+    blocks = sum(len(split[s]) for s in stages)
     p = 2 if mixed else 4
     gathered = p * total if dims.pp > 1 else p * (total - blocks * block + block)
     n_micro = dims.pp_microbatches(cfg) if dims.pp > 1 else dims.local_batch(cfg) // cfg.train.micro_batch

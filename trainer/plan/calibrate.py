@@ -85,7 +85,7 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
 
     import torch
 
-    from ..model import Transformer
+    from ..models import spec_for
     from ..parallel_dims import ParallelDims
     from ..tensor_parallel import lm_loss
     from .cost import step_flops
@@ -94,10 +94,10 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     shape = model_shape(cfg)
     m = shape.model
     note = ""
-    real = cfg.model.source != "builtin"  # a transformers or factory model: that model itself
+    spec = spec_for(cfg.model)  # the model itself (a transformers or factory model too)
     if shape.n_params > 200e6:
         m = dataclasses.replace(m, **MODEL_PRESETS["small"], vocab_size=min(m.vocab_size, 32000))
-        note, real = "the model is over 200M parameters: measured at the small preset's size", False
+        note, spec = "the model is over 200M parameters: measured at the small preset's size", spec_for(m)
     seq = min(cfg.data.seq_len, m.max_seq_len)
     one = dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, seq_len=seq),
                               parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1, pp=1,
@@ -110,18 +110,12 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     if device == "cpu":  # one core, times the cores: threads that contend for a busy host measure the contention
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if real:
-        from ..models import build_model, logits_of
+    net = spec.build("cpu", cfg.train.seed).to(dev, dtype)
 
-        net = build_model(cfg, "cpu").to(dev, dtype)
+    def model(tokens):
+        return spec.logits(net, tokens)
 
-        def model(tokens):
-            return logits_of(net(tokens))
-
-        params = net.parameters()
-    else:
-        model = Transformer(m).to(dev, dtype)
-        params = model.parameters()
+    params = net.parameters()
     opt = torch.optim.AdamW(params, lr=1e-4)
     x = torch.randint(0, m.vocab_size, (one.train.micro_batch, seq + 1), device=dev)
     times: list[float] = []

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..memory import local_param_count
-from ..model import layer_split
+from ..models import spec_for
 from ..parallel_dims import ParallelDims
 
 
@@ -53,7 +53,7 @@ def bubble_fraction(cfg: RunConfig, dims: ParallelDims) -> float:
 
 def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> list[dict]:
     """Every collective of ``rank``'s step (module docstring), largest first; empty entries left out."""
-    p, m = cfg.parallel, cfg.model
+    p, m = cfg.parallel, spec_for(cfg.model).shape()
     act_b = 2 if mixed else 4
     count = local_param_count(cfg, dims, rank)
     grads, params = 4 * count, act_b * count
@@ -79,7 +79,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         add("all_gather", "dp_shard", _ring("all_gather", n, params), buckets)
     else:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-        blocks = sum(len(layer_split(m.n_layers, n_stages)[s]) for s in stages)
+        blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
         gathers = 2 if dims.pp > 1 else 2 * mb
         add("all_gather", "dp_shard", gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
         rs = mb if p.reduce_every_microbatch else 1
@@ -87,7 +87,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         add("all_reduce", "dp_replicate", _ring("all_reduce", r, grads / n), blocks + 1)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-        split = layer_split(m.n_layers, n_stages)
+        split = m.stage_layers(n_stages)
         layers = sum(len(split[s]) for s in stages)
         per_block = 4 + (2 if p.activation_checkpoint == "full" else 0)
         if p.activation_checkpoint == "every_k":

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..config import RunConfig
 from ..memory import local_counts
-from ..model import layer_split
+from ..models import spec_for
 from ..parallel_dims import ParallelDims
 from .comm import bubble_fraction, step_comm
 
@@ -98,13 +98,13 @@ def link(dims: ParallelDims, axis: str, dev: Device) -> str:
 
 def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
     """FLOPs ``rank`` computes in one step (module docstring)."""
-    p, m = cfg.parallel, cfg.model
+    p, m = cfg.parallel, spec_for(cfg.model).shape()
     tokens = dims.local_batch(cfg) * cfg.data.seq_len
     n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-    split = layer_split(m.n_layers, n_stages)
+    split = m.stage_layers(n_stages)
     layers = sum(len(split[s]) for s in stages)
     block, params = local_counts(cfg, dims, rank)
-    embed = m.vocab_size * m.dim // dims.tp if 0 in stages else 0
+    embed = m.embedding_params(dims.tp) if 0 in stages else 0
     dense = 6 * (params - embed) * tokens  # an embedding lookup computes nothing
     attn = 6 * cfg.data.seq_len * m.dim / dims.tp * tokens * layers
     if p.activation_checkpoint == "full":

@@ -70,7 +70,7 @@ def evaluate(cfg: RunConfig, layout: Layout, dev: Device) -> Candidate:
 
 
 def _allowed(cfg: RunConfig) -> dict:
-    """What the model source allows (trainer.models.inspect_model refuses the rest)."""
+    """What the model allows (its spec's preflight refuses the rest; trainer.models)."""
     allows = getattr(cfg, "plan_allows", ("tp", "pp", "sp"))  # trainer.plan.shape.planning_config sets it
     return {k: k in allows for k in ("tp", "pp", "sp")}
 

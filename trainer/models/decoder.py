@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from .shape import ModelShape, layer_split
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -87,9 +88,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.dropout = cfg.dropout
-        # Set by trainer.parallelize.apply_ac; recomputes this block in backward.
+        # Set by DecoderSpec.apply_ac (trainer.models.builtin); recomputes this block in backward.
         self.checkpoint_activations = False
-        # Set by trainer.tensor_parallel.apply_tp under sequence parallelism: (tp rank, tp size); the
+        # Set by trainer.models.decoder_tp.apply_tp under sequence parallelism: (tp rank, tp size); the
         # residual stream then holds this rank's tp-th of the sequence.
         self.seq_shard: tuple[int, int] | None = None
 
@@ -191,17 +192,6 @@ def param_seed(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def layer_split(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous block ranges per pipeline stage, as even as possible."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
 def cut_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
     """Keep only what pipeline stage ``stage`` of ``n_stages`` runs, in place.
 
@@ -220,9 +210,5 @@ def cut_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Parameters of the whole model, computed from its sizes."""
-    d, hd = cfg.dim, cfg.head_dim
-    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    ffn = 3 * d * cfg.ffn_hidden
-    block = attn + ffn + 2 * d
-    return cfg.vocab_size * d * 2 + d + cfg.n_layers * block
+    """Parameters of the whole model, computed from its sizes (:class:`~trainer.models.shape.ModelShape`)."""
+    return ModelShape.of(cfg).n_params

@@ -1,0 +1,78 @@
+"""The built-in Llama-style decoder as a model family (``[model] source = "builtin"``).
+
+    spec = DecoderSpec(cfg.model)
+    spec.shape()                 # its sizes, from the config alone (nothing built)
+
+Built on the meta device and parallelized there; each rank then allocates only its own shards and
+fills them from whole tensors drawn from (seed, FQN) (:meth:`Transformer.init_weights`), so every
+layout starts from the same weights. Pipeline stages keep their blocks' names (``layers.5``);
+activation checkpointing is a flag on the block; its tensor-parallel plan, with sequence and loss
+parallelism, is :mod:`.decoder_tp`; its transformers names are ``LlamaForCausalLM``'s
+(:mod:`.llama_names`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ParallelConfig, RunConfig
+from .decoder import Transformer, cut_stage
+from .llama_names import LlamaNames
+from .shape import ModelShape
+from .spec import ModelSpec, Stage
+
+
+class DecoderSpec(ModelSpec):
+    family = "builtin"
+
+    def shape(self) -> ModelShape:
+        return ModelShape.of(self.mcfg)
+
+    @property
+    def draws_random(self) -> bool:
+        return self.mcfg.dropout > 0
+
+    def build(self, device: str | torch.device = "meta", seed: int = 0) -> Transformer:
+        with torch.device(device):
+            model = Transformer(self.mcfg)
+        if torch.device(device).type != "meta":
+            model.init_weights(seed)
+        return model
+
+    def build_stage(self, cfg: RunConfig, stage: int, n_stages: int, device: torch.device) -> Stage:
+        with torch.device("meta"):
+            model = Transformer(self.mcfg)
+        if n_stages > 1:
+            cut_stage(model, stage, n_stages)
+        return Stage(model, list(model.layers.values()), params_on_meta=True)
+
+    def apply_tp(self, module: nn.Module, tp_mesh, pcfg: ParallelConfig) -> None:
+        from .decoder_tp import apply_tp
+
+        apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
+
+    def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
+        """Recompute every block in backward, or every k-th (by its index in the whole model)."""
+        for name, block in stage.module.layers.items():
+            if mode == "full":
+                block.checkpoint_activations = True
+            elif mode == "every_k":
+                block.checkpoint_activations = int(name) % every_k == 0
+
+    def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
+        stage.module.to_empty(device=device)
+        stage.module.init_weights(seed)
+
+    def cast(self, module: nn.Module, dtype: torch.dtype) -> None:
+        module.to(dtype)
+        module.rope = module.rope.float()  # rotary tables stay fp32
+
+    def inference_model(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, int]:
+        model = Transformer(self.mcfg)
+        model.load_state_dict(state)
+        return model, self.mcfg.max_seq_len
+
+    def hf_names(self) -> LlamaNames:
+        return LlamaNames(self.mcfg)
+

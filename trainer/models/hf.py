@@ -1,0 +1,149 @@
+"""``transformers`` causal LMs as a model family (``[model] source = "hf"``).
+
+    spec = HFSpec(cfg.model)          # model.hf_config: a directory holding config.json, or the file
+    model = spec.build("meta")        # AutoModelForCausalLM.from_config, nothing allocated
+
+The model is built from a local ``config.json`` (never from a hub: ``HF_HUB_OFFLINE`` is set), read
+by :mod:`trainer.hf_dir` first (JSON, an object, its sizes integers). Its own names are transformers'
+names, so an export keeps them and its own ``config.json``; its blocks are its ``_no_split_modules``;
+its tensor-parallel plan is its ``_tp_plan`` (:mod:`.brought`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from checkpointing.errors import ConfigError
+from checkpointing.names import redact
+
+from ..config import ModelConfig
+from .brought import UserModelSpec, hf_max_positions
+
+
+def load_hf_config(mcfg: ModelConfig):
+    """The ``transformers`` config of ``model.hf_config`` (a directory with config.json, or the file)."""
+    path = os.path.expanduser(mcfg.hf_config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.hf_config={redact(mcfg.hf_config)!r} does not exist; give a directory holding "
+                          "config.json, or the JSON file itself (nothing is downloaded)")
+    from ..hf_dir import read_config
+
+    read_config(path, f"model.hf_config={mcfg.hf_config!r}")  # JSON, an object, its sizes integers
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad file
+        raise ConfigError(f"model.hf_config={mcfg.hf_config!r} is not a transformers config: {e}") from None
+    config.use_cache = False
+    if getattr(config, "_attn_implementation_internal", None) is None:
+        config._attn_implementation = "sdpa"
+    return config
+
+
+def hf_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=inputs, use_cache=False).logits
+
+
+class HFSpec(UserModelSpec):
+    family = "hf"
+
+    def __init__(self, mcfg: ModelConfig):
+        super().__init__(mcfg)
+        self._hf = None
+
+    def hf_config(self):
+        """The model's transformers config (read once)."""
+        if self._hf is None:
+            self._hf = load_hf_config(self.mcfg)
+        return self._hf
+
+    def construct(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_hf_config(self.mcfg)
+        try:
+            return AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds for values it cannot build
+            raise ConfigError(f"model.hf_config={self.mcfg.hf_config!r} does not build a model "
+                              f"({type(e).__name__}: {str(e)[:200]}); fix the config") from None
+
+    def own_config(self, model: nn.Module) -> object:
+        return model.config
+
+    def planner_tp_plan(self, model: nn.Module) -> dict | None:
+        return getattr(model, "_tp_plan", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config().vocab_size)
+
+    def vocab_field(self, have: int) -> tuple[str, str]:
+        return (f"the vocab_size of model.hf_config={self.mcfg.hf_config!r}",
+                f"use a model config with vocab_size >= {have}, or another data.tokenizer")
+
+    def forward_fn(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+        return hf_forward
+
+    def inference_model(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, int]:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_hf_config(self.mcfg)
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        load_tied(model, state)
+        return model, hf_max_positions(hf) or 1 << 30
+
+    def hf_names(self) -> OwnNames:
+        return OwnNames(self.mcfg)
+
+
+def load_tied(model: nn.Module, state: dict) -> None:
+    """load_state_dict, allowing the keys a tied output embedding leaves out of the checkpoint."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+    if unexpected or set(missing) - tied:
+        raise ConfigError(f"the checkpoint does not match its model: missing {sorted(set(missing) - tied)[:5]}, "
+                          f"unexpected {sorted(unexpected)[:5]}")
+    if tied:
+        model.tie_weights()
+
+
+class OwnNames:
+    """:class:`~trainer.models.spec.HFNames` of a transformers model: its own names, its own config.json."""
+
+    renames = False
+
+    def __init__(self, mcfg: ModelConfig):
+        self.mcfg = mcfg
+
+    def hf_name(self, fqn: str) -> str:
+        return fqn
+
+    def holds_hf_names(self, names: Iterable[str]) -> bool:
+        return False  # nothing to map back
+
+    def to_hf(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def from_hf(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def config_json(self, tokenizer: str) -> dict:
+        """The run's own config.json (with ``etrain_tokenizer``, unless it says one)."""
+        from ..hf_dir import read_config
+
+        mcfg = self.mcfg
+        path = os.path.expanduser(mcfg.hf_config)
+        if not os.path.exists(os.path.join(path, "config.json") if os.path.isdir(path) else path):
+            raise ConfigError(f"the run's model.hf_config={mcfg.hf_config!r} is not on this machine; export where it "
+                              "is, or use --format safetensors")
+        config = read_config(path, f"the run's model.hf_config={mcfg.hf_config!r}")
+        config.setdefault("etrain_tokenizer", tokenizer)
+        return config

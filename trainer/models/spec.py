@@ -1,0 +1,179 @@
+"""What every model family answers: the interface the rest of the trainer asks instead of ``model.source``.
+
+    spec = spec_for(cfg.model)                       # trainer.models: the family of [model] source
+    stage = spec.build_stage(cfg, s, n_stages, dev)  # one pipeline stage, its blocks (FSDP/AC units)
+    spec.apply_tp(stage.module, tp_mesh, cfg.parallel)
+    spec.shape().flops_per_token(seq_len)            # sizes and counts (trainer.models.shape)
+    names = spec.hf_names()                          # to and from Hugging Face names, or None
+
+A family implements the abstract methods; the others have defaults that fit a model a user brings.
+The order in which :func:`trainer.parallelize.build_model_parts` calls them is fixed there: build and
+cut a stage, tensor parallelism, activation checkpointing, FSDP on the blocks, allocate and fill
+the weights, the compute dtype.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..config import ModelConfig, ParallelConfig, RunConfig
+    from .shape import ModelShape
+
+
+@dataclass
+class Stage:
+    """One pipeline stage of a model as built (the whole model when there is no pipeline)."""
+
+    module: nn.Module
+    blocks: list[nn.Module]  # the repeated blocks it keeps, in order: the unit of FSDP and of checkpointing
+    params_on_meta: bool = False  # its parameters not allocated yet (:meth:`ModelSpec.materialize` does it)
+
+
+@dataclass
+class ModelInfo:
+    """What the preflight learned about a model a user brings (printed at start, used in checks)."""
+
+    source: str
+    vocab_size: int
+    n_params: int
+    blocks: int
+    block_class: str
+    tp_plan: str  # "model's own", "model.tp_plan" or "none"
+    max_seq_len: int | None
+
+    def describe(self) -> str:
+        return (f"{self.source} model, {self.n_params / 1e6:.1f}M parameters, {self.blocks} x {self.block_class}, "
+                f"vocabulary {self.vocab_size}")
+
+
+class HFNames(Protocol):
+    """A family's mapping to a ``transformers`` model: names, tensor layouts and config.json."""
+
+    renames: bool  # whether any name or layout differs (False: the model's own names are transformers')
+
+    def hf_name(self, fqn: str) -> str: ...
+
+    def holds_hf_names(self, names: Iterable[str]) -> bool:
+        """Whether weights with these names are in the transformers layout (to be mapped back)."""
+        ...
+
+    def to_hf(self, fqn: str, t: torch.Tensor) -> torch.Tensor: ...
+
+    def from_hf(self, fqn: str, t: torch.Tensor) -> torch.Tensor: ...
+
+    def config_json(self, tokenizer: str) -> dict:
+        """config.json of the export; ``tokenizer``: "bytes" or "files" (``etrain_tokenizer``)."""
+        ...
+
+
+class ModelSpec(ABC):
+    """A model family: built from the ``[model]`` section, asked by everything that needs the model."""
+
+    family: ClassVar[str]  # the value of model.source
+    cached: ClassVar[bool] = False  # whether trainer.models.spec_for keeps one per config (costly to answer)
+
+    def __init__(self, mcfg: ModelConfig):
+        self.mcfg = mcfg
+
+    # --- what the model is -------------------------------------------------------------------
+
+    @abstractmethod
+    def shape(self) -> ModelShape:
+        """Sizes and counts (:class:`~trainer.models.shape.ModelShape`)."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return self.shape().flops_per_token(seq_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.mcfg.vocab_size
+
+    def vocab_field(self, have: int) -> tuple[str, str]:
+        """(what sets the vocabulary, the fix when ``have`` ids do not fit), for an error message."""
+        return f"model.vocab_size={self.mcfg.vocab_size}", f"set model.vocab_size >= {have}"
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether the forward pass may draw random numbers (dropout): the step loop seeds it per sample."""
+        return True
+
+    def allows(self) -> tuple[str, ...]:
+        """What layouts the model can take: "tp", "pp", "sp" (the planner offers nothing else)."""
+        return ("tp", "pp", "sp")
+
+    def planning_model(self, seq_len: int) -> ModelConfig:
+        """The ``[model]`` the planner accounts with: this one, or a built-in decoder of the same shape."""
+        return self.mcfg
+
+    def preflight(self, cfg: RunConfig) -> ModelInfo | None:
+        """Before any process group: ConfigError (exit 2) for what cannot train; what was learned, if anything."""
+        return None
+
+    # --- building and parallelizing --------------------------------------------------------------
+
+    @abstractmethod
+    def build(self, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
+        """The whole model on ``device`` (meta: no memory); off meta its weights are drawn from ``seed``."""
+
+    @abstractmethod
+    def build_stage(self, cfg: RunConfig, stage: int, n_stages: int, device: torch.device) -> Stage:
+        """Pipeline stage ``stage`` of ``n_stages`` (1: the whole model), keeping parameter names (FQNs)."""
+
+    @abstractmethod
+    def apply_tp(self, module: nn.Module, tp_mesh, pcfg: ParallelConfig) -> None:
+        """Tensor parallelism from the family's plan, in place."""
+
+    @abstractmethod
+    def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
+        """Activation checkpointing of the stage's blocks ("full" or "every_k")."""
+
+    @abstractmethod
+    def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
+        """Allocate what is still on the meta device (this rank's shards only) on ``device``, and fill it."""
+
+    @abstractmethod
+    def cast(self, module: nn.Module, dtype: torch.dtype) -> None:
+        """Parameters to the compute dtype (ZeRO 0-2; FSDP casts itself)."""
+
+    def local_params(self, module: nn.Module) -> int:
+        """Parameters a stage holds after TP, before ZeRO, for the memory prediction; 0: from the shape."""
+        return 0
+
+    def forward_fn(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor] | None:
+        """How to get logits from token ids; None: call the module."""
+        return None
+
+    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The training loss of (logits, targets); None: the language-model loss."""
+        return None
+
+    def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        fn = self.forward_fn()
+        return fn(module, tokens) if fn is not None else module(tokens)
+
+    # --- weights in and out ----------------------------------------------------------------------
+
+    @abstractmethod
+    def inference_model(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, int]:
+        """The whole model on the host holding ``state`` (full tensors by FQN), and the longest input it takes."""
+
+    def hf_names(self) -> HFNames | None:
+        """The mapping to a ``transformers`` model; None when there is none."""
+        return None
+
+    def hf_config_json(self, tokenizer: str) -> dict:
+        """config.json of a transformers export (``tokenizer``: "bytes" or "files"); ConfigError when there is none."""
+        names = self.hf_names()
+        if names is None:
+            from checkpointing.errors import ConfigError
+
+            raise ConfigError(f"--format hf needs a model with a transformers config; model.source={self.family!r} "
+                              "has none: use --format safetensors or torch")
+        return names.config_json(tokenizer)
