@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .models import spec_for
+
 # Histogram buckets of one collective's seconds (upper bounds; +Inf is implied).
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -378,12 +380,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(cfg) -> float:
-    """Training FLOPs per token: 6 x parameters + 12 x layers x dim x sequence (attention)."""
-    m = cfg.model
-    hd = m.dim // m.n_heads
-    block = m.dim * m.n_heads * hd * 2 + m.dim * m.n_kv_heads * hd * 2 + 3 * m.dim * m.ffn_hidden
-    params = m.n_layers * block + 2 * m.vocab_size * m.dim
-    return 6.0 * params + 12.0 * m.n_layers * m.dim * cfg.data.seq_len
+    """Training FLOPs per token of ``cfg``'s model, whichever its family: its spec's count
+    (:meth:`trainer.models.shape.ModelShape.flops_per_token`: 6 x the parameters that multiply + 12 x
+    layers x dim x sequence for attention). A model a user brings is counted on the meta device once."""
+    return spec_for(cfg.model).flops_per_token(cfg.data.seq_len)
 
 
 def mfu(cfg, device: torch.device, tokens_per_s: float, world_size: int) -> float | None:
