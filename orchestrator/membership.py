@@ -12,10 +12,10 @@ spares, epoch and the figures of the forming.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 
+from .config import GroupTier
 from .policies import ScalingStatus
 from .restore_plan import flush_outcome, group_restore_plan, restore_outcome
 from .store import HistoryRow
@@ -104,8 +104,7 @@ class Membership:
         t0 = self.clock()
         recovery = None
         if self.recovery.enabled:
-            recovery = {**dataclasses.asdict(self.recovery),
-                        "nodes": [self.group.info(w).get("node_id", "") for w in chosen]}
+            recovery = GroupTier(self.recovery, tuple(self.group.info(w).get("node_id", "") for w in chosen))
         key = secrets.token_hex(16)  # the epoch's rendezvous keys, known only to its members (TrainWorker.form)
         calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key)
                  for r, w in enumerate(chosen)]

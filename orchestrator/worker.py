@@ -49,13 +49,14 @@ from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
 from trainer.data import load_splits
 from trainer.hf_dir import NonFiniteWeights
-from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager
+from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager, snapshot_due
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, listening_store, shutdown_distributed
 
-from .tier_restore import everyone, restore_from_memory
+from .config import GroupTier
 from .store import HistoryRow
+from .tier_restore import everyone, restore_from_memory
 
 log = logging.getLogger("etrain")
 
@@ -146,9 +147,10 @@ class TrainWorker:
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: dict | None = None, key: str = "") -> dict:
+             recovery: GroupTier | None = None, key: str = "") -> dict:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
-        memory tier's settings (``[recovery]`` fields, and ``nodes``: each rank's node), None for none.
+        memory tier's settings (``[recovery]`` as the controller parsed it, and each rank's node), None for
+        none.
         ``key``: the epoch's secret, which prefixes every key of its rendezvous (the controller draws one
         per epoch and tells only the members)."""
         t0 = time.monotonic()
@@ -178,7 +180,7 @@ class TrainWorker:
         self._apply_storage_faults()
         self.epoch, self.rank = epoch, rank
         t_tier = time.monotonic()
-        self._start_tier(recovery or {}, rank, world_size)
+        self._start_tier(recovery, rank, world_size)
         tier_s = time.monotonic() - t_tier
         self._stop.clear()
         with self._lock:
@@ -189,25 +191,22 @@ class TrainWorker:
         return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
                                                               "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s}}
 
-    def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
+    def _start_tier(self, recovery: GroupTier | None, rank: int, world_size: int) -> None:
         """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
         its budget (``checkpointing.recovery.budget``: by default a share of this host's available memory)."""
         self.tier, self._snap, self.tier_note, self.tier_budget = None, None, "", None
-        self.tier_every = int(recovery.get("memory_every_steps", 0) or 0)
+        self.tier_every = recovery.settings.memory_every_steps if recovery is not None else 0
         if self.tier_every <= 0:
             return
-        from checkpointing.recovery.budget import DEFAULT_FRACTION, available_bytes, tier_budget
+        from checkpointing.recovery.budget import available_bytes, tier_budget
         from checkpointing.recovery.tier import MemoryTier
 
-        setting = int(recovery.get("memory_budget_bytes", 0))
-        nodes = recovery.get("nodes") or []
-        on_host = sum(1 for n in nodes if n == nodes[rank]) if rank < len(nodes) else world_size
-        self.tier_budget = tier_budget(setting, float(recovery.get("memory_budget_fraction", DEFAULT_FRACTION)),
-                                       on_host, held_bytes=self.held.nbytes(),
-                                       available=available_bytes() if setting == 0 else None)
-        self.tier = MemoryTier(rank, world_size, replicas=int(recovery.get("replicas", 1)),
-                               memory_budget_bytes=self.tier_budget.bytes,
-                               node_ids=recovery.get("nodes"), timeout_s=min(60.0, self.pg_timeout_s))
+        s = recovery.settings
+        self.tier_budget = tier_budget(s.memory_budget_bytes, s.memory_budget_fraction,
+                                       recovery.ranks_on_host(rank, world_size), held_bytes=self.held.nbytes(),
+                                       available=available_bytes() if s.memory_budget_bytes == 0 else None)
+        self.tier = MemoryTier(rank, world_size, replicas=s.replicas, memory_budget_bytes=self.tier_budget.bytes,
+                               node_ids=list(recovery.nodes) or None, timeout_s=min(60.0, self.pg_timeout_s))
 
     def _fence(self):
         if not self.store_url:
@@ -276,7 +275,7 @@ class TrainWorker:
         runs in the tier's thread. The step's history row goes with it: a rank 0 that dies before
         reporting it takes it along, and the controller of the group restored from it records it."""
         tier = self.tier
-        if tier is None or step % self.tier_every:
+        if tier is None or not snapshot_due(step, self.tier_every):
             return
         if self._snap is not None:
             res = self._snap.result()

@@ -104,6 +104,12 @@ def save_due(step: int, interval: int, last: int, *, final_by_caller: bool = Fal
     return bool(interval) and step % interval == 0
 
 
+def snapshot_due(step: int, every: int) -> bool:
+    """Whether the memory tier snapshots after completing ``step`` (``[recovery] memory_every_steps``; 0:
+    never): the tier's cadence, beside the durable checkpoint's (:func:`save_due`)."""
+    return every > 0 and step % every == 0
+
+
 class Trainer:
     """Model parts, optimizer and data for this rank; one call trains one step.
 
