@@ -176,6 +176,8 @@ class Membership:
             self.group.kill(w)
         members = [w for w in self.members if w not in suspects]
         pending = [c for w, c in self.train_calls.items() if w in members]
+        for call in pending:  # blocked in a collective with a member that is gone: released now (NCCL)
+            self.group.submit(call.wid, "abort_collectives")
         deadline = self.clock() + max(self.opts.settle_s, self.opts.poll_s)
         while pending and self.clock() < deadline:
             for call in self.group.wait(pending, timeout=0.5):

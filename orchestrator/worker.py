@@ -66,12 +66,24 @@ CONCURRENCY = {"max_concurrency": 4, "concurrency_groups": {"torch": 1}}
 on_torch_thread = ray.method(concurrency_group="torch")
 
 
+def ray_device_index() -> int:
+    """This actor's GPU as a local device index: 0 where Ray narrowed ``CUDA_VISIBLE_DEVICES`` to the GPU it
+    assigned (its default), else the id Ray assigned; 0 without a GPU."""
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "") in ("", "0"):
+        return 0
+    return int(ids[0])
+
+
 class TrainWorker:
     """Wrapped with ``ray.remote(**CONCURRENCY)`` by the worker group."""
 
     def __init__(self, config: RunConfig | dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
         """``config``: the run's :class:`RunConfig`, or its dict form (``RunConfig.to_dict()``), parsed here."""
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
+        # NCCL: on a collective's timeout abort the communicators and raise in the caller, never end the
+        # process (its memory tier copies would go with it); the controller aborts them sooner on notice.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.worker_id = worker_id
         self.store_url = store_url
         self.pg_timeout_s = pg_timeout_s
@@ -143,6 +155,16 @@ class TrainWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def abort_collectives(self) -> bool:
+        """Release this rank from a collective that waits on a member that is gone (the controller's notice,
+        after it killed that member; not on the torch thread, which is the one blocked): NCCL's communicators
+        are aborted, so the blocked call raises instead of waiting out the group's timeout. gloo needs
+        nothing: it notices a dead peer's closed connection at once. True when something was aborted."""
+        if self.trainer is None or self.trainer.device.type != "cuda" or not dist.is_initialized():
+            return False
+        dist.group.WORLD.abort()
+        return True
+
     # --- group membership ----------------------------------------------------------
 
     @on_torch_thread
@@ -155,8 +177,9 @@ class TrainWorker:
         per epoch and tells only the members)."""
         t0 = time.monotonic()
         self._teardown()
-        world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
-        device = resolve_device(self.cfg.parallel, 0)
+        local = ray_device_index()
+        world = World(rank=rank, size=world_size, local_rank=local, master_addr=master_addr, master_port=master_port)
+        device = resolve_device(self.cfg.parallel, local)
         if rank == 0:  # at every size the group forms at: does the layout fit the device?
             from trainer.plan.fit import warn_if_not_fitting
 
