@@ -129,10 +129,10 @@ class Membership:
         if tier != "memory":  # a restore from memory leaves the newest commit where it was
             self.committed_step = restored[rank0]["from_step"]
         self.observers.on_formed(self)
-        if self.pending_recovery is not None and "restored_step" not in self.pending_recovery:
+        if self.pending_recovery is not None and not self.pending_recovery.formed_yet:
             r = self.pending_recovery
-            r.update(restored_step=step, world_after=size, tier=tier, tier_reason=why)
-            r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
+            r.formed(step=step, world=size, tier=tier, tier_reason=why, phases=self.form_phases,
+                     waited_s=t0 - r.settled_at)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
                    tier=tier, tier_reason=why, memory_tier=budget,
                    rendezvous=f"{addr}:{port}",
