@@ -41,7 +41,7 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .optim import build_optimizer
+from .zero import build_optimizer
 from .parallel_dims import ParallelDims, resolve_device, resolve_precision
 from .parallelize import build_model_parts
 from .world import World
