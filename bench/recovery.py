@@ -22,6 +22,13 @@ at the new size, the median of ``resizes`` grows with a ready standby
 memory flush, form, plan, restore); without a standby one grow, which also
 waits for the new process to boot.
 
+The run with a standby also has one rank SIGSTOPped inside its step after its kills
+(``--hang-timeout``, ``elastic.hang_timeout_s``): ``mttr_hang_s`` is the time from the
+stop to the first step after the recovery (detected after the hang timeout, the hung
+rank killed, the others released from the collective at once), with
+``steps_lost_hang``, where it restored from and whether the survivors kept their
+processes (``hang_survivors_kept``).
+
 Baselines, in the same run: the same trainer and checkpoint interval under
 ``torchrun --max-restarts`` (which restarts every process and resumes from the
 newest checkpoint), a rank killed the same way; ``baseline_torchrun_mttr_s``
@@ -63,6 +70,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kills", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--every", type=int, default=15, help="steps between kills")
+    ap.add_argument("--hang-timeout", type=float, default=6.0, help="elastic.hang_timeout_s of the run with a "
+                    "standby, which also has one rank SIGSTOPped after its kills (0: no hang)")
     ap.add_argument("--resizes", type=int, default=3, help="grows (and shrinks back) with a standby")
     return ap.parse_args()
 
@@ -70,7 +79,8 @@ def parse() -> argparse.Namespace:
 # --- etrain ------------------------------------------------------------------------
 
 
-def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, resizes: int = 3) -> dict:
+def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, resizes: int = 3,
+                 hang_timeout_s: float = 0.0) -> dict:
     import ray
 
     from orchestrator.run import BackgroundRun, connect, prepare_run
@@ -78,6 +88,8 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     steps = every * (kills + 2) + 30 + 40 * resizes
     overrides = [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}/etrain-{standby}\"",
                  f"elastic.standby={standby}", f"run_id=\"bench-standby{standby}\""]
+    if hang_timeout_s:
+        overrides.append(f"elastic.hang_timeout_s={hang_timeout_s}")
     connect(None, num_cpus=workers + 1 + standby)
     spec, store = prepare_run(None, overrides, workers=workers, max_workers=workers + 1)
     run = BackgroundRun(spec, store)
@@ -101,6 +113,21 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
               f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({rec['phases']}), {rec['steps_lost']} steps "
               f"redone, restored {rec['restored_step']} from {rec.get('tier')} (newest commit {committed})",
               flush=True)
+    hang = {}
+    if hang_timeout_s:  # a rank SIGSTOPped inside its step: detected after hang_timeout_s, the others released
+        s = run.wait(lambda x: x["phase"] == Phase.RUNNING and x["world_size"] == workers
+                     and x["standby_ready"] >= standby, what="a steady group before the hang")
+        pids = run.events("formed")[-1]["pids"]
+        victim = pids[-1]
+        t_stop = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        rec = run.wait_event("recovered", kills + 1)
+        hang = {"mttr_hang_s": rec["first_step_unix"] - t_stop, "steps_lost_hang": rec["steps_lost"],
+                "tier_hang": rec.get("tier"), "phases_hang": rec.get("phases"),
+                "survivors_kept": set(pids[:-1]) <= set(run.events("formed")[-1]["pids"])}
+        print(f"etrain (standby {standby}) hang of pid {victim} at step {s['step']}: recovered in "
+              f"{hang['mttr_hang_s']:.2f} s (hang timeout {hang_timeout_s} s), {rec['steps_lost']} steps redone, "
+              f"from {rec.get('tier')} ({rec.get('phases')})", flush=True)
     # Resizes from a steady state: a full group, and the standby (if any) up again. Grows to
     # ``workers + 1`` and shrinks back, ``resizes`` times; ``resize_s`` is the median grow.
     grows, shrinks, grow_phases = [], [], []
@@ -127,7 +154,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     store.update_spec(spec.run_id, stop=True)  # the rest of the steps would measure nothing
     result = run.join()
     ray.shutdown()
-    return {"mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "grows": grows,
+    return {**hang, "mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "grows": grows,
             "shrinks": shrinks, "tiers": tiers, "grow_phases": grow_phases,
             "final_phase": result.get("phase"), "final_step": result.get("step"), "steps": steps}
 
@@ -214,7 +241,8 @@ def main() -> int:
         ft = bench_torchft(root, kills, args.every) if ft_ok else {"mttr": [], "steps_lost": [], "ok": False,
                                                                     "error": ft_why}
         bare = bench_etrain(root, kills, args.every, args.workers, standby=0, resizes=1)
-        warm = bench_etrain(root, kills, args.every, args.workers, standby=1, resizes=args.resizes)
+        warm = bench_etrain(root, kills, args.every, args.workers, standby=1, resizes=args.resizes,
+                            hang_timeout_s=args.hang_timeout)
     med = statistics.median
     base_mttr = med(base["mttr"]) if base["mttr"] else float("nan")
     middle = sorted(range(len(warm["grows"])), key=warm["grows"].__getitem__)[len(warm["grows"]) // 2]
@@ -246,6 +274,13 @@ def main() -> int:
         "baseline_torchft_survivor_stall_s": [round(x, 3) for x in ft.get("survivor_stall", [])],
         "baseline_torchft_steps_lost": ft["steps_lost"],
         "baseline_torchft_error": ft.get("error", ""),
+        # A rank SIGSTOPped inside its step (the run with a standby): from the stop to the first step after
+        # the recovery; target <= hang_timeout_s + 2 s. The survivors keep their processes.
+        "mttr_hang_s": round(warm["mttr_hang_s"], 3) if "mttr_hang_s" in warm else None,
+        "hang_timeout_s": args.hang_timeout,
+        "steps_lost_hang": warm.get("steps_lost_hang"),
+        "hang_restored_from": warm.get("tier_hang"),
+        "hang_survivors_kept": warm.get("survivors_kept"),
         "final_phases": [bare["final_phase"], warm["final_phase"]],
         "workers": args.workers,
         "kills": kills,

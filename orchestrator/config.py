@@ -99,6 +99,22 @@ class RecoveryConfig:
         return self.memory_every_steps > 0
 
 
+@dataclass(frozen=True)
+class GroupTier:
+    """What the members of a group need to start their memory tier: ``[recovery]`` as the controller parsed
+    it, and each rank's node (the failure domains the copies spread over, the ranks sharing a host's memory).
+    Sent to every member with ``TrainWorker.form``."""
+
+    settings: RecoveryConfig
+    nodes: tuple[str, ...] = ()
+
+    def ranks_on_host(self, rank: int, world_size: int) -> int:
+        """The ranks of the group on ``rank``'s node (every rank when the nodes are not known)."""
+        if rank >= len(self.nodes):
+            return world_size
+        return sum(1 for n in self.nodes if n == self.nodes[rank])
+
+
 def recovery_from_raw(raw: dict) -> RecoveryConfig:
     """``[recovery]`` of a raw run document."""
     return build_section("recovery", RecoveryConfig, raw.get("recovery", {}))

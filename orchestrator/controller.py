@@ -50,6 +50,7 @@ from trainer.parallel_dims import valid_world_sizes
 from .config import recovery_from_raw
 from .membership import Membership
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
+from .pending import PendingRecovery, PendingResize
 from .policies import FailureLog, FailurePolicy, ScalingPolicy
 from .states import Failed, Initializing, Recovering, State
 from .status import RunStatus
@@ -132,8 +133,8 @@ class Controller(Membership):
         self.saves_failed_in_a_row = 0  # checkpoint.max_consecutive_failures fails the run
         self.last_save_error = ""
         # a recovery or a resize under way, reported at the first step after it
-        self.pending_recovery: dict | None = None
-        self.pending_resize: dict | None = None
+        self.pending_recovery: PendingRecovery | None = None
+        self.pending_resize: PendingResize | None = None
         self.form_phases: dict[str, float] = {}  # seconds of the last form(): process group + trainer, restore
         self.restored_tier = ""  # where the last form() restored from: memory, durable or none
         # what is told of it; the lease keeper first: it renews from the start and releases last
@@ -350,23 +351,14 @@ class Controller(Membership):
         now = self.clock()
         if self.pending_recovery is not None:
             r, self.pending_recovery = self.pending_recovery, None
-            lost = max(0, r["last_step"] - r["restored_step"])
-            seconds = now - r["detected_at"]
-            self.observers.on_recovery(self, seconds, lost)
-            self.event("recovered", time_to_recover_s=round(seconds, 3), steps_lost=lost,
-                       restored_step=r["restored_step"], tier=r.get("tier"), tier_reason=r.get("tier_reason"),
-                       world_before=r["world_before"],
-                       world_after=r["world_after"], failure_kind=r["failure_kind"],
-                       detected_unix=time.time() - seconds, failure_unix=r["failure_time_unix"],
-                       first_step_unix=p.get("time"), phases=_rounded(r["phases"]))
+            fields = r.event(now=now, first_step_unix=p.get("time"))
+            self.observers.on_recovery(self, now - r.detected_at, fields["steps_lost"])
+            self.event("recovered", **fields)
         if self.pending_resize is not None:
             r, self.pending_resize = self.pending_resize, None
             self.resize_requested_at = None
             self.observers.on_resize(self)
-            self.event("resized", from_workers=r["from"], to_workers=r["to"],
-                       resize_s=round(now - r["requested_at"], 3), reason=r["reason"], step=p.get("step"),
-                       tier=r.get("tier"),
-                       first_step_unix=p.get("time"), phases=_rounded(r["phases"]))
+            self.event("resized", **r.event(now=now, step=p.get("step"), first_step_unix=p.get("time")))
 
     def last_completed_step(self) -> int:
         return int(self.progress.get("step", 0) or 0)
@@ -412,7 +404,3 @@ class Controller(Membership):
     def _stop_keeper(self) -> threading.Event:
         """Set to end the lease keeper's thread (a test that drops a controller before it ends)."""
         return self.lease_keeper.stop
-
-
-def _rounded(phases: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 3) for k, v in phases.items()}

@@ -12,10 +12,10 @@ spares, epoch and the figures of the forming.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 
+from .config import GroupTier
 from .policies import ScalingStatus
 from .restore_plan import flush_outcome, group_restore_plan, restore_outcome
 from .store import HistoryRow
@@ -104,8 +104,7 @@ class Membership:
         t0 = self.clock()
         recovery = None
         if self.recovery.enabled:
-            recovery = {**dataclasses.asdict(self.recovery),
-                        "nodes": [self.group.info(w).get("node_id", "") for w in chosen]}
+            recovery = GroupTier(self.recovery, tuple(self.group.info(w).get("node_id", "") for w in chosen))
         key = secrets.token_hex(16)  # the epoch's rendezvous keys, known only to its members (TrainWorker.form)
         calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key)
                  for r, w in enumerate(chosen)]
@@ -130,10 +129,10 @@ class Membership:
         if tier != "memory":  # a restore from memory leaves the newest commit where it was
             self.committed_step = restored[rank0]["from_step"]
         self.observers.on_formed(self)
-        if self.pending_recovery is not None and "restored_step" not in self.pending_recovery:
+        if self.pending_recovery is not None and not self.pending_recovery.formed_yet:
             r = self.pending_recovery
-            r.update(restored_step=step, world_after=size, tier=tier, tier_reason=why)
-            r["phases"].update(wait_replacement_s=t0 - r["settled_at"], **self.form_phases)
+            r.formed(step=step, world=size, tier=tier, tier_reason=why, phases=self.form_phases,
+                     waited_s=t0 - r.settled_at)
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
                    tier=tier, tier_reason=why, memory_tier=budget,
                    rendezvous=f"{addr}:{port}",
@@ -177,6 +176,8 @@ class Membership:
             self.group.kill(w)
         members = [w for w in self.members if w not in suspects]
         pending = [c for w, c in self.train_calls.items() if w in members]
+        for call in pending:  # blocked in a collective with a member that is gone: released now (NCCL)
+            self.group.submit(call.wid, "abort_collectives")
         deadline = self.clock() + max(self.opts.settle_s, self.opts.poll_s)
         while pending and self.clock() < deadline:
             for call in self.group.wait(pending, timeout=0.5):

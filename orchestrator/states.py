@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 from checkpointing.manager import group_rank_errors
 from checkpointing.names import redact
 
+from .pending import PendingRecovery, PendingResize
 from .phase import Phase
 from .policies import Fail, FailureRecord, Resize, ScalingStatus
 from .worker_group import GroupFailure, WorkerLost
@@ -172,10 +173,10 @@ class Recovering(State):
             size = c.formable(ready, candidates, c.desired(), waited, wait_booting=False)
             if size is not None or waited >= c.opts.replace_wait_s:
                 break
-        c.pending_recovery = {"detected_at": self.detected_at or t0, "last_step": last_step,
-                              "world_before": world_before, "failure_kind": self.failure.kind,
-                              "failure_time_unix": time.time() - (c.clock() - self.failure.time),
-                              "settled_at": t_settled, "phases": {"settle_s": t_settled - t0}}
+        c.pending_recovery = PendingRecovery(detected_at=self.detected_at or t0, last_step=last_step,
+                                             world_before=world_before, failure_kind=self.failure.kind,
+                                             failure_time_unix=time.time() - (c.clock() - self.failure.time),
+                                             settled_at=t_settled, phases={"settle_s": t_settled - t0})
         if size is None:  # below min_workers: wait for capacity; the recovery completes when a group forms
             return Scheduling(c.desired(), "waiting for capacity after a failure")
         try:
@@ -209,10 +210,11 @@ class Resizing(State):
         c.form(self.target, ready)
         c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         requested = self.requested_at or t0
-        c.pending_resize = {"requested_at": requested, "from": before, "to": self.target, "reason": self.reason,
-                            "tier": c.restored_tier,
-                            "phases": {"notice_s": t0 - requested, "stop_s": t1 - t0,
-                                       ("memory_flush_s" if in_memory else "save_s"): t2 - t1, **c.form_phases}}
+        c.pending_resize = PendingResize(requested_at=requested, from_workers=before, to_workers=self.target,
+                                         reason=self.reason, tier=c.restored_tier,
+                                         phases={"notice_s": t0 - requested, "stop_s": t1 - t0,
+                                                 ("memory_flush_s" if in_memory else "save_s"): t2 - t1,
+                                                 **c.form_phases})
         return Running()
 
 

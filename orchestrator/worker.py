@@ -49,13 +49,14 @@ from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
 from trainer.data import load_splits
 from trainer.hf_dir import NonFiniteWeights
-from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager
+from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager, snapshot_due
 from trainer.parallel_dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, listening_store, shutdown_distributed
 
-from .tier_restore import everyone, restore_from_memory
+from .config import GroupTier
 from .store import HistoryRow
+from .tier_restore import everyone, restore_from_memory
 
 log = logging.getLogger("etrain")
 
@@ -65,12 +66,24 @@ CONCURRENCY = {"max_concurrency": 4, "concurrency_groups": {"torch": 1}}
 on_torch_thread = ray.method(concurrency_group="torch")
 
 
+def ray_device_index() -> int:
+    """This actor's GPU as a local device index: 0 where Ray narrowed ``CUDA_VISIBLE_DEVICES`` to the GPU it
+    assigned (its default), else the id Ray assigned; 0 without a GPU."""
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "") in ("", "0"):
+        return 0
+    return int(ids[0])
+
+
 class TrainWorker:
     """Wrapped with ``ray.remote(**CONCURRENCY)`` by the worker group."""
 
     def __init__(self, config: RunConfig | dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
         """``config``: the run's :class:`RunConfig`, or its dict form (``RunConfig.to_dict()``), parsed here."""
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
+        # NCCL: on a collective's timeout abort the communicators and raise in the caller, never end the
+        # process (its memory tier copies would go with it); the controller aborts them sooner on notice.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.worker_id = worker_id
         self.store_url = store_url
         self.pg_timeout_s = pg_timeout_s
@@ -142,19 +155,31 @@ class TrainWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def abort_collectives(self) -> bool:
+        """Release this rank from a collective that waits on a member that is gone (the controller's notice,
+        after it killed that member; not on the torch thread, which is the one blocked): NCCL's communicators
+        are aborted, so the blocked call raises instead of waiting out the group's timeout. gloo needs
+        nothing: it notices a dead peer's closed connection at once. True when something was aborted."""
+        if self.trainer is None or self.trainer.device.type != "cuda" or not dist.is_initialized():
+            return False
+        dist.group.WORLD.abort()
+        return True
+
     # --- group membership ----------------------------------------------------------
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: dict | None = None, key: str = "") -> dict:
+             recovery: GroupTier | None = None, key: str = "") -> dict:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
-        memory tier's settings (``[recovery]`` fields, and ``nodes``: each rank's node), None for none.
+        memory tier's settings (``[recovery]`` as the controller parsed it, and each rank's node), None for
+        none.
         ``key``: the epoch's secret, which prefixes every key of its rendezvous (the controller draws one
         per epoch and tells only the members)."""
         t0 = time.monotonic()
         self._teardown()
-        world = World(rank=rank, size=world_size, local_rank=0, master_addr=master_addr, master_port=master_port)
-        device = resolve_device(self.cfg.parallel, 0)
+        local = ray_device_index()
+        world = World(rank=rank, size=world_size, local_rank=local, master_addr=master_addr, master_port=master_port)
+        device = resolve_device(self.cfg.parallel, local)
         if rank == 0:  # at every size the group forms at: does the layout fit the device?
             from trainer.plan.fit import warn_if_not_fitting
 
@@ -178,7 +203,7 @@ class TrainWorker:
         self._apply_storage_faults()
         self.epoch, self.rank = epoch, rank
         t_tier = time.monotonic()
-        self._start_tier(recovery or {}, rank, world_size)
+        self._start_tier(recovery, rank, world_size)
         tier_s = time.monotonic() - t_tier
         self._stop.clear()
         with self._lock:
@@ -189,25 +214,22 @@ class TrainWorker:
         return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
                                                               "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s}}
 
-    def _start_tier(self, recovery: dict, rank: int, world_size: int) -> None:
+    def _start_tier(self, recovery: GroupTier | None, rank: int, world_size: int) -> None:
         """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
         its budget (``checkpointing.recovery.budget``: by default a share of this host's available memory)."""
         self.tier, self._snap, self.tier_note, self.tier_budget = None, None, "", None
-        self.tier_every = int(recovery.get("memory_every_steps", 0) or 0)
+        self.tier_every = recovery.settings.memory_every_steps if recovery is not None else 0
         if self.tier_every <= 0:
             return
-        from checkpointing.recovery.budget import DEFAULT_FRACTION, available_bytes, tier_budget
+        from checkpointing.recovery.budget import available_bytes, tier_budget
         from checkpointing.recovery.tier import MemoryTier
 
-        setting = int(recovery.get("memory_budget_bytes", 0))
-        nodes = recovery.get("nodes") or []
-        on_host = sum(1 for n in nodes if n == nodes[rank]) if rank < len(nodes) else world_size
-        self.tier_budget = tier_budget(setting, float(recovery.get("memory_budget_fraction", DEFAULT_FRACTION)),
-                                       on_host, held_bytes=self.held.nbytes(),
-                                       available=available_bytes() if setting == 0 else None)
-        self.tier = MemoryTier(rank, world_size, replicas=int(recovery.get("replicas", 1)),
-                               memory_budget_bytes=self.tier_budget.bytes,
-                               node_ids=recovery.get("nodes"), timeout_s=min(60.0, self.pg_timeout_s))
+        s = recovery.settings
+        self.tier_budget = tier_budget(s.memory_budget_bytes, s.memory_budget_fraction,
+                                       recovery.ranks_on_host(rank, world_size), held_bytes=self.held.nbytes(),
+                                       available=available_bytes() if s.memory_budget_bytes == 0 else None)
+        self.tier = MemoryTier(rank, world_size, replicas=s.replicas, memory_budget_bytes=self.tier_budget.bytes,
+                               node_ids=list(recovery.nodes) or None, timeout_s=min(60.0, self.pg_timeout_s))
 
     def _fence(self):
         if not self.store_url:
@@ -276,7 +298,7 @@ class TrainWorker:
         runs in the tier's thread. The step's history row goes with it: a rank 0 that dies before
         reporting it takes it along, and the controller of the group restored from it records it."""
         tier = self.tier
-        if tier is None or step % self.tier_every:
+        if tier is None or not snapshot_due(step, self.tier_every):
             return
         if self._snap is not None:
             res = self._snap.result()

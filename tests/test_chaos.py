@@ -117,12 +117,29 @@ def test_killed_node_passes_the_oracle(cluster, reference, tmp_path):
 
 
 def test_hung_rank_is_detected_within_its_deadline_and_passes_the_oracle(cluster, reference, tmp_path):
-    r = chaos_run(f"file://{tmp_path}/runs", '[[fault]]\nkind = "hang_rank"\nat_step = 8\n', reference,
-                  tmp_path=tmp_path)
-    f = r["faults"][0]
+    """A rank SIGSTOPped inside its step (the others block in a collective with it): the hang is detected
+    within its deadline, the hung rank is killed, and the survivors are released from the collective at once
+    (not after the process group's 120 s timeout): they keep their processes and restore from the memory
+    tier, at most one step lost."""
+    root = f"file://{tmp_path}/runs"
+    run, st = start(root)
+    plan, chaos, final = drive(run, st, '[[fault]]\nkind = "hang_rank"\nat_step = 8\nrank = 1\n', tmp_path)
+    result = judge(run.spec.run_id, st, plan, chaos, final, use_reference(st, reference, f"{run.spec.run_id}-ref"))
+    assert result["passed"], json.dumps(result, indent=1, default=str)
+    f = result["faults"][0]
     # hang_timeout_s = 4: no step for 4 s is a hang; the controller looks every 0.2 s and pings up to 2 s
     assert f["detected"] and f["time_to_detect_s"] <= 4 + 3
     assert f["recovered"]
+    events = st.events(run.spec.run_id)
+    formed = [e for e in events if e["kind"] == "formed"]
+    (rec,) = [e for e in events if e["kind"] == "recovered"]
+    before, after = formed[0], formed[-1]
+    hung_pid = f["target"]["pid"]
+    survivors = [p for p in before["pids"] if p != hung_pid]
+    assert survivors and set(survivors) <= set(after["pids"]), (before["pids"], after["pids"])  # same processes
+    assert rec["tier"] == "memory" and rec["steps_lost"] <= 1, rec
+    # Released as soon as the hung rank was killed: settling took seconds, not the collective timeout.
+    assert rec["phases"]["settle_s"] <= 2.0, rec["phases"]
 
 
 def test_failing_and_slow_storage_passes_the_oracle(cluster, reference, tmp_path):

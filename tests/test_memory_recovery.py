@@ -142,7 +142,9 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
     cfg = load_config("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', f'run_id="{run_id}"'])
     group = RayWorkerGroup(cfg, run_id, "")
     wids = group.start(3)
-    recovery = {"memory_every_steps": 1, "replicas": 1, "memory_budget_bytes": 0}
+    from orchestrator.config import GroupTier, RecoveryConfig
+
+    recovery = GroupTier(RecoveryConfig(memory_every_steps=1, replicas=1, memory_budget_bytes=0))
     restores, epoch = [], 0
 
     def call(members, method, *args):

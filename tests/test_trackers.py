@@ -375,7 +375,8 @@ def test_tracker_settings_fuzz_never_crash_and_never_accept_a_bad_value():
 def test_a_tracker_server_that_stops_answering_leaves_etrain_run_responsive(ray_cluster, tmp_path, capsys):
     """`etrain run` logging to an MLflow server that stops answering mid-run: the controller keeps
     reading the run (status fresh, a `tracker` event saying it stalled), `etrain stop` ends the run within
-    10 s, and the steps keep their pace within 5% (median time between steps, before against after).
+    10 s, and the steps keep their pace: the median time between steps after the stall is within 5% of
+    the median before (or faster: the controller no longer spends time on the tracker's requests).
     Before: the controller froze for 20 minutes and ignored `etrain stop`."""
     from orchestrator.cli import main as etrain
     from orchestrator.store import HistoryRow
@@ -411,4 +412,4 @@ def test_a_tracker_server_that_stops_answering_leaves_etrain_run_responsive(ray_
     after = sorted(g for g, at in gaps if at > stall_unix + 1)
     assert len(before) >= 20 and len(after) >= 60
     ratio = after[len(after) // 2] / before[len(before) // 2]
-    assert 0.95 <= ratio <= 1.05, (ratio, before[len(before) // 2], after[len(after) // 2])
+    assert ratio <= 1.05, (ratio, before[len(before) // 2], after[len(after) // 2])

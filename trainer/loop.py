@@ -41,7 +41,7 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .optim import build_optimizer
+from .zero import build_optimizer
 from .parallel_dims import ParallelDims, resolve_device, resolve_precision
 from .parallelize import build_model_parts
 from .world import World
@@ -102,6 +102,12 @@ def save_due(step: int, interval: int, last: int, *, final_by_caller: bool = Fal
     if step == last:
         return not final_by_caller
     return bool(interval) and step % interval == 0
+
+
+def snapshot_due(step: int, every: int) -> bool:
+    """Whether the memory tier snapshots after completing ``step`` (``[recovery] memory_every_steps``; 0:
+    never): the tier's cadence, beside the durable checkpoint's (:func:`save_due`)."""
+    return every > 0 and step % every == 0
 
 
 class Trainer:

@@ -1,0 +1,50 @@
+"""trainer.zero: data-parallel gradient reduction and AdamW, by ZeRO stage.
+
+    opt = build_optimizer(parts, cfg, dims, mesh, rank)
+    for each micro-batch: opt.before_backward(final=last); loss.backward(); opt.after_backward(final=last)
+    norm_sq = opt.local_norm_sq()            # all-reduced over the world by the caller
+    opt.step(lr, clip_coef); opt.zero_grad()
+
+Stages 0-2 (:class:`ZeroOptimizer`) keep every parameter whole on each
+data-parallel rank and differ in what they shard:
+
+* 0: nothing (DDP semantics). Gradients live in one flat buffer (``p.grad`` are
+  views into it, so autograd accumulates in place); one all-reduce per step.
+* 1: the optimizer state. Same flat buffer; after the last micro-batch it is
+  reduce-scattered in fp32, bucket by bucket, each rank updates its chunk of
+  every parameter, and the chunks are all-gathered, bucket by bucket.
+* 2: + gradients. Gradient hooks reduce-scatter them bucket by bucket
+  (``parallel.bucket_mb``) while backward runs, adding this rank's chunks into
+  an fp32 shard and dropping the whole gradients, so at most a bucket or two
+  of them exist at once; every micro-batch accumulates into the shard.
+
+Chunks follow DTensor's ``Shard`` rule (``torch.chunk`` along one dim: the
+first dim that tensor parallelism does not already shard), so a chunk of the
+optimizer state is exactly a DTensor shard and checkpoints reshard between
+stages. Stage 3 (:class:`FSDPOptimizer`) is FSDP2: parameters, gradients and
+state are DTensors sharded by ``fully_shard``.
+
+One module per part: ``common`` (the :class:`Optimizer` interface the step loop drives,
+AdamW, byte counts), ``buckets`` (chunks and buckets), ``collectives`` (every collective
+of stages 0-2: where a quantized one plugs in), ``stages`` (0-2), ``fsdp`` (3).
+"""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from ..parallel_dims import ParallelDims
+from ..parallelize import ModelParts
+from .buckets import chunk_bounds
+from .common import Optimizer, ensure_adam_state, local_tensor
+from .fsdp import FSDPOptimizer
+from .stages import ZeroOptimizer
+
+__all__ = ["FSDPOptimizer", "Optimizer", "ZeroOptimizer", "build_optimizer", "chunk_bounds", "ensure_adam_state",
+           "local_tensor"]
+
+
+def build_optimizer(parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int) -> Optimizer:
+    """The optimizer of ``parts``' ZeRO stage: FSDP2's (stage 3) when the parts were sharded by ``fully_shard``."""
+    if parts.uses_fsdp:
+        return FSDPOptimizer(parts, cfg, dims, rank)
+    return ZeroOptimizer(parts, cfg, dims, mesh, rank)

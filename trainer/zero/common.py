@@ -1,0 +1,115 @@
+"""What every ZeRO stage shares: the optimizer interface, AdamW and its state, local tensors, byte counts.
+
+    class MyOptimizer(Optimizer): ...     # the interface trainer.loop drives (see Optimizer)
+    opt = make_adamw(groups, cfg.train)   # torch's AdamW, foreach
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..config import TrainConfig
+from ..parallel_dims import ParallelDims
+
+
+class Optimizer(Protocol):
+    """What the step loop (``trainer.loop.Trainer``) asks of an optimizer, whatever the stage:
+
+    for each micro-batch ``before_backward(final)``, backward, ``after_backward(final)``; then
+    ``local_norm_sq()`` (all-reduced by the caller for the global norm), ``step(lr, clip_coef)``,
+    ``zero_grad()``. ``checkpoint_state()`` is the state dict a checkpoint saves and loads in place
+    (``after_load()`` then puts it to use); ``memory_bytes()`` what this rank holds, by kind."""
+
+    optimizer: torch.optim.Optimizer
+
+    def before_backward(self, final: bool) -> None: ...
+
+    def after_backward(self, final: bool) -> None: ...
+
+    def local_norm_sq(self) -> torch.Tensor: ...
+
+    def step(self, lr: float, clip_coef: float) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def checkpoint_state(self) -> dict: ...
+
+    def after_load(self) -> None: ...
+
+    def memory_bytes(self) -> dict[str, int]: ...
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tp_shard_dim(p: torch.Tensor) -> int | None:
+    """The tensor dim that tensor parallelism shards, if any."""
+    if isinstance(p, DTensor):
+        for pl in p.placements:
+            if pl.is_shard():
+                return pl.dim
+    return None
+
+
+def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
+    """World-wide identical copies of a DTensor's local shard (for the global norm).
+
+    Every data-parallel or tensor-parallel axis counts that is Replicate in its
+    placements or absent from its mesh; pipeline stages hold different tensors.
+    """
+    names = t.device_mesh.mesh_dim_names or ()
+    reps = 1
+    for axis in ("dp_replicate", "dp_shard", "tp"):
+        if dims.size(axis) > 1 and (axis not in names or t.placements[names.index(axis)].is_replicate()):
+            reps *= dims.size(axis)
+    return reps
+
+
+def decays(fqn: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices (linear and embedding weights), not on norms."""
+    return p.ndim >= 2
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state now (it is otherwise made at the first step), so a checkpoint can load into it.
+
+    Zeros with step 0 are exactly what AdamW would create itself.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def adam_entries(st: dict, wrap) -> dict:
+    return {"exp_avg": wrap(st["exp_avg"]), "exp_avg_sq": wrap(st["exp_avg_sq"]), "step": st["step"]}
+
+
+def make_adamw(groups: list[dict], ocfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=ocfg.lr,
+        betas=(ocfg.beta1, ocfg.beta2),
+        eps=ocfg.eps,
+        foreach=True,
+    )
+
+
+def storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = local_tensor(t).untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
