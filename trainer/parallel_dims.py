@@ -130,8 +130,8 @@ class ParallelDims:
         p, seq = cfg.parallel, cfg.data.seq_len
         if p.sequence_parallel and seq % self.tp:
             near = [v for v in (seq - seq % self.tp, seq - seq % self.tp + self.tp) if v >= max(2, self.tp)]
-            if cfg.model.source == "builtin":
-                near = [v for v in near if v <= cfg.model.max_seq_len] or near
+            if cfg.model.seq_len_limit is not None:
+                near = [v for v in near if v <= cfg.model.seq_len_limit] or near
             raise ConfigError(
                 f"parallel.sequence_parallel=true splits every sample's data.seq_len={seq} positions evenly "
                 f"across parallel.tp={self.tp} ranks; use data.seq_len={or_join(near)}, or sequence_parallel=false"

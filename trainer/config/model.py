@@ -106,3 +106,9 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def seq_len_limit(self) -> int | None:
+        """The longest sequence this section alone says the model takes: ``max_seq_len`` for the built-in
+        decoder; None for a model a user brings (its own config says; its preflight checks it)."""
+        return self.max_seq_len if self.source == "builtin" else None
