@@ -39,7 +39,7 @@ from checkpointing.manager import CheckpointManager  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 from trainer.export import WeightSource, export, load_weights  # noqa: E402
 from trainer.models.decoder import Transformer  # noqa: E402
-from trainer.models.llama_names import hf_name, to_hf  # noqa: E402
+from trainer.models.llama_names import hf_name, to_hf
 
 FULL = dict(dim=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=2816, vocab_size=16384, max_seq_len=512)
 QUICK = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=704, vocab_size=8192, max_seq_len=256)
