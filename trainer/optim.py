@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
 
+from . import compat
 from .config import RunConfig, TrainConfig
 from .parallel_dims import ParallelDims, axis_group, sub_mesh
 from .parallelize import ModelParts
@@ -398,7 +399,7 @@ class ZeroOptimizer:
 
     def _reduce_scatter(self, out: torch.Tensor, packed: torch.Tensor) -> None:
         if self.shard_group is not None:
-            dist.reduce_scatter_single(out, packed.view(-1), group=self.shard_group)
+            compat.reduce_scatter_single(out, packed.view(-1), group=self.shard_group)
         else:
             out.copy_(packed.view(-1))
 
@@ -475,7 +476,7 @@ class ZeroOptimizer:
             for s in b.slots:
                 if s.lengths[self.r]:
                     b.region(mine, s, self.r).copy_(s.chunk(self.r))
-            dist.all_gather_single(full.view(-1), mine, group=self.shard_group)
+            compat.all_gather_single(full.view(-1), mine, group=self.shard_group)
             for s in b.slots:
                 for r in range(self.n):
                     if r != self.r and s.lengths[r]:

@@ -73,8 +73,10 @@ _C10D = {
     "all_reduce": ("all_reduce", 0, "tensor", 2, "group"),
     "all_reduce_coalesced": ("all_reduce", 0, "tensors", 2, "group"),
     "all_gather_single": ("all_gather", 0, "output_tensor", 2, "group"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 2, "group"),  # torch < 2.13 (trainer.compat)
     "all_gather": ("all_gather", 0, "tensor_list", 2, "group"),
     "reduce_scatter_single": ("reduce_scatter", 1, "input", 3, "group"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input", 3, "group"),  # torch < 2.13 (trainer.compat)
     "reduce_scatter": ("reduce_scatter", 1, "input_list", 3, "group"),
     "broadcast": ("broadcast", 0, "tensor", 2, "group"),
     "send": ("send", 0, "tensor", 2, "group"),
