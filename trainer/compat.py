@@ -20,6 +20,16 @@ Shims, and the releases that need them:
 The function is looked up on ``torch.distributed`` at every call, so the
 communication meter's wrappers (trainer.telemetry, which meters both names)
 see it.
+
+Differences met by code that suits every release, so without a shim:
+
+* ``torch.distributed.pipelining`` in 2.11 checks a stage's input strides
+  against the ones it inferred: ``trainer.parallelize.Pipeline`` hands the
+  first stage contiguous tokens.
+
+CI tests the ends of the range (``make test`` on 2.13, ``make test-compat`` on
+2.11: tests/test_compat.py and the tests marked ``compat``); 2.12 was checked
+by hand against the same list (it has the 2.11 names of both collectives).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@
 
 Communication is timed around the real collectives. The public
 ``torch.distributed`` functions (all_reduce, all_gather_single,
-reduce_scatter_single, broadcast, send/recv, isend/irecv, all_to_all_single,
-all_gather, reduce_scatter) and the functional collectives that DTensor uses
-for tensor parallelism are replaced by thin wrappers that count the call, its
+reduce_scatter_single and their names before torch 2.13, broadcast,
+send/recv, isend/irecv, all_to_all_single, all_gather, reduce_scatter) and
+the functional collectives that DTensor uses for tensor parallelism are
+replaced by thin wrappers that count the call, its
 bytes and its time, then call the original. Bytes and bus bandwidth follow the
 nccl-tests definitions: the "size" of all_gather is its output, of
 reduce_scatter and all_to_all its input, of the others the tensor; bus
