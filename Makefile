@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: install sysdeps demo test test-ray soak bench clean
+.PHONY: install sysdeps demo test test-ray soak test-compat bench clean
 
 # Re-runs only when pyproject.toml changes. torch is installed first, pinned,
 # so that pip never pulls a CUDA build as a dependency of something else.
@@ -43,8 +43,33 @@ test-ray: sysdeps $(STAMP)
 soak: sysdeps $(STAMP)
 	ETRAIN_SOAK_STEPS=$${ETRAIN_SOAK_STEPS:-200} $(BIN)/python -m pytest -q -m soak tests
 
+# The oldest supported torch (pyproject.toml: torch>=2.11,<2.14) in a second venv, .venv-compat: torch 2.11
+# on Python 3.12 where there is one (else 3.11), as GPU images ship it. PyPI's torch 2.11 is a CUDA build
+# (a few GB with its nvidia packages, downloaded once); it runs on the CPU. Installed as above, torch
+# first and named again with the project, so pip cannot swap it for a newer one.
+COMPAT_VENV := .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-stamp
+COMPAT_TORCH := torch==2.11.0
+COMPAT_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 python3.11; do \
+	$$p -c 'import venv' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+$(COMPAT_STAMP): pyproject.toml
+	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat needs python3.12 or python3.11 on PATH" >&2; exit 2; }
+	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_TORCH)
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test,hf]' $(COMPAT_TORCH)
+	touch $(COMPAT_STAMP)
+
+# The compatibility subset (tests marked compat: parity layouts ZeRO 1-3, HSDP, TP, PP; save, reshard and
+# resume; the memory tier; HF models; export) on torch 2.11: about 4 minutes here (44 tests in 3 min 46 s),
+# after the first download (about 8 minutes).
+test-compat: sysdeps $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -c 'import sys, torch; print("torch", torch.__version__, "on Python", sys.version.split()[0])'
+	$(COMPAT_VENV)/bin/python -m pytest -q -m compat tests
+
 bench: $(STAMP)
 	$(BIN)/python bench/step.py --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

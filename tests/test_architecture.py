@@ -15,7 +15,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Packages that must work without Ray and without the orchestrator (torchrun, tests, tools).

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from checkpointing.manager import CheckpointManager
@@ -52,6 +53,7 @@ TP2 = ["parallel.tp=2"]
 PP2 = ["parallel.pp=2"]
 
 
+@pytest.mark.compat
 def test_reshard_between_layouts(storage_url):
     """ZeRO 3 <-> 0, FSDP <-> HSDP, TP 1 <-> 2, PP 1 <-> 2, all at world 4."""
     acts = [
@@ -97,6 +99,7 @@ def test_reshard_data_parallel_4_3_2_1_4(storage_url):
         prev_state, prev_run, prev_consumed = merged(r), f"dp{i}", r[0]["samples_consumed"]
 
 
+@pytest.mark.compat
 def test_bit_exact_resume(storage_url):
     """20 steps straight == 10 steps + save + new processes + load + 10 steps, bitwise."""
     straight = plan(2, storage_url, [{"train": 20}])

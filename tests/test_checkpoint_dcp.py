@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -79,6 +80,7 @@ def save(mgr: CheckpointManager, step: int, state: dict):
 # --- stock readers load what etrain commits ------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_stock_dcp_readers_load_a_committed_step_directory(storage_url, tmp_path):
     mgr = CheckpointManager(storage_url, "r", async_save=False, keep_last=10)
     save(mgr, 1, varied_state(1.0))
@@ -100,6 +102,7 @@ def test_stock_dcp_readers_load_a_committed_step_directory(storage_url, tmp_path
         assert_equal(ours, varied_state(float(step)))
 
 
+@pytest.mark.compat
 def test_dcp_to_torch_save_reads_a_zero3_checkpoint_of_a_trainer_at_world_2(tmp_path):
     url = f"file://{tmp_path}/ck"
     res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": BASE + [f'checkpoint.url="{url}"'], "actions": [
@@ -113,6 +116,7 @@ def test_dcp_to_torch_save_reads_a_zero3_checkpoint_of_a_trainer_at_world_2(tmp_
     assert_equal(flat, res[0][0]["state"])
 
 
+@pytest.mark.compat
 def test_the_envelope_is_torch_save_and_etrain_reads_it_in_place():
     for dtype, shape in [(torch.float32, (3, 4)), (torch.bfloat16, (5,)), (torch.int64, ()), (torch.bool, (7,)),
                          (torch.float16, (0, 3)), (torch.float64, (2, 1, 3))]:
@@ -136,6 +140,7 @@ def test_the_envelope_is_torch_save_and_etrain_reads_it_in_place():
     assert torch.equal(got, nc)
 
 
+@pytest.mark.compat
 def test_a_format_2_checkpoint_still_loads(tmp_path, capsys):
     shutil.copytree(FIXTURE, tmp_path / "old")
     mgr = CheckpointManager(f"file://{tmp_path}/old", "v2")
@@ -183,6 +188,7 @@ def stock_save_job(payload: dict) -> dict:
         shutdown_distributed()
 
 
+@pytest.mark.compat
 def test_a_stock_dcp_checkpoint_is_adopted_and_resumed(tmp_path, capsys):
     url = f"file://{tmp_path}/ck"
     step_dir = tmp_path / "ck/adopted/checkpoints/step_000000002"

@@ -219,6 +219,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.compat
 def test_traversal_and_pickle_payloads_are_never_read_or_run(tmp_path):
     url = f"file://{tmp_path}/ck"
     mgr = two_steps(url)

@@ -46,6 +46,7 @@ def step_url(url: str, run: str) -> str:
     return f"{url}/{run}/checkpoints/step_000000002"
 
 
+@pytest.mark.compat
 def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
     from transformers import AutoModelForCausalLM
 
@@ -68,6 +69,7 @@ def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+@pytest.mark.compat
 def test_exports_of_every_layout_are_bitwise_equal(runs):
     root, url = runs
     got = {}
@@ -126,6 +128,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.compat
 def test_init_from_loads_weights_into_any_layout_and_exports_them_unchanged(runs, hf_dir):
     from checkpointing.manager import CheckpointManager
 
@@ -192,6 +195,7 @@ def test_init_from_with_other_shapes_exits_2_naming_the_tensor(hf_dir, tmp_path,
     assert "'model.embed_tokens.weight' has shape [256, 64]" in capsys.readouterr().err
 
 
+@pytest.mark.compat
 def test_generate_is_deterministic_at_temperature_0_from_a_checkpoint_and_its_export(runs, capsys):
     root, url = runs
     out = str(root / "gen-hf")

@@ -62,6 +62,7 @@ def taken():
 # --- one process -------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_snapshot_round_trips_through_its_wire_format_and_restores_bitwise(taken):
     tier, state, snap = taken
     back = MemorySnapshot.from_bytes(snap.to_bytes())
@@ -99,6 +100,7 @@ class _Hostile:
         return (os.system, ("touch /tmp/etrain-memory-tier-pwned",))
 
 
+@pytest.mark.compat
 def test_metadata_that_would_run_code_is_refused_unexecuted(taken, tmp_path):
     _, state, snap = taken
     marker = "/tmp/etrain-memory-tier-pwned"
@@ -179,6 +181,7 @@ def world2(tmp_path_factory):
     return base, url, ranks
 
 
+@pytest.mark.compat
 def test_a_world2_snapshot_restores_at_world3_bitwise_as_the_durable_checkpoint(world2, tmp_path):
     base, url, ranks = world2
     # Taken with take_async: training waited for a host copy; the second snapshot reused the first's plan.
@@ -205,6 +208,7 @@ def test_a_world2_snapshot_restores_at_world3_bitwise_as_the_durable_checkpoint(
     assert_same(stock_mem, stock_dur, "stock DCP")
 
 
+@pytest.mark.compat
 def test_rank1_restores_from_rank0s_copy_alone_into_zero1(world2):
     base, _, ranks = world2
     # Rank 1 is gone with its memory: what rank 0 holds is its own files and its copy of rank 1's.

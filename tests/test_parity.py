@@ -142,12 +142,32 @@ def reference(plain):
     return plain["losses"]
 
 
+# What `make test-compat` trains on the oldest supported torch: ZeRO 1, 2 (fp32 and bf16) and 3, HSDP,
+# TP with sequence parallelism under ZeRO 1, the three pipeline schedules, and TP x PP.
+COMPAT = ("dp4_zero1_fp32", "dp4_zero2_fp32", "dp4_zero2_bf16", "dp4_zero3_fp32", "hsdp2x2_zero3_fp32",
+          "tp2_sp_dp2_zero1_fp32", "pp2_dp2_gpipe_zero1_fp32", "pp2_dp2_1f1b_zero2_fp32",
+          "pp2_dp2_interleaved_zero3_fp32", "tp2_pp2_sp_fp32")
+
+
+def marked(names, layout=lambda name: name) -> list:
+    """``names`` as test parameters, the ones whose layout is in COMPAT marked ``compat``."""
+    return [pytest.param(n, marks=pytest.mark.compat) if layout(n) in COMPAT else n for n in names]
+
+
 @pytest.fixture(scope="module")
-def layouts():
-    spec = [(name, over, steps) for name, (over, steps) in MATRIX.items()]
+def layouts(request):
+    """Every layout that a selected test of this module reads: the whole matrix in a full run, the
+    COMPAT ones under ``-m compat`` (a test without a layout parameter reads them all)."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module and "layouts" in item.fixturenames:
+            name = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+            wanted |= {MEMORY_LAYOUTS.get(name, name)} if name else set(MATRIX)
+    spec = [(name, over, steps) for name, (over, steps) in MATRIX.items() if name in wanted]
     return run_ranks("tests.jobs:train_layouts", 4, {"base": BASE, "layouts": spec}, timeout=900)
 
 
+@pytest.mark.compat
 def test_one_process_matches_plain_pytorch_bitwise(plain):
     """The trainer at world 1 (ZeRO 0's flat gradient buffer, its clipping, AdamW through its
     optimizer, its schedule) gives the plain loop's losses and parameters bit for bit."""
@@ -174,7 +194,7 @@ def check_losses(name: str, results: list[dict], reference: list[float], steps: 
         assert any(abs(a - b) > RTOL * abs(b) for a, b in zip(results[0][name]["losses"], reference)), name
 
 
-@pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.parametrize("name", marked(MATRIX))
 def test_layout_matches_reference(name, reference, layouts):
     check_losses(name, layouts, reference, MATRIX[name][1])
 
@@ -187,12 +207,12 @@ def check_memory(name: str, results: list[dict]) -> None:
             assert 0.95 <= ratio <= 1.05, f"{name} rank {rank} {kind}: measured {measured[kind]} predicted {predicted[kind]}"
 
 
-@pytest.mark.parametrize("name", [n for n in MATRIX if n not in MEMORY_LAYOUTS.values()])
+@pytest.mark.parametrize("name", marked(n for n in MATRIX if n not in MEMORY_LAYOUTS.values()))
 def test_layout_memory_matches_prediction(name, layouts):
     check_memory(name, layouts)
 
 
-@pytest.mark.parametrize("name", list(MEMORY_LAYOUTS))
+@pytest.mark.parametrize("name", marked(MEMORY_LAYOUTS, MEMORY_LAYOUTS.get))
 def test_memory_matches_zero_accounting(name, layouts):
     check_memory(MEMORY_LAYOUTS[name], layouts)
 

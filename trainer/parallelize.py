@@ -171,7 +171,9 @@ class Pipeline:
         """Forward and backward (or, with ``backward=False``, forward only) over the local batch; the
         summed loss on the last stage."""
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        # Contiguous: torch 2.11's stages check the input's strides against the ones they inferred
+        # (the tokens are a view of rows one token longer).
+        args = (inputs.contiguous(),) if self.has_first else ()
         run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=targets if self.has_last else None, losses=losses)
         if not self.has_last:

@@ -7,9 +7,10 @@
 
 Communication is timed around the real collectives. The public
 ``torch.distributed`` functions (all_reduce, all_gather_single,
-reduce_scatter_single, broadcast, send/recv, isend/irecv, all_to_all_single,
-all_gather, reduce_scatter) and the functional collectives that DTensor uses
-for tensor parallelism are replaced by thin wrappers that count the call, its
+reduce_scatter_single and their names before torch 2.13, broadcast,
+send/recv, isend/irecv, all_to_all_single, all_gather, reduce_scatter) and
+the functional collectives that DTensor uses for tensor parallelism are
+replaced by thin wrappers that count the call, its
 bytes and its time, then call the original. Bytes and bus bandwidth follow the
 nccl-tests definitions: the "size" of all_gather is its output, of
 reduce_scatter and all_to_all its input, of the others the tensor; bus
@@ -75,8 +76,10 @@ _C10D = {
     "all_reduce": ("all_reduce", 0, "tensor", 2, "group"),
     "all_reduce_coalesced": ("all_reduce", 0, "tensors", 2, "group"),
     "all_gather_single": ("all_gather", 0, "output_tensor", 2, "group"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 2, "group"),  # torch < 2.13 (trainer.compat)
     "all_gather": ("all_gather", 0, "tensor_list", 2, "group"),
     "reduce_scatter_single": ("reduce_scatter", 1, "input", 3, "group"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input", 3, "group"),  # torch < 2.13 (trainer.compat)
     "reduce_scatter": ("reduce_scatter", 1, "input_list", 3, "group"),
     "broadcast": ("broadcast", 0, "tensor", 2, "group"),
     "send": ("send", 0, "tensor", 2, "group"),

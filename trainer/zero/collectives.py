@@ -5,13 +5,16 @@
     all_gather(full, my_chunks, shard_group)         # stages 1-2: updated parameters, bucket by bucket
 
 Each takes flat tensors (a bucket's rows, rank by rank) and a process group; ``None`` for the group means
-a group of one (nothing to exchange). Stage 3 is FSDP2's, which makes its own collectives.
+a group of one (nothing to exchange). Stage 3 is FSDP2's, which makes its own collectives. The
+collectives torch names differently across releases go through :mod:`trainer.compat`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .. import compat
 
 
 def all_reduce(t: torch.Tensor, group) -> None:
@@ -23,11 +26,11 @@ def all_reduce(t: torch.Tensor, group) -> None:
 def reduce_scatter(out: torch.Tensor, packed: torch.Tensor, group) -> None:
     """``packed`` (one row per rank of ``group``) summed over ``group``; this rank's row into ``out``."""
     if group is not None:
-        dist.reduce_scatter_single(out, packed, group=group)
+        compat.reduce_scatter_single(out, packed, group=group)
     else:
         out.copy_(packed)
 
 
 def all_gather(full: torch.Tensor, mine: torch.Tensor, group) -> None:
     """Every rank's ``mine`` into ``full``, row by rank."""
-    dist.all_gather_single(full, mine, group=group)
+    compat.all_gather_single(full, mine, group=group)
