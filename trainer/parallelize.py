@@ -111,7 +111,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     No rank ever holds more of a stage than its own shards plus one whole tensor being drawn (the built-in
     model, ``Transformer.init_weights``), or than the whole model it builds on the host (a model a user
     brings, unless ``model.init_from`` fills it: then its parameters are built on the meta device). ZeRO 0-2
-    shard in the optimizer (:mod:`trainer.optim`), not here; they read each gradient as its parameter's
+    shard in the optimizer (:mod:`trainer.zero`), not here; they read each gradient as its parameter's
     local shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
     """
     spec = spec_for(cfg.model)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 def grads_as_placed(model: nn.Module) -> None:
     """Make every DTensor parameter's gradient arrive in the parameter's own placements, as FSDP2
-    does for its own; ZeRO 0-2 (:mod:`trainer.optim`) read gradients as the parameter's local shard.
+    does for its own; ZeRO 0-2 (:mod:`trainer.zero`) read gradients as the parameter's local shard.
 
     Call after any dtype conversion (``Module.to`` replaces DTensor parameters, and their hooks).
     DTensor's rules do not promise it: under sequence parallelism the norms' gradients arrive

@@ -178,7 +178,7 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
 
 
 def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
-    """The ZeRO 1-2 optimizer's bucket scratch (:mod:`trainer.optim`): ``4 (n + 1)`` times the widest
+    """The ZeRO 1-2 optimizer's bucket scratch (:mod:`trainer.zero`): ``4 (n + 1)`` times the widest
     bucket's row, a row being ``bucket_mb / (4 n)`` elements or the largest parameter's chunk."""
     stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
     if stage not in (1, 2):
