@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import check_url, redact, redact_text, validate_run_id
@@ -306,7 +307,7 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
             ray.shutdown()
 
 
-def _on_sigterm(handler) -> callable:
+def _on_sigterm(handler: Callable[[], None]) -> Callable[[], object]:
     """Call ``handler()`` on SIGTERM (main thread only; elsewhere nothing); returns what restores the old one."""
     import signal
 

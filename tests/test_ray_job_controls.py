@@ -150,3 +150,21 @@ def test_a_sigkilled_driver_leaves_the_run_interrupted_and_resumable_never_runni
     code, out = cli(capsys, "resume", run_id, "--store", root, "--no-progress")
     assert code == 0 and f"FINISHED at step {STEPS}/{STEPS}" in out, out[-3000:]
     assert samples_committed(root, run_id) == STEPS * GLOBAL_BATCH
+
+
+def test_a_driver_whose_controller_dies_marks_the_run_interrupted_and_frees_its_lease(ray_cluster, root):
+    import ray
+
+    from tests.cluster import start_run
+
+    run, store = start_run(root)
+    run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 2, what="step 2")
+    ray.kill(run.actor, no_restart=True)  # the controller dies; its driver (this process's thread) sees it
+    final = run.join()
+    assert final["phase"] == "INTERRUPTED" and "its controller died" in final["reason"], final
+    st = store.get_status(run.spec.run_id)
+    assert st["phase"] == "INTERRUPTED" and "etrain resume" in st["reason"]
+    event = [e for e in store.events(run.spec.run_id) if e["kind"] == "interrupted"]
+    assert len(event) == 1 and event[0]["noticed_by"] == "etrain run"
+    assert not store.leader_alive(run.spec.run_id)  # freed at once: a resume need not wait out the lease
+    store.check_resumable(run.spec.run_id)
