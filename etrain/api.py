@@ -67,28 +67,34 @@ def submit(config: Config, workers: int | None = None, address: str | None = Non
            max_workers: int | None = None) -> Run:
     """Start an elastic run on Ray (the cluster at ``address`` / $RAY_ADDRESS, else a local Ray on 127.0.0.1)
     and return at once; the run goes on in the background of this process (``etrain run`` without the wait).
-    ``store``: the run store URL (default: beside the checkpoints)."""
+    ``store``: the run store URL (default: beside the checkpoints). The returned :class:`Run` carries the
+    run's token (``run.token``; this user's run registry keeps it too), which its control methods need."""
+    from orchestrator.auth import mint
     from orchestrator.run import prepare_run_doc
 
     doc = config_document(config, overrides)
+    token = mint()
     spec, st = prepare_run_doc(doc, workers=workers, min_workers=min_workers, max_workers=max_workers,
-                               run_id=run_id, store=store)
-    run = Run(spec.run_id, st.url, address)
+                               run_id=run_id, store=store, token=token)
+    run = Run(spec.run_id, st.url, address, token=token)
     run._start(spec, st)
     return run
 
 
 class Run:
     """A run in the run store: follow it, change it, wait for it (``etrain status/events/suspend/resume/
-    resize/stop``). Methods that change the run take effect at its next step boundary."""
+    resize/stop``). Methods that change the run take effect at its next step boundary, and need the run's
+    token: ``token``, else one found as the CLI finds it ($ETRAIN_RUN_TOKEN, this user's run registry,
+    $ETRAIN_ADMIN_TOKEN); ``orchestrator.auth.NotAuthorized`` otherwise."""
 
-    def __init__(self, run_id: str, store_url: str, address: str | None = None):
+    def __init__(self, run_id: str, store_url: str, address: str | None = None, *, token: str | None = None):
         self.run_id = run_id
         self.store_url = store_url
         self.address = address
+        self.token = token
         self._bg = None
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the token
         return f"Run({self.run_id!r}, phase={self.status().get('phase')!r})"
 
     def _store(self):
@@ -113,26 +119,32 @@ class Run:
         rows = self._store().events(self.run_id)
         return [e for e in rows if kind is None or e.get("kind") == kind]
 
+    def _change(self, changes) -> None:
+        from orchestrator.auth import change_run
+
+        change_run(self._store(), self.run_id, changes, self.token)
+
     def suspend(self) -> None:
         """Checkpoint and stop at the next step boundary; :meth:`resume` continues it on any valid size."""
-        self._store().update_spec(self.run_id, suspended=True)
+        self._change({"suspended": True})
 
     def stop(self) -> None:
         """End the run at the next step boundary (with a final checkpoint)."""
-        self._store().update_spec(self.run_id, stop=True)
+        self._change({"stop": True})
 
     def resize(self, workers: int) -> None:
         """Change the run's size at its next step boundary (a size its layout allows)."""
         from orchestrator.config import allowed_sizes
         from orchestrator.run import parse_spec
 
-        st = self._store()
-        spec = st.get_spec(self.run_id)
-        allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
-        if workers not in allowed:
-            raise ConfigError(f"workers={workers} is not a valid size for run {self.run_id!r}; valid sizes in "
-                              f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-        st.update_spec(self.run_id, workers=workers)
+        def resize(spec) -> dict:
+            allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
+            if workers not in allowed:
+                raise ConfigError(f"workers={workers} is not a valid size for run {self.run_id!r}; valid sizes in "
+                                  f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
+            return {"workers": workers}
+
+        self._change(resize)
 
     def resume(self, workers: int | None = None) -> Run:
         """Continue a suspended or interrupted run (waits for the current one to end first)."""
@@ -140,7 +152,7 @@ class Run:
 
         if self._bg is not None and self._bg.thread.is_alive():
             self.wait()
-        spec, st = prepare_resume(self.run_id, self.store_url, workers)
+        spec, st = prepare_resume(self.run_id, self.store_url, workers, token=self.token)
         self._start(spec, st)
         return self
 

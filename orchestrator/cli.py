@@ -6,7 +6,8 @@
     etrain logs RUN [-f]                  (the output of a run started with --detach)
     etrain status [RUN] [--json]          etrain events RUN [--json]
     etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
-    etrain resize RUN --workers N         etrain stop RUN
+    etrain resize RUN --workers N         etrain stop RUN         (these four: [--token TOKEN])
+    etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_token)
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
@@ -28,7 +29,10 @@ commands talk only to the run store (``--store``, ``$ETRAIN_STORE``, the
 store ``etrain run`` recorded for the run in the run registry
 ``$ETRAIN_HOME/runs`` (default ``~/.etrain/runs``, :mod:`orchestrator.registry`),
 or ``file://$PWD/runs``), so they work from any machine that reaches it: they
-write the desired state and the run's controller carries it out.
+write the desired state and the run's controller carries it out. Suspend,
+resume, resize and stop need the run's token (kept in the run registry of the
+user who started it, or ``--token`` / ``$ETRAIN_RUN_TOKEN``) or the store's
+admin token (``$ETRAIN_ADMIN_TOKEN``): :mod:`orchestrator.auth`.
 
 Exit status: 0 when the run FINISHED or was SUSPENDED, 1 when it FAILED,
 2 for a mistake in the command or config (the message names the fix), 141 (quietly) when the reader of its
@@ -48,6 +52,7 @@ from checkpointing.names import redact, redact_text, validate_run_id
 from .cli_control import (
     EXIT_FAILED,
     EXIT_USAGE,
+    cmd_admin,
     cmd_chaos,
     cmd_data,
     cmd_events,
@@ -76,6 +81,12 @@ def _run_id(field: str):
 def _add_run(p: argparse.ArgumentParser, **kw) -> None:
     kw.setdefault("help", "run id (found through --store, $ETRAIN_STORE, the run registry ~/.etrain/runs, ./runs)")
     p.add_argument("run", type=_run_id("RUN"), metavar="RUN", **kw)
+
+
+def _add_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None, help="the run's token (default: $ETRAIN_RUN_TOKEN, else the one the run "
+                                                 "registry kept for the user who started it, else the admin token "
+                                                 "$ETRAIN_ADMIN_TOKEN)")
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -116,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working directory; "
                                                       "CONFIG must be inside it (default .)")
     p = sub.choices["run"]
+    # Under a job `etrain submit` started: the submitter owns the run and kept its token; the job gets its hash.
+    p.add_argument("--owner", help=argparse.SUPPRESS)
+    p.add_argument("--token-hash", help=argparse.SUPPRESS)
     p.add_argument("--address", help="Ray cluster address (default $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
     p.add_argument("--detach", action="store_true", help="run in the background and return once it started; "
@@ -141,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_run(p)
         p.add_argument("--no-wait", action="store_true", help="return once the request is recorded")
         p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run to get there")
+        _add_token(p)
         _add_store(p)
 
     p = sub.add_parser("resume", help="continue a suspended or interrupted run, on any valid size")
@@ -149,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
     p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
+    _add_token(p)
+    _add_store(p)
+
+    p = sub.add_parser("admin-token", help="make the run store's admin token (it may control every run there) and "
+                                           "keep it in ~/.etrain/admin_token; replacing one needs the current one")
     _add_store(p)
 
     p = sub.add_parser("top", help="a live view of a run's metrics: loss, throughput, communication, memory, "
@@ -180,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
     _add_run(p)
     p.add_argument("--workers", type=int, required=True, help="the new group size (a valid size for the run)")
+    _add_token(p)
     _add_store(p)
 
     p = sub.add_parser("plot", help="draw a run, live or finished: loss, eval loss, throughput and world size over "
@@ -273,7 +294,8 @@ def cmd_run(args) -> int:
     if args.detach:
         return _detach(args)
     spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
-                              max_workers=args.max_workers, run_id=args.run_id, store=args.store)
+                              max_workers=args.max_workers, run_id=args.run_id, store=args.store,
+                              token_hash=args.token_hash, owner=args.owner)
     print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
           f" store {redact(store.url)}", flush=True)
     final = launch(spec, store, address=args.address, progress=not args.no_progress)
@@ -302,7 +324,7 @@ def cmd_submit(args) -> int:
     from checkpointing.errors import ConfigError
     from trainer.config_load import config_from_dict, load_raw
 
-    from . import registry
+    from . import auth, registry
     from .config import elastic_from_raw
     from .run import default_root, store_url_for, submit_job
 
@@ -318,7 +340,9 @@ def cmd_submit(args) -> int:
     if config.startswith(".."):
         raise ConfigError(f"the config {args.config} is outside --working-dir {args.working_dir}, which is all the "
                           "job gets; move it there or pass a --working-dir that holds it")
-    entry = ["-m", "orchestrator", "run", config, "--no-progress", "--store", url, "--run-id", run_id]
+    token = auth.mint()  # kept here, in this user's run registry; the job gets only its hash
+    entry = ["-m", "orchestrator", "run", config, "--no-progress", "--store", url, "--run-id", run_id,
+             "--owner", auth.current_user(), "--token-hash", auth.digest(token)]
     for flag, v in (("--workers", args.workers), ("--min-workers", args.min_workers),
                     ("--max-workers", args.max_workers)):
         entry += [flag, str(v)] if v is not None else []
@@ -327,7 +351,7 @@ def cmd_submit(args) -> int:
     if not address:
         raise ConfigError("etrain submit needs the cluster's dashboard: --address http://HEAD:8265 or $RAY_ADDRESS")
     job = submit_job(address, entry, working_dir=args.working_dir)
-    registry.record(run_id, url)
+    registry.record(run_id, url, token=token)
     print(f"etrain: submitted run {run_id!r} as Ray job {job} to {redact(address)}; store {redact(url)}\n"
           f"  `etrain status {run_id}` shows where it is, `ray job logs {job} --address {redact(address)} -f` "
           "follows its output")
@@ -350,23 +374,29 @@ def cmd_resume(args) -> int:
 
     url = store_url(args)
     if args.submit:
+        from . import auth, liveness
+        from .run import submit_job
         from .store import open_store
 
-        open_store(url).check_resumable(args.run)
-        from .run import submit_job
-
+        store = open_store(url)
+        liveness.notice(store, args.run, store.get_status(args.run), by="etrain resume")
+        # Authorized here; the new job gets a one-use grant to resume it (never the run's token).
+        grant = auth.mint()
+        auth.change_run(store, args.run, lambda spec: store.check_resumable(args.run) or
+                        {"resume_grant": auth.digest(grant)}, args.token)
         entry = ["-m", "orchestrator", "resume", args.run, "--store", url, "--no-progress"]
         if args.workers:
             entry += ["--workers", str(args.workers)]
-        job = submit_job(args.submit, entry)
+        job = submit_job(args.submit, entry, env={"ETRAIN_RESUME_GRANT": grant})
         print(f"etrain: submitted Ray job {job} to {redact(args.submit)}; follow it with `etrain status {args.run}`")
         return 0
-    spec, store = prepare_resume(args.run, url, args.workers)
+    spec, store = prepare_resume(args.run, url, args.workers, token=args.token,
+                                 grant=os.environ.pop("ETRAIN_RESUME_GRANT", None))
     print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {redact(store.url)}", flush=True)
     return _report(launch(spec, store, address=args.address, progress=not args.no_progress))
 
 
-COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events,
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
             "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit}
 

@@ -79,9 +79,12 @@ def cmd_status(args) -> int:
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
     if args.run:
+        from .liveness import notice
+
         store = open_store_of(args)
-        store.get_spec(args.run)  # UnknownRun names the fix
-        rows = [store.get_status(args.run) or {"run_id": args.run, "phase": Phase.PENDING}]
+        spec = store.get_spec(args.run)  # UnknownRun names the fix
+        st = notice(store, args.run, store.get_status(args.run), by="etrain status")  # its controller gone?
+        rows = [{**(st or {"run_id": args.run, "phase": Phase.PENDING}), "owner": spec.owner}]
     else:  # the runs of one store (--store, $ETRAIN_STORE), else of ./runs and of the run registry
         rows = registry.statuses([store_url(args)], registered=not explicit, strict=explicit)
     if args.json:
@@ -131,12 +134,18 @@ def cmd_events(args) -> int:
     return 0
 
 
-def live_status(store, run_id: str) -> dict:
+def live_status(store, run_id: str, command: str) -> dict:
+    """The status of a run a control command may change; RunConflict saying why not (it ended, it is
+    suspended, its controller is gone: the run is then marked INTERRUPTED, orchestrator.liveness)."""
+    from .liveness import notice
     from .store import RunConflict
 
     store.get_spec(run_id)
-    st = store.get_status(run_id) or {}
+    st = notice(store, run_id, store.get_status(run_id), by=f"etrain {command}") or {}
     phase = Phase.of(st)
+    if phase == Phase.INTERRUPTED:
+        raise RunConflict(f"run {run_id!r} was interrupted (its controller is gone); `etrain resume {run_id}` "
+                          "continues it from its last checkpoint")
     if phase in (Phase.FINISHED, Phase.FAILED):
         raise RunConflict(f"run {run_id!r} has {phase}; nothing to change")
     if phase == Phase.SUSPENDED:
@@ -154,7 +163,7 @@ def wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> i
         st = store.get_status(run_id) or {}
         if st.get("phase") in phases:
             print(f"etrain: run {run_id!r} {st['phase']} at step {st.get('step')}")
-            return 0 if st["phase"] != Phase.FAILED else EXIT_FAILED
+            return 0 if st["phase"] not in (Phase.FAILED, Phase.INTERRUPTED) else EXIT_FAILED
         time.sleep(0.5)
     print(f"etrain: run {run_id!r} did not get there within {timeout:.0f} s; `etrain status {run_id}` shows where "
           "it is", file=sys.stderr)
@@ -162,36 +171,54 @@ def wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> i
 
 
 def cmd_suspend(args) -> int:
+    from .auth import change_run
+
     store = open_store_of(args)
-    live_status(store, args.run)
-    store.update_spec(args.run, suspended=True)
+    live_status(store, args.run, args.command)
+    change_run(store, args.run, {"suspended": True}, args.token)
     print(f"etrain: suspend of run {args.run!r} requested; it stops at the next step boundary")
     return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
 def cmd_stop(args) -> int:
+    from .auth import change_run
+
     store = open_store_of(args)
-    live_status(store, args.run)
-    store.update_spec(args.run, stop=True)
+    live_status(store, args.run, args.command)
+    change_run(store, args.run, {"stop": True}, args.token)
     print(f"etrain: stop of run {args.run!r} requested; it ends at the next step boundary")
     return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
 def cmd_resize(args) -> int:
+    from .auth import change_run
     from .config import allowed_sizes
     from .run import parse_spec
     from .store import RunConflict
 
     store = open_store_of(args)
-    st = live_status(store, args.run)
-    spec = store.get_spec(args.run)
-    allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
-    if args.workers not in allowed:
-        raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
-                          f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-    store.update_spec(args.run, workers=args.workers)
+    st = live_status(store, args.run, args.command)
+
+    def resize(spec) -> dict:  # decided on the spec read; read and decided again if it changed meanwhile
+        allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
+        if args.workers not in allowed:
+            raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
+                              f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
+        return {"workers": args.workers}
+
+    change_run(store, args.run, resize, args.token)
     print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
           "boundary; `etrain events` shows when it did")
+    return 0
+
+
+def cmd_admin(args) -> int:
+    from .auth import ADMIN_TOKEN_ENV, new_admin_token
+
+    store = open_store_of(args)
+    path = new_admin_token(store)
+    print(f"etrain: the admin token of {redact(store.url)} is in {path} (mode 0600); it may suspend, resume, resize "
+          f"and stop every run there: give it as ${ADMIN_TOKEN_ENV} elsewhere, and keep it secret")
     return 0
 
 

@@ -125,6 +125,7 @@ class Controller(Membership):
         self.booting_since: float | None = None  # when spares were first seen booting (growth waits for them)
         self.resize_requested_at: float | None = None  # when a changed size request was first read
         self.next_spec_read = 0.0
+        self.suspend_cause: str | None = None  # set by request_suspend (the driver got SIGTERM)
         # progress and durability
         self.progress: dict = {}
         self.progress_at = clock()
@@ -205,6 +206,10 @@ class Controller(Membership):
             self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
             self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
             self.next_grow_check = 0.0
+
+    def request_suspend(self, cause: str) -> None:
+        """Suspend at the next step boundary, as a spec asking it would, naming ``cause`` (e.g. "SIGTERM")."""
+        self.suspend_cause = cause
 
     def set_storage_faults(self, faults: dict | None) -> int:
         """Chaos: storage faults on every started worker, and on those started later."""

@@ -19,10 +19,10 @@ evaluation becomes an ``eval`` event (:class:`orchestrator.observers.EvalEvents`
 from __future__ import annotations
 
 import logging
-import os
 
 from trainer.config import RunConfig
 
+from .auth import job_env
 from .controller import Controller, ControllerOptions
 from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
 from .store import RunSpec, open_store
@@ -39,7 +39,7 @@ class ControllerActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
         store = open_store(store_url)
         group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources,
-                               env={k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))})
+                               env=job_env())
         self.endpoint, observers = start_metrics(spec.run_id, config)
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config)]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers)
@@ -53,6 +53,10 @@ class ControllerActor:
 
     def snapshot(self) -> dict:
         return self.ctl.snapshot()
+
+    def suspend(self, cause: str) -> None:
+        """Suspend at the next step boundary, ``cause`` named in the event (the driver got SIGTERM)."""
+        self.ctl.request_suspend(cause)
 
     def events_since(self, n: int) -> list[dict]:
         return self.ctl.status.events_log[n:]

@@ -15,6 +15,7 @@ shape etrain writes before use, and anything else raises
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -26,6 +27,22 @@ from checkpointing.names import validate_run_id
 
 class CorruptRunStore(EtrainError):
     """A run-store document is not valid JSON or not the shape etrain writes; the message names it."""
+
+
+class UnknownRun(EtrainError):
+    """No run with this id in the store."""
+
+
+class RunConflict(EtrainError):
+    """The request contradicts the run's state (a live run id reused, suspend of a suspended run, ...)."""
+
+
+class SpecConflict(RunConflict):
+    """The spec changed between the read a change was based on and its write (compare-and-swap refused)."""
+
+
+class StoreUnavailable(EtrainError):
+    """The run store cannot be reached right now."""
 
 
 # --- document shapes ---------------------------------------------------------------
@@ -58,12 +75,20 @@ def _object_problem(doc: Any, types: dict[str, tuple], required: tuple[str, ...]
 # RunSpec's fields, as JSON types.
 SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": (int,), "min_workers": (int,),
                                 "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
-                                "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,)}
+                                "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,),
+                                "owner": (str,), "token_hash": (str,), "resume_grant": (str,)}
+
+
+# What the store keeps of a token (orchestrator.auth.digest), or "" for none.
+TOKEN_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def _spec_problem(doc: Any) -> str | None:
     problem = _object_problem(doc, SPEC_TYPES, required=("run_id", "config", "workers", "min_workers",
                                                          "max_workers"))
+    for key in ("token_hash", "resume_grant"):
+        if problem is None and doc.get(key) and not TOKEN_HASH.fullmatch(doc[key]):
+            return f"has {key}={json.dumps(doc[key])[:40]}, not sha256:<64 hex digits>"
     if problem is None:
         try:
             validate_run_id(doc["run_id"])
@@ -143,6 +168,11 @@ class RunSpec:
     created_unix: float = field(default_factory=time.time)
     updated_unix: float = 0.0  # when the last change was requested (the requester's clock)
     ray_address: str = ""  # the cluster that ran it last ("" = a local Ray)
+    # Who started it (informational: the token authorizes) and the sha256 of its run token, never the token
+    # (orchestrator.auth). "" in runs recorded before tokens: those take control commands from anyone.
+    owner: str = ""
+    token_hash: str = ""
+    resume_grant: str = ""  # the sha256 of a one-use grant: `etrain resume --submit` hands it to the new job
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -161,3 +191,17 @@ class Lease:
     controller_id: str
     ttl_s: float
     handle: Any = None  # backend's own lease object
+
+
+def is_run_id(name: str) -> bool:
+    """Whether ``name`` (a directory or key found in the store) is a valid run id; others are not runs."""
+    try:
+        validate_run_id(name)
+        return True
+    except ConfigError:
+        return False
+
+
+def key_text(key: str | bytes) -> str:
+    """An etcd key as text."""
+    return key.decode(errors="replace") if isinstance(key, bytes) else key

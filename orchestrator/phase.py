@@ -26,10 +26,14 @@ class Phase(StrEnum):
     SUSPENDED = "SUSPENDED"
     FINISHED = "FINISHED"
     FAILED = "FAILED"
+    # The run's controller vanished without ending it (its driver was killed, its node lost): marked so by
+    # whoever noticed first (the driver, or an `etrain` command that found the controller's lease expired
+    # and its status stale). Resumable from its last committed checkpoint.
+    INTERRUPTED = "INTERRUPTED"
 
     @property
     def terminal(self) -> bool:
-        """The run's controller has ended (a suspended run can be resumed by a new one)."""
+        """The run's controller has ended (a suspended or interrupted run can be resumed by a new one)."""
         return self in TERMINAL
 
     @classmethod
@@ -38,6 +42,7 @@ class Phase(StrEnum):
         return cls((status or {}).get("phase") or cls.PENDING)
 
 
-TERMINAL = frozenset({Phase.SUSPENDED, Phase.FINISHED, Phase.FAILED})
-# Phases in the order a run goes through them (the metrics' one-hot gauge lists them so).
-ORDER = tuple(Phase)
+TERMINAL = frozenset({Phase.SUSPENDED, Phase.FINISHED, Phase.FAILED, Phase.INTERRUPTED})
+# Phases in the order a run goes through them (the metrics' one-hot gauge lists them so). INTERRUPTED is
+# left out: no controller is ever in it (it is written over the status of one that is gone).
+ORDER = tuple(p for p in Phase if p is not Phase.INTERRUPTED)

@@ -1,14 +1,17 @@
 """This user's runs: run id -> run store URL, so that control commands find a run from any directory.
 
-    record("tiny", "file:///home/me/proj/runs")   # etrain run and etrain.submit (orchestrator.run.prepare_run_doc)
+    record("tiny", "file:///home/me/proj/runs", token=t)   # etrain run, submit, etrain.submit (run.prepare_run_doc)
     lookup("tiny")                                # "file:///home/me/proj/runs", or None
+    token_of("tiny")                              # the run's token, if this user started it (orchestrator.auth)
     runs_dir()                                    # $ETRAIN_HOME/runs, else ~/.etrain/runs
     pid, log = start_detached(["run", "tiny.toml"], "tiny")   # etrain run --detach: the driver in the background
     print_log("tiny", follow=True)                # etrain logs tiny -f
     statuses(["file:///home/me/proj/runs"])       # etrain status: every registered run, in its store
 
 One small JSON file per run, ``<runs_dir>/<run_id>.json``, written whole and
-moved into place (two runs started at once never lose each other's entry).
+moved into place (two runs started at once never lose each other's entry),
+readable by its user only (mode 0600, in a directory of mode 0700): it holds
+the run's token, which authorizes control commands (:mod:`orchestrator.auth`).
 ``etrain status RUN`` and the other control commands look here only when
 neither ``--store`` nor ``$ETRAIN_STORE`` names a store; an entry read back
 is checked (a dict naming this run and a string URL) and ignored otherwise.
@@ -49,19 +52,24 @@ def _path(run_id: str) -> str:
     return os.path.join(runs_dir(), f"{validate_run_id(run_id, 'run_id')}.json")
 
 
-def record(run_id: str, store_url: str) -> str | None:
-    """Remember where ``run_id`` lives (the newest run of that id wins); the entry's path, or None."""
+def record(run_id: str, store_url: str, *, token: str | None = None) -> str | None:
+    """Remember where ``run_id`` lives (the newest run of that id wins) and, for its owner, its run token
+    (:mod:`orchestrator.auth`); the entry's path, or None."""
     path = _path(run_id)
+    doc = {"run_id": run_id, "store": store_url, "updated_unix": time.time(), **({"token": token} if token else {})}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"run_id": run_id, "store": store_url, "updated_unix": time.time()}, f)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is the owner's alone
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
         os.replace(tmp, path)
         return path
     except OSError as e:
         log.warning("could not record run %r in %s (%s); control commands from other directories need "
-                    "--store %s", run_id, runs_dir(), e, redact(store_url))
+                    "--store %s%s", run_id, runs_dir(), e, redact(store_url),
+                    "; the run's token is lost: only an admin token ($ETRAIN_ADMIN_TOKEN) controls it" if token
+                    else "")
         return None
 
 
@@ -73,9 +81,14 @@ def entry(run_id: str) -> dict | None:
     except (OSError, ValueError):
         return None
     if not isinstance(doc, dict) or doc.get("run_id") != run_id or not isinstance(doc.get("store"), str) \
-            or not isinstance(doc.get("updated_unix", 0), (int, float)):
+            or not isinstance(doc.get("updated_unix", 0), (int, float)) or not isinstance(doc.get("token", ""), str):
         return None
     return doc
+
+
+def token_of(run_id: str) -> str | None:
+    """The run token this user's registry keeps for ``run_id`` (it started the run), or None."""
+    return (entry(run_id) or {}).get("token") or None
 
 
 def lookup(run_id: str) -> str | None:
@@ -121,6 +134,7 @@ def statuses(stores: list[str], registered: bool = True, strict: bool = False) -
 
 
 def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]:
+    from .liveness import notice
     from .phase import Phase
     from .store import CorruptRunStore, StoreUnavailable, UnknownRun, open_store
 
@@ -131,7 +145,8 @@ def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]
             row = {"run_id": run_id, "store": where}
             try:
                 store.get_spec(run_id)
-                rows.append({**(store.get_status(run_id) or {"phase": Phase.PENDING}), **row})
+                status = notice(store, run_id, store.get_status(run_id), by="etrain status")  # controller gone?
+                rows.append({**(status or {"phase": Phase.PENDING}), **row})
             except UnknownRun:
                 rows.append({**row, "phase": MISSING, "reason": f"{where} no longer holds it (the run registry "
                                                                f"entry {runs_dir()}/{run_id}.json names it)"})

@@ -28,13 +28,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
-from checkpointing.errors import EtrainError
+from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import check_url, redact, redact_text, validate_run_id
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict, load_raw
 
-from . import registry
+from . import auth, liveness, registry
 from .config import ElasticConfig, check_sizes, elastic_from_raw, recovery_from_raw
 from .controller import ControllerOptions
 from .controller_actor import ControllerActor
@@ -62,16 +63,25 @@ def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, check
 
 def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
                 min_workers: int | None = None, max_workers: int | None = None, run_id: str | None = None,
-                store: str | None = None) -> tuple[RunSpec, RunStore]:
+                store: str | None = None, token_hash: str | None = None,
+                owner: str | None = None) -> tuple[RunSpec, RunStore]:
     """Validate everything a run needs (ConfigError on any mistake) and record it in the store."""
     return prepare_run_doc(load_raw(config_path, overrides), workers=workers, min_workers=min_workers,
-                           max_workers=max_workers, run_id=run_id, store=store)
+                           max_workers=max_workers, run_id=run_id, store=store, token_hash=token_hash, owner=owner)
 
 
 def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int | None = None,
-                    max_workers: int | None = None, run_id: str | None = None,
-                    store: str | None = None) -> tuple[RunSpec, RunStore]:
-    """:func:`prepare_run` for a run document already read (the Python API's dicts and RunConfigs)."""
+                    max_workers: int | None = None, run_id: str | None = None, store: str | None = None,
+                    token: str | None = None, token_hash: str | None = None,
+                    owner: str | None = None) -> tuple[RunSpec, RunStore]:
+    """:func:`prepare_run` for a run document already read (the Python API's dicts and RunConfigs).
+
+    The run gets an owner (``owner``, else this user) and a token (``token``, else a new one) that this
+    user's run registry keeps and whose sha256 the store keeps (:mod:`orchestrator.auth`). With
+    ``token_hash`` (the job of a run that `etrain submit` started and whose token it kept) only the
+    hash is known here."""
+    if token_hash is not None and not auth.HASH_PATTERN.fullmatch(token_hash):
+        raise ConfigError("--token-hash must be sha256:<64 hex digits> (etrain submit passes it)")
     if run_id is not None:
         raw["run_id"] = validate_run_id(run_id, "--run-id")
     raw = with_durable_checkpoints(raw)
@@ -90,8 +100,11 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
         prepare(cfg)
     url = store_url_for(store, ecfg, cfg.checkpoint.url)
     st = open_store(url)
+    if token_hash is None:
+        token = token or auth.mint()
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,
-                   max_workers=ecfg.max_workers)
+                   max_workers=ecfg.max_workers, owner=owner or auth.current_user(),
+                   token_hash=token_hash or auth.digest(token))
     try:
         st.get_spec(cfg.run_id)  # a run the store knows: create_run says how to continue it
     except UnknownRun:
@@ -99,7 +112,10 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
 
         checkpoint_preflight(cfg, resume=False, fix="they were written by another run of that id")
     st.create_run(spec)
-    registry.record(cfg.run_id, url)  # control commands from any directory find it (orchestrator.registry)
+    if token is None:  # submitted: keep the token `etrain submit` recorded, if this machine shares its registry
+        kept = registry.token_of(cfg.run_id)
+        token = kept if auth.matches(kept, spec.token_hash) else None
+    registry.record(cfg.run_id, url, token=token)  # control commands from any directory find it, and its token
     return spec, st
 
 
@@ -135,23 +151,29 @@ def parse_spec(spec: RunSpec) -> tuple[RunConfig, ElasticConfig]:
                         max_workers=spec.max_workers)
 
 
-def prepare_resume(run_id: str, store_url: str, workers: int | None) -> tuple[RunSpec, RunStore]:
-    """Mark a suspended (or interrupted) run to continue, optionally on another size."""
+def prepare_resume(run_id: str, store_url: str, workers: int | None, *, token: str | None = None,
+                   grant: str | None = None) -> tuple[RunSpec, RunStore]:
+    """Mark a suspended (or interrupted) run to continue, optionally on another size. Needs the run's
+    token or the admin token (``token``, else found as :func:`orchestrator.auth.candidates` says), or the
+    one-use ``grant`` that `etrain resume --submit` handed to this job."""
     validate_run_id(run_id, "run_id")
     st = open_store(check_url(store_url, "--store"))
-    spec = st.get_spec(run_id)
-    st.check_resumable(run_id)
-    changes: dict = {"suspended": False, "stop": False}
-    if workers is not None:
-        cfg, ecfg = parse_config(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
-                                 max_workers=max(spec.max_workers, workers))
-        check_sizes(cfg, ecfg)
-        changes.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
-    from trainer.loop import checkpoint_preflight  # torch: only when a run really resumes
+    liveness.notice(st, run_id, st.get_status(run_id), by="etrain resume")
 
-    checkpoint_preflight(parse_spec(spec)[0], resume=True)  # its checkpoints must still be writable
-    spec = st.update_spec(run_id, **changes)
-    return spec, st
+    def changes(spec: RunSpec) -> dict:
+        st.check_resumable(run_id)
+        out: dict = {"suspended": False, "stop": False}
+        if workers is not None:
+            cfg, ecfg = parse_config(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
+                                     max_workers=max(spec.max_workers, workers))
+            check_sizes(cfg, ecfg)
+            out.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
+        from trainer.loop import checkpoint_preflight  # torch: only when a run really resumes
+
+        checkpoint_preflight(parse_spec(spec)[0], resume=True)  # its checkpoints must still be writable
+        return out
+
+    return auth.change_run(st, run_id, changes, token, grant=grant), st
 
 
 # --- Ray ---------------------------------------------------------------------------
@@ -228,7 +250,12 @@ def start_controller(spec: RunSpec, store_url: str, cfg: RunConfig, ecfg: Elasti
 
 def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progress: bool = True,
            num_cpus: int | None = None) -> dict:
-    """Run ``spec`` to a terminal phase on Ray and return the final status."""
+    """Run ``spec`` to a terminal phase on Ray and return the final status.
+
+    SIGTERM (``ray job stop``, a scheduler, ``kill``) suspends the run: the controller stops at the next
+    step boundary, commits a checkpoint and ends SUSPENDED (event ``suspended`` with ``cause: "SIGTERM"``);
+    this returns then. If the controller dies, or this process kills it (Ctrl-C), the run is marked
+    INTERRUPTED (:mod:`orchestrator.liveness`) rather than left looking alive."""
     import ray
 
     from .progress import Follower
@@ -236,31 +263,80 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
     cfg, e = parse_spec(spec)
     cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
     local = connect(address, cpus)
-    actor = None
+    actor, final, snap = None, None, None
+    terminated = threading.Event()
+    restore = _on_sigterm(terminated.set)  # after connect: ray.init installs a SIGTERM handler of its own
     try:
         actor = start_controller(spec, store.url, cfg, e)
         done = actor.run.remote()
         follower = Follower(spec.run_id, cfg.train.steps, live=progress)
-        seen = 0
+        seen, asked = 0, False
         with follower:
             while True:
+                if terminated.is_set() and not asked:
+                    asked = True
+                    actor.suspend.remote("SIGTERM")
+                    log.warning("SIGTERM: run %r suspends at its next step boundary, after a checkpoint; `etrain "
+                                "resume %s` continues it%s", spec.run_id, spec.run_id, _grace_note())
                 ready, _ = ray.wait([done], timeout=0.5)
                 try:
-                    snap = ray.get(actor.snapshot.remote(), timeout=5)
+                    live = ray.get(actor.snapshot.remote(), timeout=5)
                     new = ray.get(actor.events_since.remote(seen), timeout=5)
                 except Exception:  # the controller is gone; its run() result says why
-                    snap, new = None, []
+                    live, new = None, []
+                snap = live or snap
                 seen += len(new)
-                follower.update(snap, new)
+                follower.update(live, new)
                 if ready:
                     final = ray.get(done)
                     follower.update(final, [])
                     return final
+    except ray.exceptions.RayActorError as err:  # the controller died: the run is interrupted, not running
+        final = _interrupted(store, spec.run_id, snap, f"its controller died ({_first_line(str(err))})")
+        if final is None:
+            raise
+        return final
     finally:
+        restore()
         if actor is not None:  # its name is free at once for a resume of the same run
             ray.kill(actor, no_restart=True)
+            if final is None:  # Ctrl-C, or an error here: the controller dies with this process
+                _interrupted(store, spec.run_id, snap, "its driver (etrain run) ended before the run did")
         if local:
             ray.shutdown()
+
+
+def _on_sigterm(handler: Callable[[], None]) -> Callable[[], object]:
+    """Call ``handler()`` on SIGTERM (main thread only; elsewhere nothing); returns what restores the old one."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: handler())
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _grace_note() -> str:
+    """Under a Ray job: how long Ray waits before its SIGKILL (``RAY_JOB_STOP_WAIT_TIME_S``, default 3 s)."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return ""
+    wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "3")
+    return (f" (Ray sends SIGKILL after {wait} s, RAY_JOB_STOP_WAIT_TIME_S; a run killed before its checkpoint "
+            "commits is resumed from the one before)")
+
+
+def _interrupted(store: RunStore, run_id: str, snap: dict | None, why: str) -> dict | None:
+    """Mark the run INTERRUPTED after its controller (``snap``'s) is gone; the status written, or None."""
+    controller = (snap or {}).get("controller_id")
+    if not controller:
+        return None
+    try:
+        return liveness.mark(store, run_id, f"interrupted: {why} at step {snap.get('step')}; `etrain resume "
+                             f"{run_id}` continues it from its last checkpoint (step {snap.get('latest_checkpoint')})",
+                             by="etrain run", controller=controller)
+    except EtrainError as e:  # the store is away: the next etrain command that reads the status marks it
+        log.warning("run %r could not be marked interrupted: %s", run_id, e)
+        return None
 
 
 def exit_code(final: dict) -> int:
@@ -368,13 +444,21 @@ class BackgroundRun:
         return self.result
 
 
-def submit_job(address: str, entrypoint: list[str], working_dir: str = ".") -> str:
-    """Submit ``entrypoint`` as a new Ray job on the cluster whose dashboard is ``address``."""
+# How long Ray waits between the SIGTERM of `ray job stop` and its SIGKILL, for the jobs etrain submits: the
+# run suspends in between (a step and a checkpoint). Ray's own default, 3 s, fits only the smallest models.
+STOP_WAIT_S = 120
+
+
+def submit_job(address: str, entrypoint: list[str], working_dir: str = ".", env: dict | None = None) -> str:
+    """Submit ``entrypoint`` as a new Ray job on the cluster whose dashboard is ``address``, with this
+    process's ``AWS_*`` and ``ETRAIN_*`` variables (never its tokens: :func:`orchestrator.auth.job_env`),
+    ``env`` and ``RAY_JOB_STOP_WAIT_TIME_S`` (this process's, else :data:`STOP_WAIT_S`)."""
     import shlex
 
     from ray.job_submission import JobSubmissionClient
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "ETRAIN_"))}
+    env = {**auth.job_env(), "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S)),
+           **(env or {})}
     python = os.environ.get("ETRAIN_JOB_PYTHON", "python")  # the cluster's interpreter that has etrain's deps
     try:
         client = JobSubmissionClient(address)

@@ -77,8 +77,8 @@ class Scheduling(State):
     def step(self, c: Controller) -> State:
         now = c.clock()
         self.since = self.since if self.since is not None else now
-        if c.spec.suspended:
-            return Suspending("suspend requested while scheduling")
+        if c.spec.suspended or c.suspend_cause:
+            return suspending(c, "while scheduling")
         c.ensure_workers(self.target)
         candidates = c.members + c.spares
         ready = c.group.ready(candidates, timeout=c.opts.poll_s)
@@ -112,8 +112,8 @@ class Running(State):
         c.observers.on_poll(c)
         c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
         c.refresh_spec_throttled()
-        if c.spec.suspended:
-            return Suspending("suspend requested")
+        if c.spec.suspended or c.suspend_cause:
+            return suspending(c)
         if c.spec.stop:
             return Finishing("stop requested", stopping=True)
         hang = check_hang(c)
@@ -218,9 +218,17 @@ class Resizing(State):
         return Running()
 
 
+def suspending(c: Controller, when: str = "") -> Suspending:
+    """The suspend asked for: by the driver (``c.suspend_cause``: SIGTERM) or by the spec (a request)."""
+    if c.suspend_cause:
+        return Suspending(f"suspended by {c.suspend_cause}{' ' + when if when else ''}", cause=c.suspend_cause)
+    return Suspending(f"suspend requested{' ' + when if when else ''}")
+
+
 @dataclass
 class Suspending(State):
     reason: str
+    cause: str = "request"  # what asked for it: "request" (the spec: etrain suspend, the API), "SIGTERM"
     name = Phase.SUSPENDING
 
     def step(self, c: Controller) -> State:
@@ -232,7 +240,8 @@ class Suspending(State):
             saved = False
             log.warning("suspending after a failure at step %d: %s", step, e)
         c.release_workers()
-        c.event("suspended", step=c.last_completed_step(), checkpoint_committed=bool(saved), reason=self.reason)
+        c.event("suspended", step=c.last_completed_step(), checkpoint_committed=bool(saved), reason=self.reason,
+                cause=self.cause)
         return Suspended(f"{self.reason} at step {c.last_completed_step()}")
 
 

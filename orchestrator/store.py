@@ -1,8 +1,9 @@
 """The run store: a run's durable truth, reachable from any machine.
 
     store = open_store("etcd://10.0.0.5:2379/etrain")   # or file:///…/runs, s3://bucket/runs
-    store.create_run(RunSpec(...))                     # refuses a live run id
-    store.update_spec(run_id, workers=4)               # what the CLI does; the controller reconciles
+    store.create_run(RunSpec(...))                     # refuses a run id in use
+    store.update_spec(run_id, workers=4)               # compare-and-swap on the spec read; the controller reconciles
+    store.update_spec(run_id, expected=7, workers=4)   # SpecConflict unless the spec is still at generation 7
     lease = store.acquire(run_id, controller_id)       # one controller per run
     store.put_status(run_id, {...}, lease)             # only the leader may
     store.bump_epoch(run_id, lease, expected=3)        # compare-and-swap: fencing token 4
@@ -20,6 +21,14 @@ leadership lease. Two backends:
   meant for one controller per run (the default, single-job case). The
   epoch is the run's ``FENCE`` object, which checkpoint commits check.
 
+Spec writes (and creating a run) are compare-and-swap on both: an etcd
+transaction on the key's mod_revision; on storage, a conditional write
+(:mod:`orchestrator.cas`: S3 If-Match on the ETag, a lock file on local
+disks, best effort elsewhere), so a user's resize and another writer's
+change never overwrite each other. Credentials for etcd come from the
+environment (:mod:`orchestrator.etcd_client`). Who may change a run is
+checked above the store (:mod:`orchestrator.auth`).
+
 An unreachable store raises :class:`StoreUnavailable`, a clear error for the
 CLI; the controller keeps training and writes again when the store is back.
 Every run id is checked (:func:`checkpointing.names.validate_run_id`) before it
@@ -31,41 +40,40 @@ wrong shape raises :class:`CorruptRunStore`, naming its key or URL.
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from abc import ABC, abstractmethod
 from urllib.parse import urlsplit
 
-from checkpointing.errors import ConfigError, EtrainError, FencedError
+from checkpointing.errors import EtrainError, FencedError
 from checkpointing.layout import RunRoot, fence_blob, parse_fence
 from checkpointing.names import redact, validate_run_id
 from checkpointing.retry import RetryPolicy
 from checkpointing.storage import Storage
 
-from .documents import (  # noqa: F401  (HistoryRow, CorruptRunStore: callers import them from here too)
+from . import cas, etcd_client
+from .documents import (  # noqa: F401  (HistoryRow, CorruptRunStore, ...: callers import them from here too)
+    SPEC_TYPES,
     CorruptRunStore,
     HistoryRow,
     Lease,
+    RunConflict,
     RunSpec,
+    SpecConflict,
+    StoreUnavailable,
+    UnknownRun,
     event_problem,
     history_problem,
+    is_run_id,
+    key_text,
     leader_problem,
-    status_problem,
     load_doc,
+    status_problem,
 )
 from .phase import Phase
 
-
-class UnknownRun(EtrainError):
-    """No run with this id in the store."""
-
-
-class RunConflict(EtrainError):
-    """The request contradicts the run's state (a live run id reused, suspend of a suspended run, ...)."""
-
-
-class StoreUnavailable(EtrainError):
-    """The run store cannot be reached right now."""
+SPEC_ATTEMPTS = 20  # writes of one update_spec while other writers keep getting in between
 
 
 class RunStore(ABC):
@@ -77,10 +85,7 @@ class RunStore(ABC):
 
     def create_run(self, spec: RunSpec) -> None:
         """Record a new run; an id already in the store is refused, saying how to continue it."""
-        try:
-            self.get_spec(spec.run_id)
-        except UnknownRun:
-            self._write_spec(spec)
+        if self.write_if(spec.run_id, "spec", spec.to_json(), None):  # only if no spec is there
             return
         phase = Phase.of(self.get_status(spec.run_id))
         if phase == Phase.SUSPENDED:
@@ -88,9 +93,10 @@ class RunStore(ABC):
                               f"{spec.run_id}`, or choose another --run-id")
         if phase == Phase.FINISHED:
             raise RunConflict(f"run {spec.run_id!r} has already FINISHED; choose another --run-id")
-        if phase == Phase.FAILED:
-            raise RunConflict(f"run {spec.run_id!r} FAILED; continue it from its last checkpoint with "
-                              f"`etrain resume {spec.run_id}`, or choose another --run-id")
+        if phase in (Phase.FAILED, Phase.INTERRUPTED):
+            raise RunConflict(f"run {spec.run_id!r} {'FAILED' if phase == Phase.FAILED else 'was interrupted'}; "
+                              f"continue it from its last checkpoint with `etrain resume {spec.run_id}`, or "
+                              "choose another --run-id")
         if self.leader_alive(spec.run_id):
             raise RunConflict(f"run {spec.run_id!r} already exists (phase {phase}) and its controller is "
                               f"alive; watch it with `etrain status {spec.run_id}`, or choose another --run-id")
@@ -102,7 +108,7 @@ class RunStore(ABC):
         phase = Phase.of(self.get_status(run_id))
         if phase == Phase.FINISHED:
             raise RunConflict(f"run {run_id!r} has FINISHED; there is nothing to resume")
-        if phase not in (Phase.SUSPENDED, Phase.FAILED) and self.leader_alive(run_id):
+        if phase not in (Phase.SUSPENDED, Phase.FAILED, Phase.INTERRUPTED) and self.leader_alive(run_id):
             raise RunConflict(f"run {run_id!r} is {phase} and its controller is alive; "
                               f"`etrain suspend {run_id}` first, or `etrain resize {run_id} --workers N`")
 
@@ -112,19 +118,32 @@ class RunStore(ABC):
             raise UnknownRun(f"no run {run_id!r} in the store {redact(self.url)}; `etrain status` lists the runs")
         return RunSpec.from_json(raw, self._where(run_id, "spec"))
 
-    def update_spec(self, run_id: str, **changes) -> RunSpec:
-        spec = self.get_spec(run_id)
-        for k, v in changes.items():
-            if not hasattr(spec, k):
-                raise ValueError(f"RunSpec has no field {k!r}")
-            setattr(spec, k, v)
-        spec.generation += 1
-        spec.updated_unix = time.time()
-        self._write_spec(spec)
-        return spec
-
-    def _write_spec(self, spec: RunSpec) -> None:
-        self._write(spec.run_id, "spec", spec.to_json())
+    def update_spec(self, run_id: str, expected: int | None = None, **changes) -> RunSpec:
+        """Set fields of the run's spec, as a compare-and-swap on the spec read: a writer that changed it in
+        between is never overwritten. ``expected``: the ``generation`` the caller read and decided on;
+        SpecConflict if another writer changed the spec since (read it again and decide again). Without
+        it, the changes (plain values) are applied to a fresh read each time another writer gets in between."""
+        bad = [k for k in changes if k not in SPEC_TYPES]
+        if bad:
+            raise ValueError(f"RunSpec has no field {bad[0]!r}")
+        for attempt in range(SPEC_ATTEMPTS):
+            raw, version = self.read_versioned(run_id, "spec")
+            if raw is None:
+                raise UnknownRun(f"no run {run_id!r} in the store {redact(self.url)}")
+            spec = RunSpec.from_json(raw, self._where(run_id, "spec"))
+            if expected is not None and spec.generation != expected:
+                raise SpecConflict(f"run {run_id!r}'s spec changed (generation {expected} -> {spec.generation}) "
+                                   "since it was read; read it again")
+            for k, v in changes.items():
+                setattr(spec, k, v)
+            spec.generation += 1
+            spec.updated_unix = time.time()
+            if self.write_if(run_id, "spec", spec.to_json(), version):
+                return spec
+            if expected is not None:
+                raise SpecConflict(f"run {run_id!r}'s spec was changed by another writer meanwhile; read it again")
+            time.sleep(random.uniform(0.0, 0.02 * (attempt + 1)))
+        raise SpecConflict(f"run {run_id!r}'s spec kept changing under {SPEC_ATTEMPTS} attempts; try again")
 
     # --- status and events -------------------------------------------------------
 
@@ -171,7 +190,7 @@ class RunStore(ABC):
 
     @abstractmethod
     def release(self, lease: Lease) -> None:
-        ...
+        """End the lease (one without its backend handle: a controller known to be gone, if it still leads)."""
 
     @abstractmethod
     def leader_alive(self, run_id: str) -> bool:
@@ -199,6 +218,16 @@ class RunStore(ABC):
     def _write(self, run_id: str, name: str, value: str) -> None:
         ...
 
+    # Compare-and-swap. run_id None: a document of the store itself, not of a run (orchestrator.auth's admin).
+
+    @abstractmethod
+    def read_versioned(self, run_id: str | None, name: str) -> tuple[str | None, object]:
+        """The document and its version (the backend's: etcd's mod_revision, an ETag, a digest); (None, None)."""
+
+    @abstractmethod
+    def write_if(self, run_id: str | None, name: str, value: str, version: object) -> bool:
+        """Write the document only if its version is still ``version`` (None: only if it does not exist)."""
+
 
 class StorageRunStore(RunStore):
     """JSON documents under ``<root>/<run_id>/control/`` on any fsspec URL. One controller per run."""
@@ -209,8 +238,9 @@ class StorageRunStore(RunStore):
         self.storage = Storage(url, retry=RetryPolicy(attempts=3, backoff_s=0.1, request_timeout_s=10,
                                                       deadline_s=15))
 
-    def _rel(self, run_id: str, name: str) -> str:
-        return f"{RunRoot(run_id).control}/{name}.json"
+    def _rel(self, run_id: str | None, name: str) -> str:
+        # A document of the store, not of a run (run_id None): at the root, under a name no run id can take.
+        return f"{RunRoot(run_id).control}/{name}.json" if run_id is not None else f"_etrain-{name}.json"
 
     def _where(self, run_id, name):
         return redact(self.storage.join(self._rel(run_id, name)))
@@ -220,7 +250,7 @@ class StorageRunStore(RunStore):
             return fn()
         except FileNotFoundError:
             return None
-        except EtrainError as e:
+        except (EtrainError, TimeoutError) as e:
             raise StoreUnavailable(f"run store {redact(self.url)} is unreachable: {e}") from None
 
     def _read(self, run_id, name):
@@ -231,6 +261,15 @@ class StorageRunStore(RunStore):
     def _write(self, run_id, name, value):
         rel = self._rel(run_id, name)
         self._guard(lambda: self.storage.put(rel, value.encode()))
+
+    def read_versioned(self, run_id, name):
+        rel = self._rel(run_id, name)
+        data, version = self._guard(lambda: cas.read_versioned(self.storage, rel)) or (None, None)
+        return (data.decode(errors="replace") if data is not None else None), version
+
+    def write_if(self, run_id, name, value, version):
+        rel = self._rel(run_id, name)
+        return bool(self._guard(lambda: cas.write_if(self.storage, rel, value.encode(), version)))
 
     def put_status(self, run_id, status, lease):
         holder = self._leader(run_id)
@@ -249,7 +288,7 @@ class StorageRunStore(RunStore):
     def list_runs(self):
         names = self._guard(lambda: self.storage.list_dir("")) or {}
         return sorted(n for n, size in names.items()
-                      if size is None and _is_run_id(n) and self._read(n, "spec") is not None)
+                      if size is None and is_run_id(n) and self._read(n, "spec") is not None)
 
     def _leader(self, run_id) -> dict | None:
         raw = self._read(run_id, "leader")
@@ -310,30 +349,19 @@ class EtcdRunStore(RunStore):
     """etcd v3 through its HTTP gateway. Leadership by lease; fenced writes by transaction."""
 
     def __init__(self, host: str, port: int, prefix: str = "etrain", timeout_s: float = 5.0):
-        import etcd3gw
-
         self.url = f"etcd://{host}:{port}/{prefix}"
         self.prefix = prefix.strip("/")
-        self.client = etcd3gw.client(host=host, port=port, timeout=timeout_s)
+        self.client = etcd_client.connect(host, port, timeout_s)  # user, password, TLS: from the environment
 
-    def _key(self, run_id: str, name: str) -> str:
-        return f"/{self.prefix}/runs/{validate_run_id(run_id)}/{name}"
+    def _key(self, run_id: str | None, name: str) -> str:
+        return f"/{self.prefix}/runs/{validate_run_id(run_id)}/{name}" if run_id is not None else \
+            f"/{self.prefix}/{name}"  # a document of the store, not of a run
 
     def _where(self, run_id, name):
         return f"etcd key {self._key(run_id, name)} at {redact(self.url)}"
 
     def _call(self, fn):
-        import requests
-        from etcd3gw import exceptions as ex
-
-        try:
-            return fn()
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
-                ex.ConnectionTimeoutError) as e:
-            raise StoreUnavailable(f"etcd at {redact(self.url)} is unreachable ({type(e).__name__}); "
-                                   "is the server up and the address right?") from None
-        except ex.Etcd3Exception as e:
-            raise StoreUnavailable(f"etcd at {redact(self.url)} refused the request: {e}") from None
+        return etcd_client.call(self.url, fn)  # StoreUnavailable when etcd cannot be reached or refuses
 
     def _read(self, run_id, name):
         values = self._call(lambda: self.client.get(self._key(run_id, name)))
@@ -341,6 +369,23 @@ class EtcdRunStore(RunStore):
 
     def _write(self, run_id, name, value):
         self._call(lambda: self.client.put(self._key(run_id, name), value))
+
+    def read_versioned(self, run_id, name):
+        found = self._call(lambda: self.client.get(self._key(run_id, name), metadata=True))
+        if not found:
+            return None, None
+        value, meta = found[0]
+        return value.decode(errors="replace"), int(meta["mod_revision"])
+
+    def write_if(self, run_id, name, value, version):
+        from etcd3gw.utils import _encode
+
+        key = _encode(self._key(run_id, name))
+        compare = ({"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0} if version is None
+                   else {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": version})
+        txn = {"compare": [compare], "success": [{"request_put": {"key": key, "value": _encode(value)}}],
+               "failure": []}
+        return bool(self._call(lambda: self.client.transaction(txn)).get("succeeded"))
 
     def _leader_txn(self, lease: Lease, requests_: list[dict]) -> bool:
         """Run ``requests_`` only if ``lease``'s controller still holds the leader key."""
@@ -362,15 +407,15 @@ class EtcdRunStore(RunStore):
 
     def events(self, run_id):
         items = self._call(lambda: self.client.get_prefix(self._key(run_id, "events/")))
-        rows = sorted(((_text(meta["key"]), value) for value, meta in items), key=lambda kv: kv[0])
+        rows = sorted(((key_text(meta["key"]), value) for value, meta in items), key=lambda kv: kv[0])
         return [load_doc(value, f"etcd key {key} at {redact(self.url)}", event_problem) for key, value in rows]
 
     def list_runs(self):
         items = self._call(lambda: self.client.get_prefix(f"/{self.prefix}/runs/"))
         runs = set()
         for _, meta in items:
-            parts = _text(meta["key"]).split("/")
-            if len(parts) >= 5 and parts[-1] == "spec" and _is_run_id(parts[-2]):
+            parts = key_text(meta["key"]).split("/")
+            if len(parts) >= 5 and parts[-1] == "spec" and is_run_id(parts[-2]):
                 runs.add(parts[-2])
         return sorted(runs)
 
@@ -385,16 +430,21 @@ class EtcdRunStore(RunStore):
 
     def renew(self, lease):
         validate_run_id(lease.run_id)
-        try:
-            ttl = self._call(lease.handle.refresh)
-        except StoreUnavailable:
-            raise
+        ttl = self._call(lease.handle.refresh)
         if ttl <= 0:
             return False
         return self._read(lease.run_id, "leader") == lease.controller_id
 
     def release(self, lease):
-        self._call(lease.handle.revoke)
+        if lease.handle is not None:
+            return self._call(lease.handle.revoke)
+        from etcd3gw.utils import _encode  # a controller known to be gone (no handle): its key, if it still leads
+
+        key = _encode(self._key(lease.run_id, "leader"))
+        self._call(lambda: self.client.transaction({"compare": [{"key": key, "result": "EQUAL", "target": "VALUE",
+                                                                 "value": _encode(lease.controller_id)}],
+                                                    "success": [{"request_delete_range": {"key": key}}],
+                                                    "failure": []}))
 
     def leader_alive(self, run_id):
         return self._read(run_id, "leader") is not None  # the key dies with its lease
@@ -422,19 +472,6 @@ class EtcdRunStore(RunStore):
             raise FencedError(f"controller {lease.controller_id} cannot move run {run_id!r} past epoch {expected}: "
                               f"it no longer leads, or another controller moved the epoch")
         return expected + 1
-
-
-def _text(key: str | bytes) -> str:
-    return key.decode(errors="replace") if isinstance(key, bytes) else key
-
-
-def _is_run_id(name: str) -> bool:
-    """Whether ``name`` (a directory or key found in the store) is a valid run id; others are not runs."""
-    try:
-        validate_run_id(name)
-        return True
-    except ConfigError:
-        return False
 
 
 def open_store(url: str) -> RunStore:

@@ -70,9 +70,12 @@ class LocalCluster:
 
         # The dashboard serves Ray's state API (``ray.util.state``) and the job server (``ray job submit``).
         self.dashboard_port = free_port()
+        # Every node's dashboard agent on a free port: its default (52365) is taken by any other Ray on this
+        # machine, and a head without its agent takes no job (`ray job submit`: "No available agent").
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True,
-            "dashboard_host": "127.0.0.1", "dashboard_port": self.dashboard_port})
+            "dashboard_host": "127.0.0.1", "dashboard_port": self.dashboard_port,
+            "dashboard_agent_listen_port": free_port()})
         self.nodes = [self.add_node(n, wait=False) for n in node_cpus]
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, namespace="etrain", log_to_driver=False, logging_level="warning")
@@ -82,7 +85,10 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_node(self, cpus: int, wait: bool = True):
-        node = self.cluster.add_node(num_cpus=cpus, node_ip_address="127.0.0.1")
+        from tests.harness import free_port
+
+        node = self.cluster.add_node(num_cpus=cpus, node_ip_address="127.0.0.1",
+                                     dashboard_agent_listen_port=free_port())
         if wait:
             self.cluster.wait_for_nodes()
         return node

@@ -308,11 +308,15 @@ def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, 
     assert etrain([*argv, "--store", "etcd://10.0.0.5:2379/etrain", "--set", "train.steps=9"]) == 0
     (address, entry), kw = jobs[0]
     assert address == "http://head:8265" and kw == {"working_dir": "."}
-    assert entry == ["-m", "orchestrator", "run", "examples/tiny.toml", "--no-progress", "--store",
-                     "etcd://10.0.0.5:2379/etrain", "--run-id", "tiny", "--workers", "4", "--set", "train.steps=9"]
-    assert "Ray job raysubmit_1" in capsys.readouterr().out
-    from orchestrator import registry
+    from orchestrator import auth, registry
 
+    # The job gets the run's owner and its token's hash; the token stays in this user's run registry.
+    token = registry.token_of("tiny")
+    assert entry == ["-m", "orchestrator", "run", "examples/tiny.toml", "--no-progress", "--store",
+                     "etcd://10.0.0.5:2379/etrain", "--run-id", "tiny", "--owner", auth.current_user(),
+                     "--token-hash", auth.digest(token), "--workers", "4", "--set", "train.steps=9"]
+    out = capsys.readouterr().out
+    assert "Ray job raysubmit_1" in out and token not in out
     assert registry.lookup("tiny") == "etcd://10.0.0.5:2379/etrain"
     assert etrain(["submit", str(tmp_path / "x.toml"), "--store", "s3://b/runs", "--address", "http://h:8265"]) == 2
 

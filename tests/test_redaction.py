@@ -100,6 +100,10 @@ def test_the_ray_cluster_address_is_never_printed_whole(argv, kind, capsys, capl
     """Ray's own errors (an unreachable dashboard, an address it cannot parse) repeat the address."""
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
     argv = [URLS[kind] if a == "U" else f"file://{tmp_path}/runs" if a == "STORE" else a for a in argv]
+    if argv[0] == "resume":  # a run to resume, so that the command gets as far as the cluster
+        from orchestrator.store import RunSpec, open_store
+
+        open_store(f"file://{tmp_path}/runs").create_run(RunSpec("r", {"run_id": "r"}, 1, 1, 1))
     rc, text = drive(argv, capsys, caplog)
     assert_secret_free(rc, text, argv)
     assert redact(URLS[kind]) in text  # where it went, as every message shows it

@@ -1,0 +1,132 @@
+"""The etcd client of the run store: its credentials and TLS files from the environment, its errors made plain.
+
+    client = connect("10.0.0.5", 2379, timeout_s=5)     # etcd3gw client; user/password and TLS from the env
+    value = call("etcd://10.0.0.5:2379/etrain", lambda: client.get(key))   # StoreUnavailable on any failure
+
+Credentials never appear in a store URL (``etcd://user:pw@...`` is refused where URLs are checked); they
+come from the environment of every process that opens the store (the CLI, the driver, the controller and
+the workers, which check the epoch fence at each commit):
+
+| variable | what |
+|---|---|
+| ``ETRAIN_ETCD_USER``, ``ETRAIN_ETCD_PASSWORD`` | a user of etcd's authentication; both or neither |
+| ``ETRAIN_ETCD_CA`` | the CA bundle that signed the server's certificate: talk HTTPS and check it |
+| ``ETRAIN_ETCD_CERT``, ``ETRAIN_ETCD_KEY`` | a client certificate and its key (etcd's ``--client-cert-auth``) |
+
+With a user, the client asks etcd for a token (``/v3/auth/authenticate``) and sends it with every
+request, asking for a new one when etcd says it expired. The password is sent only there, and is never
+written to a message.
+"""
+
+from __future__ import annotations
+
+import os
+
+from checkpointing.errors import ConfigError
+from checkpointing.names import redact
+
+from .documents import StoreUnavailable
+
+USER, PASSWORD, CA, CERT, KEY = ("ETRAIN_ETCD_USER", "ETRAIN_ETCD_PASSWORD", "ETRAIN_ETCD_CA", "ETRAIN_ETCD_CERT",
+                                 "ETRAIN_ETCD_KEY")
+# What etcd says when it wants credentials, or refuses the ones it got.
+_AUTH_ERRORS = ("user name is empty", "invalid auth token", "authentication failed", "permission denied",
+                "user name not found", "auth: revision")
+
+
+def _pair(a: str, b: str) -> tuple[str, str] | None:
+    va, vb = os.environ.get(a, ""), os.environ.get(b, "")
+    if bool(va) != bool(vb):
+        raise ConfigError(f"${a if not va else b} is not set but ${b if not va else a} is: set both, or neither")
+    return (va, vb) if va else None
+
+
+def _file(var: str) -> str:
+    path = os.environ[var]
+    if not os.path.isfile(path):
+        raise ConfigError(f"${var}={path!r} is not a readable file; point it at the PEM file")
+    return path
+
+
+def connect(host: str, port: int, timeout_s: float):
+    """An etcd3gw client for ``host:port``, with the user, password and TLS files of the environment."""
+    import etcd3gw
+
+    login = _pair(USER, PASSWORD)
+    cert = _pair(CERT, KEY)
+    ca = _file(CA) if os.environ.get(CA) else None
+    if cert:
+        cert = (_file(CERT), _file(KEY))
+    tls = bool(ca or cert)
+    session = _session(f"{'https' if tls else 'http'}://{host}:{port}", login, timeout_s, ca, cert)
+    return etcd3gw.client(host=host, port=port, protocol="https" if tls else "http", timeout=timeout_s,
+                          session=session)
+
+
+def _session(base: str, login: tuple[str, str] | None, timeout_s: float, ca: str | None, cert):
+    import requests
+
+    class Session(requests.Session):
+        """Sends etcd's auth token with each request (authenticating first, and again when it expired), and
+        checks the server against ``ca``: given with every request, as $REQUESTS_CA_BUNDLE would win over
+        a session's own ``verify``."""
+
+        token: str | None = None
+
+        def authenticate(self) -> None:
+            self.token = None
+            resp = super().request("POST", f"{base}/v3/auth/authenticate", timeout=timeout_s, verify=ca or True,
+                                   cert=cert, json={"name": login[0], "password": login[1]})
+            if resp.status_code != 200:
+                raise StoreUnavailable(f"etcd at {base} refused the user ${USER}={login[0]!r}: "
+                                       f"{_detail(resp.text)}; check ${USER} and ${PASSWORD}")
+            self.token = resp.json().get("token") or ""
+
+        def request(self, method, url, *args, **kwargs):
+            kwargs.update(verify=ca or True, cert=cert)
+            if login is None or url.endswith("/version"):  # the API discovery asks no credentials
+                return super().request(method, url, *args, **kwargs)
+            for attempt in range(2):
+                if self.token is None:
+                    self.authenticate()
+                kwargs["headers"] = {**(kwargs.get("headers") or {}), "Authorization": self.token}
+                resp = super().request(method, url, *args, **kwargs)
+                if attempt == 0 and resp.status_code == 401 and "invalid auth token" in resp.text:
+                    self.token = None  # expired (etcd's --auth-token-ttl): a new one, once
+                    continue
+                return resp
+            return resp
+
+    return Session()
+
+
+def _detail(text: str) -> str:
+    import json
+
+    try:
+        return str(json.loads(text).get("error") or text)[:200]
+    except (ValueError, AttributeError):
+        return text[:200]
+
+
+def call(url: str, fn):
+    """``fn()``, its failures as :class:`StoreUnavailable` saying what to do."""
+    import requests
+    from etcd3gw import exceptions as ex
+
+    try:
+        return fn()
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
+            ex.ConnectionTimeoutError) as e:
+        if "SSL" in f"{e} {getattr(e, 'detail_text', '')}":  # etcd3gw keeps requests' text in detail_text
+            raise StoreUnavailable(f"etcd at {redact(url)}: the TLS handshake failed; check ${CA} (the CA that "
+                                   f"signed the server's certificate) and ${CERT} / ${KEY}") from None
+        raise StoreUnavailable(f"etcd at {redact(url)} is unreachable ({type(e).__name__}); "
+                               "is the server up and the address right?") from None
+    except ex.Etcd3Exception as e:
+        detail = _detail(e.detail_text or str(e))
+        if any(s in detail for s in _AUTH_ERRORS):
+            who = f"the user ${USER}={os.environ[USER]!r}" if os.environ.get(USER) else f"no user (${USER} unset)"
+            raise StoreUnavailable(f"etcd at {redact(url)} refused {who}: {detail}; set ${USER} and ${PASSWORD} "
+                                   "to a user with read-write access to the store's prefix") from None
+        raise StoreUnavailable(f"etcd at {redact(url)} refused the request: {detail}") from None
