@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from safetensors.torch import load_file
 
 from checkpointing.manifest import MANIFEST_NAME
 from orchestrator.cli import main as etrain
-from tests.harness import run_ranks
+from tests.harness import ROOT, run_ranks
 from trainer.export import export, model_config
 
 BASE = ["data.max_bytes=60000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
@@ -212,3 +214,30 @@ def test_generate_is_deterministic_at_temperature_0_from_a_checkpoint_and_its_ex
         sampled.append(capsys.readouterr().out)
     assert sampled[0] == sampled[1]
     assert etrain(["generate", str(root / "nothing-here"), "--prompt", "a"]) == 2
+
+
+def test_generate_runs_a_checkpoints_factory_only_when_trusted(tmp_path):
+    """A checkpoint of a Python factory's model names, in its manifest, a module to import: `etrain generate`
+    refuses it (exit 2, naming --trust-code) without importing that module, and loads it with --trust-code."""
+    marker = tmp_path / "imported"
+    (tmp_path / "planted_factory.py").write_text(
+        "import pathlib\npathlib.Path(%r).write_text('ran')\nfrom tests.custom_model import build\n" % str(marker))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}", OMP_NUM_THREADS="1")
+    url = f"file://{tmp_path}/ckpt"
+    sets = ['model.source="python"', 'model.factory="planted_factory:build"', "model.vocab_size=256",
+            "train.steps=1", "train.warmup_steps=0", "data.max_bytes=20000", "metrics.enabled=false",
+            f'checkpoint.url="{url}"', 'run_id="fac"']
+    r = subprocess.run([sys.executable, "-m", "trainer", "--config", "examples/tiny.toml", "--quiet",
+                        *[a for s in sets for a in ("--set", s)]], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    marker.unlink()
+    gen = [sys.executable, "-m", "orchestrator", "generate", f"{url}/fac", "--prompt", "ab", "--max-new-tokens", "2",
+           "--temperature", "0"]
+    r = subprocess.run(gen, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--trust-code" in r.stderr and "planted_factory:build" in r.stderr, r.stderr
+    assert not marker.exists()  # refused before anything was imported
+    r = subprocess.run([*gen, "--trust-code"], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()

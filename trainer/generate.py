@@ -48,8 +48,10 @@ class Loaded:
     device: torch.device
 
 
-def load(source: str, device: str | torch.device = "cpu") -> Loaded:
-    """The model and tokenizer of a checkpoint URL or an export directory (module docstring)."""
+def load(source: str, device: str | torch.device = "cpu", *, trust_code: bool = False) -> Loaded:
+    """The model and tokenizer of a checkpoint URL or an export directory (module docstring). A checkpoint
+    of a model made by a Python factory is loaded only with ``trust_code``: its manifest names the module to
+    import, and a manifest is data."""
     device = torch.device(device)
     path = os.path.expanduser(source)
     refuse_incomplete_export(path, source)
@@ -58,10 +60,16 @@ def load(source: str, device: str | torch.device = "cpu") -> Loaded:
     src = ModelSource.open(source)
     cfg = run_config(src)
     mcfg = model_config(cfg)
+    spec = spec_for(mcfg)
+    if spec.runs_code and not trust_code:
+        raise ConfigError(f"{src.url} holds a model made by a Python factory (model.factory = {mcfg.factory!r}), "
+                          "which generating from it would import and run, named by the checkpoint's manifest: "
+                          "pass --trust-code if you trust whoever wrote the checkpoint, or export it "
+                          "(etrain ckpt export --format safetensors) and load it yourself")
     state = {fqn: src.read(fqn) for fqn in src.specs()}
     for fqn, t in state.items():
         refuse_nonfinite(fqn, t, src.url)
-    model, max_len = spec_for(mcfg).inference_model(state)
+    model, max_len = spec.inference_model(state)
     tokenizer = load_tokenizer(str(cfg.get("data", {}).get("tokenizer", "bytes")))
     return Loaded(_forward(model.to(device).eval()), tokenizer, max_len, device)
 
@@ -175,10 +183,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest (0: all)")
     ap.add_argument("--seed", type=int, default=0, metavar="S")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when there is one)")
+    ap.add_argument("--trust-code", action="store_true", help="a checkpoint of a Python factory's model: import "
+                    "and run the factory its manifest names (only for checkpoints whose writer you trust)")
     args = ap.parse_args(argv)
     try:
         check_sampling(args.temperature, args.top_k, args.max_new_tokens)
-        text = generate(load(args.source, pick_device(args.device)), args.prompt, max_new_tokens=args.max_new_tokens,
+        loaded = load(args.source, pick_device(args.device), trust_code=args.trust_code)
+        text = generate(loaded, args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     except (ConfigError, CheckpointError) as e:
         print(f"etrain generate: {e}", file=sys.stderr)

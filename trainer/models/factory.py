@@ -25,6 +25,7 @@ from .refs import resolve_ref
 
 class FactorySpec(UserModelSpec):
     family = "python"
+    runs_code = True  # model.factory, model.loss, model.tp_plan: imported and called
 
     def construct(self) -> nn.Module:
         mcfg = self.mcfg

@@ -78,6 +78,9 @@ class ModelSpec(ABC):
 
     family: ClassVar[str]  # the value of model.source
     cached: ClassVar[bool] = False  # whether trainer.models.spec_for keeps one per config (costly to answer)
+    # whether building it imports and runs code its config names (a factory): a config read back from a
+    # checkpoint is data, so such a model is built from one only when the user says so (etrain generate)
+    runs_code: ClassVar[bool] = False
 
     def __init__(self, mcfg: ModelConfig):
         self.mcfg = mcfg
