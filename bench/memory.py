@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.config_load import load_config
     from trainer.data import Batcher, load_corpus
-    from trainer.parallel_dims import ParallelDims
+    from trainer.parallel.dims import ParallelDims
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
 from .models import spec_for
-from .parallel_dims import ParallelDims, axis_group, fsdp_mesh, resolve_precision, sub_mesh
+from .parallel.dims import Axis, ParallelDims, resolve_precision
 from .tensor_parallel import grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
@@ -117,8 +117,8 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     spec = spec_for(cfg.model)
     p = cfg.parallel
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
-    tp_mesh, dtype = sub_mesh(mesh, dims, "tp"), resolve_precision(p, device)
-    use_fsdp = p.zero_stage == 3 and dims.dp > 1
+    tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
+    use_fsdp = dims.uses_fsdp
     modules, local = [], 0
     for s in stage_ids:
         stage = spec.build_stage(cfg, s, n_stages if dims.pp > 1 else 1, device)
@@ -128,7 +128,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         local += spec.local_params(model)
         spec.apply_ac(stage, p.activation_checkpoint, p.ac_every_k)
         if use_fsdp:
-            shard_blocks(model, stage.blocks, fsdp_mesh(mesh, dims), p, device, pipelined=dims.pp > 1)
+            shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
         if not use_fsdp:
@@ -139,7 +139,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         modules.append(model)
     pipeline = None
     if dims.pp > 1:
-        pipeline = Pipeline(modules, stage_ids, n_stages, device, axis_group(mesh, dims, "pp"),
+        pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
                       loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random)
