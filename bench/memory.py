@@ -79,7 +79,7 @@ def measure_ddp(cfg, world, trainer_batcher, device) -> dict:
 
     from trainer import memory
     from trainer.models.decoder import Transformer
-    from trainer.tensor_parallel import lm_loss
+    from trainer.parallel.tensor import lm_loss
 
     model = Transformer(cfg.model)
     model.init_weights(cfg.train.seed)

@@ -63,7 +63,7 @@ def build_peak(payload: dict) -> dict:
 
     from trainer.models import spec_for
     from trainer.parallel.dims import ParallelDims
-    from trainer.parallelize import build_model_parts
+    from trainer.parallel.parallelize import build_model_parts
 
     world = World.from_env()
     init_distributed(world, CPU)

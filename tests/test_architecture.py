@@ -83,7 +83,7 @@ def test_sizing_a_run_loads_no_model_code():
             continue
         seen.add(name)
         todo += [n for _, n in imported(by_name[name], top_level_only=True)]
-    assert not seen & {"trainer.models.decoder", "trainer.parallelize"}, sorted(seen)
+    assert not seen & {"trainer.models.decoder", "trainer.parallel.parallelize"}, sorted(seen)
 
 
 def test_the_exporter_names_the_controllers_phases():

@@ -42,7 +42,7 @@ from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
-from .parallelize import build_model_parts
+from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
 

@@ -87,7 +87,7 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
 
     from ..models import spec_for
     from ..parallel.dims import ParallelDims
-    from ..tensor_parallel import lm_loss
+    from ..parallel.tensor import lm_loss
     from .cost import step_flops
     from .shape import model_shape
 

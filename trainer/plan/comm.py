@@ -7,7 +7,7 @@
 Volumes are what one rank sends (= receives) under ring algorithms, the NCCL tests' "bus"
 convention: an all-reduce of S bytes over n ranks moves 2 (n - 1) / n S, an all-gather or a
 reduce-scatter of S (the whole tensor) (n - 1) / n S, a send/recv its bytes. What is reduced and
-gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`trainer.parallelize`):
+gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`trainer.parallel.parallelize`):
 
 * ZeRO-0: one all-reduce of the fp32 gradients over the data-parallel axis, after the last backward;
 * ZeRO-1/2: a reduce-scatter of the fp32 gradients over ``dp_shard`` (stage 2 during backward,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..parallel.dims import ParallelDims
-from ..parallelize import ModelParts
+from ..parallel.parallelize import ModelParts
 from .buckets import chunk_bounds
 from .common import Optimizer, ensure_adam_state, local_tensor
 from .fsdp import FSDPOptimizer

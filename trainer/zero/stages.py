@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import RunConfig
 from ..parallel.dims import DATA_AXES, Axis, Mesh, ParallelDims
-from ..parallelize import ModelParts
+from ..parallel.parallelize import ModelParts
 from .buckets import Bucket, Slot, chunk_bounds, local_grad, make_buckets
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .common import (
