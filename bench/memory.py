@@ -79,7 +79,7 @@ def measure_ddp(cfg, world, trainer_batcher, device) -> dict:
 
     from trainer import memory
     from trainer.models.decoder import Transformer
-    from trainer.tensor_parallel import lm_loss
+    from trainer.parallel.tensor import lm_loss
 
     model = Transformer(cfg.model)
     model.init_weights(cfg.train.seed)
@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.config_load import load_config
     from trainer.data import Batcher, load_corpus
-    from trainer.parallel_dims import ParallelDims
+    from trainer.parallel.dims import ParallelDims
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def predict(row: dict, dev) -> dict:
     from trainer.config_load import load_config
-    from trainer.parallel_dims import ParallelDims
+    from trainer.parallel.dims import ParallelDims
     from trainer.plan.accounting import rank_memory
     from trainer.plan.cost import step_time
 

@@ -32,7 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.data import load_corpus
     from trainer.loop import Trainer
     from trainer.models.decoder import Transformer
-    from trainer.tensor_parallel import lm_loss
+    from trainer.parallel.tensor import lm_loss
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

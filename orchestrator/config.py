@@ -20,7 +20,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
 from trainer.config_load import build_section
-from trainer.parallel_dims import valid_world_sizes
+from trainer.parallel.dims import size_rule, valid_world_sizes
 
 
 @dataclass(kw_only=True)
@@ -138,7 +138,7 @@ def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int 
 
 
 def allowed_sizes(cfg: RunConfig, min_workers: int, max_workers: int) -> list[int]:
-    """Group sizes in [min_workers, max_workers] that the global batch and dp_replicate x tp x pp allow."""
+    """Group sizes in [min_workers, max_workers] that the layout and the global batch allow."""
     return [n for n in valid_world_sizes(cfg, max_workers) if n >= min_workers]
 
 
@@ -147,7 +147,7 @@ def check_sizes(cfg: RunConfig, ecfg: ElasticConfig) -> list[int]:
     allowed = allowed_sizes(cfg, ecfg.min_workers, ecfg.max_workers)
     if not allowed:
         raise ConfigError(f"no group size in [{ecfg.min_workers}, {ecfg.max_workers}] works for this run: sizes must "
-                          f"be multiples of dp_replicate x tp x pp and fit train.global_batch="
+                          f"be {size_rule(cfg)} and fit train.global_batch="
                           f"{cfg.train.global_batch} with train.micro_batch={cfg.train.micro_batch}; valid sizes up "
                           f"to {ecfg.max_workers}: {valid_world_sizes(cfg, ecfg.max_workers) or 'none'}")
     if ecfg.workers not in allowed:

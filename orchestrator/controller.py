@@ -45,7 +45,7 @@ from checkpointing.manager import group_rank_errors
 from checkpointing.retry import describe
 from trainer.config import RunConfig
 from trainer.config_load import config_from_dict
-from trainer.parallel_dims import valid_world_sizes
+from trainer.parallel.dims import valid_world_sizes
 
 from .config import recovery_from_raw
 from .membership import Membership

@@ -50,7 +50,7 @@ from trainer.config_load import config_from_dict
 from trainer.data import load_splits
 from trainer.hf_dir import NonFiniteWeights
 from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager, snapshot_due
-from trainer.parallel_dims import resolve_device
+from trainer.parallel.dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
 from trainer.world import World, init_distributed, listening_store, shutdown_distributed
 

@@ -62,8 +62,8 @@ def build_peak(payload: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from trainer.models import spec_for
-    from trainer.parallel_dims import ParallelDims
-    from trainer.parallelize import build_model_parts
+    from trainer.parallel.dims import ParallelDims
+    from trainer.parallel.parallelize import build_model_parts
 
     world = World.from_env()
     init_distributed(world, CPU)

@@ -73,17 +73,17 @@ def test_checkpointing_never_imports_the_trainer():
 
 
 def test_sizing_a_run_loads_no_model_code():
-    """The controller computes valid world sizes from trainer.parallel_dims: importing it must not
+    """The controller computes valid world sizes from trainer.parallel.dims: importing it must not
     import the model or the code that parallelizes it."""
     by_name = {module_name(p): p for p in modules("trainer")}
-    seen, todo = set(), ["trainer.parallel_dims"]
+    seen, todo = set(), ["trainer.parallel.dims"]
     while todo:
         name = todo.pop()
         if name in seen or name not in by_name:
             continue
         seen.add(name)
         todo += [n for _, n in imported(by_name[name], top_level_only=True)]
-    assert not seen & {"trainer.models.decoder", "trainer.parallelize"}, sorted(seen)
+    assert not seen & {"trainer.models.decoder", "trainer.parallel.parallelize"}, sorted(seen)
 
 
 def test_the_exporter_names_the_controllers_phases():

@@ -6,7 +6,7 @@ from checkpointing.errors import ConfigError
 from trainer.config import MODEL_PRESETS
 from trainer.config_load import load_config
 from trainer.models.decoder import Transformer, count_params
-from trainer.parallel_dims import ParallelDims, valid_world_sizes
+from trainer.parallel.dims import ParallelDims, valid_world_sizes
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -140,7 +140,7 @@ def test_zero3_with_replicas_and_a_shard_group_of_one_replicates():
     says), where a 1-D mesh would have sharded them across the replicas."""
     from trainer import memory
     from trainer.config_load import load_config
-    from trainer.parallel_dims import ParallelDims
+    from trainer.parallel.dims import ParallelDims
 
     layout = ["parallel.dp_replicate=2", "parallel.zero_stage=3"]
     res = run_ranks("tests.memory_jobs:build_peak", 2, {"base": MEM, "layouts": [("hsdp", layout)]})

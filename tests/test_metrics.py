@@ -43,7 +43,7 @@ def sample(samples: dict, name: str, **labels) -> float:
 def test_fsdp_bytes_match_the_analytic_volume():
     """ZeRO-3 at dp=2, one micro-batch per rank and step. Forward all-gathers every FSDP unit
     (the full parameters P); backward all-gathers again every unit that resharded after forward
-    (all but the last block, which trainer.parallelize keeps unsharded); backward reduce-scatters
+    (all but the last block, which trainer.parallel.fsdp keeps unsharded); backward reduce-scatters
     every unit's gradients (P)."""
     res = run_ranks("tests.jobs:comm_volume", 2, {"steps": 3, "overrides": [*TINY, "train.global_batch=4",
                                                                             "parallel.zero_stage=3"]})

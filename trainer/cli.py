@@ -257,7 +257,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     from .export_every import report_exports, wait_for_exports
     from .loop import Trainer, checkpoint_manager, checkpoint_preflight
     from .models import model_preflight
-    from .parallel_dims import ParallelDims, resolve_device
+    from .parallel.dims import ParallelDims, resolve_device
     from .telemetry import comm_meter
     from .trackers import Trackers, memory_values, open_trackers, step_values
     from .world import World, init_distributed, shutdown_distributed
@@ -323,7 +323,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: {what}, world {world.size} "
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
                   f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}"
-                  f"{' (no effect at dp 1)' if trainer.dims.dp == 1 and cfg.parallel.zero_stage else ''}, "
+                  f"{' (no effect at dp 1)' if trainer.dims.zero_requested and not trainer.dims.zero_stage else ''}, "
                   f"{trainer.device.type}; corpus {describe_corpus(corpus.describe())}", flush=True)
         limit = cfg.checkpoint.max_consecutive_failures
         undurable = (lambda: ckpt.failed_in_a_row >= limit) if ckpt is not None else False

@@ -24,7 +24,7 @@ see it.
 Differences met by code that suits every release, so without a shim:
 
 * ``torch.distributed.pipelining`` in 2.11 checks a stage's input strides
-  against the ones it inferred: ``trainer.parallelize.Pipeline`` hands the
+  against the ones it inferred: ``trainer.parallel.pipeline.Pipeline`` hands the
   first stage contiguous tokens.
 
 CI tests the ends of the range (``make test`` on 2.13, ``make test-compat`` on

@@ -41,10 +41,10 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .zero import build_optimizer
-from .parallel_dims import ParallelDims, resolve_device, resolve_precision
-from .parallelize import build_model_parts
+from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
+from .parallel.parallelize import build_model_parts
 from .world import World
+from .zero import build_optimizer
 
 log = logging.getLogger("etrain")
 
@@ -234,8 +234,7 @@ class Trainer:
 
     def memory_predicted(self) -> dict[str, int]:
         if self.parts.local_params:
-            stage = self.cfg.parallel.zero_stage if self.dims.dp > 1 else 0
-            per = memory.bytes_per_param(stage, self.dims.dp_shard if stage > 0 else 1, self.mixed)
+            per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
             return {k: round(v * self.parts.local_params) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
@@ -370,7 +369,7 @@ class Trainer:
     def _counts_loss(self) -> bool:
         """Whether this rank's loss enters the all-reduce: the last pipeline stage's first tensor-parallel
         rank, so the loss counts once per data-parallel rank."""
-        return self.parts.has_last_stage and self.coords["tp"] == 0
+        return self.parts.has_last_stage and self.coords[Axis.TP] == 0
 
     def _seed(self, sample_index: int) -> None:
         # Whether the forward pass draws random numbers is the model's spec's to say (a model a user brings

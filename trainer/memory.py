@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import RunConfig
 from .models import spec_for
-from .parallel_dims import ParallelDims
+from .parallel.dims import ParallelDims
 
 
 def local_counts(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
@@ -85,8 +85,7 @@ def paper_bytes_per_param(stage: int, n: int, mixed: bool) -> float:
 
 def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) -> dict[str, int]:
     """Predicted bytes on ``rank`` for parameters, gradients and optimizer state."""
-    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
-    n = dims.dp_shard if stage > 0 else 1
+    stage, n = dims.zero_stage, dims.zero_shards
     count = local_param_count(cfg, dims, rank)
     return {k: round(v * count) for k, v in bytes_per_param(stage, n, mixed).items()}
 
@@ -105,7 +104,7 @@ def transient_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, 
     two blocks (the one in backward and the one prefetched), and one block's unsharded gradients
     with their fp32 reduce-scatter copy; under pipeline parallelism every gathered parameter
     stays until the last backward."""
-    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage
     if stage in (1, 2):
         return bucket_bytes
     if stage < 3:
@@ -128,7 +127,7 @@ def measure_step(trainer) -> dict:
     with StepMemory(trainer.parts.modules, opt.optimizer) as mem:
         stats = trainer.train_step()
     seconds = time.monotonic() - t0
-    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage
     count = local_param_count(cfg, dims, rank)
     formula = predict(cfg, dims, rank, trainer.mixed)
     bucket = getattr(opt, "bucket_bytes", 0)

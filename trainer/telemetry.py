@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .models import spec_for
+from .parallel.dims import Axis, Mesh
 
 # Histogram buckets of one collective's seconds (upper bounds; +Inf is implied).
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -122,8 +123,8 @@ class CommMeter:
         if mesh is None:
             return
         names = list(mesh.mesh_dim_names or ())
-        if "dp_replicate" in names and "dp_shard" in names:
-            names.append("dp")  # the flattened axis of the loss/norm reductions (ParallelDims.build_mesh)
+        if Axis.DP_REPLICATE in names and Axis.DP_SHARD in names:
+            names.append(Mesh.DP.value)  # the flattened axis of the loss/norm reductions (ParallelDims.build_mesh)
         for name in names:
             try:
                 pg = mesh[name].get_group()

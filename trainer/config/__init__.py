@@ -9,7 +9,7 @@ A whole run is one TOML file with the sections ``[model]``, ``[data]``,
 overrides any field (:mod:`trainer.config_load` reads the file and builds these).
 Each section validates itself in ``__post_init__``; checks that span sections
 run in :class:`RunConfig`; checks that need the world size run in
-:class:`trainer.parallel_dims.ParallelDims`, still before any process group starts.
+:class:`trainer.parallel.dims.ParallelDims`, still before any process group starts.
 Every error is a :class:`ConfigError` that names the field and the fix.
 
 One module per section: ``model`` (``[model]``), ``data`` (``[data]``, ``[eval]``), ``train``,

@@ -15,7 +15,7 @@ reduce-scatter, where plain TP has one all-reduce (the same bytes on the wire,
 a tp-th of the activation memory outside the regions).
 
 Loss parallelism keeps the head's logits split by vocabulary
-(:func:`trainer.tensor_parallel.lm_loss` computes the loss on the shards).
+(:func:`trainer.parallel.tensor.lm_loss` computes the loss on the shards).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     names = spec.hf_names()                          # to and from Hugging Face names, or None
 
 A family implements the abstract methods; the others have defaults that fit a model a user brings.
-The order in which :func:`trainer.parallelize.build_model_parts` calls them is fixed there: build and
+The order in which :func:`trainer.parallel.parallelize.build_model_parts` calls them is fixed there: build and
 cut a stage, tensor parallelism, activation checkpointing, FSDP on the blocks, allocate and fill
 the weights, the compute dtype.
 """

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ..config import RunConfig
 from ..memory import predict, transient_bytes
 from ..models import spec_for
-from ..parallel_dims import ParallelDims
+from ..parallel.dims import Axis, ParallelDims
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 AC_MODES = ("none", "every_k", "full")
@@ -168,7 +168,7 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
         per_mb, recompute = ck * kept + (layers - ck) * full, (full if ck else 0.0)
     else:
         per_mb = layers * full
-    pp_coord = dims.coords(rank)["pp"]
+    pp_coord = dims.coords(rank)[Axis.PP]
     acts = per_mb * _in_flight(dims, cfg, pp_coord)
     last = (n_stages - 1) in stages
     logits = tokens * m.vocab_size / (dims.tp if p.loss_parallel else 1) * (act_bytes + 8) if last else 0
@@ -180,7 +180,7 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
 def bucket_bytes(cfg: RunConfig, dims: ParallelDims, local_params: int) -> int:
     """The ZeRO 1-2 optimizer's bucket scratch (:mod:`trainer.zero`): ``4 (n + 1)`` times the widest
     bucket's row, a row being ``bucket_mb / (4 n)`` elements or the largest parameter's chunk."""
-    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage
     if stage not in (1, 2):
         return 0
     n, m = dims.dp_shard, spec_for(cfg.model).shape()
@@ -209,7 +209,7 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     block's unsharded gradients and their fp32 reduce-scatter copy beside it."""
     from ..memory import local_counts
 
-    stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage
     if stage == 2:
         return transient
     if stage != 3:
@@ -249,7 +249,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     states = predict(cfg, dims, rank, mixed)
     count = local_param_count(cfg, dims, rank)
     act = activation_bytes(cfg, dims, rank, 2 if mixed else 4)
-    shard = dims.dp_shard if (cfg.parallel.zero_stage and dims.dp > 1) else 1
+    shard = dims.zero_shards
     out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
            **{k: round(v) for k, v in act.items()}, "optimizer_step": 4 * count // shard,
            "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
@@ -261,7 +261,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
             cfg, dims, rank, mixed, out["transient"], recomputing=True)
     out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
-    out["host_staging"] = round(count * 4 / (shard if cfg.parallel.zero_stage == 3 else 1)) + states["optimizer"]
+    out["host_staging"] = round(count * 4 / (shard if dims.uses_fsdp else 1)) + states["optimizer"]
     # The memory tier (checkpointing.recovery.tier), in host memory: the host buffers, at most two own snapshots
     # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]

@@ -86,8 +86,8 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     import torch
 
     from ..models import spec_for
-    from ..parallel_dims import ParallelDims
-    from ..tensor_parallel import lm_loss
+    from ..parallel.dims import ParallelDims
+    from ..parallel.tensor import lm_loss
     from .cost import step_flops
     from .shape import model_shape
 

@@ -7,7 +7,7 @@
 Volumes are what one rank sends (= receives) under ring algorithms, the NCCL tests' "bus"
 convention: an all-reduce of S bytes over n ranks moves 2 (n - 1) / n S, an all-gather or a
 reduce-scatter of S (the whole tensor) (n - 1) / n S, a send/recv its bytes. What is reduced and
-gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`trainer.parallelize`):
+gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`trainer.parallel.parallelize`):
 
 * ZeRO-0: one all-reduce of the fp32 gradients over the data-parallel axis, after the last backward;
 * ZeRO-1/2: a reduce-scatter of the fp32 gradients over ``dp_shard`` (stage 2 during backward,
@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..config import RunConfig
 from ..memory import local_param_count
 from ..models import spec_for
-from ..parallel_dims import ParallelDims
+from ..parallel.dims import Axis, Mesh, ParallelDims
 
 
 def _ring(kind: str, n: int, size: float) -> float:
@@ -57,34 +57,34 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     act_b = 2 if mixed else 4
     count = local_param_count(cfg, dims, rank)
     grads, params = 4 * count, act_b * count
-    stage = p.zero_stage if dims.dp > 1 else 0
+    stage = dims.zero_stage
     n, r = dims.dp_shard, dims.dp_replicate
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
     out: list[dict] = []
 
-    sizes = {"dp": dims.dp, "dp_shard": n, "dp_replicate": r, "tp": dims.tp, "pp": 2}
+    sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
-            out.append({"kind": kind, "axis": axis, "bytes": round(size), "calls": calls, "overlaps": overlaps,
+            out.append({"kind": kind, "axis": str(axis), "bytes": round(size), "calls": calls, "overlaps": overlaps,
                         "ranks": sizes[axis]})
 
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:
-        add("all_reduce", "dp", _ring("all_reduce", dims.dp, grads), buckets)
+        add("all_reduce", Mesh.DP, _ring("all_reduce", dims.dp, grads), buckets)
     elif stage in (1, 2):
-        add("reduce_scatter", "dp_shard", _ring("reduce_scatter", n, grads), buckets,
+        add("reduce_scatter", Axis.DP_SHARD, _ring("reduce_scatter", n, grads), buckets,
             "compute" if stage == 2 else "none")
-        add("all_reduce", "dp_replicate", _ring("all_reduce", r, grads / n), buckets)
-        add("all_gather", "dp_shard", _ring("all_gather", n, params), buckets)
+        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
+        add("all_gather", Axis.DP_SHARD, _ring("all_gather", n, params), buckets)
     else:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
         gathers = 2 if dims.pp > 1 else 2 * mb
-        add("all_gather", "dp_shard", gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
+        add("all_gather", Axis.DP_SHARD, gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
         rs = mb if p.reduce_every_microbatch else 1
-        add("reduce_scatter", "dp_shard", rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
-        add("all_reduce", "dp_replicate", _ring("all_reduce", r, grads / n), blocks + 1)
+        add("reduce_scatter", Axis.DP_SHARD, rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
+        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), blocks + 1)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         split = m.stage_layers(n_stages)
@@ -95,12 +95,12 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         act = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
         calls = round(per_block * layers * mb)
         if p.sequence_parallel:
-            add("all_gather", "tp", calls / 2 * _ring("all_gather", dims.tp, act), calls // 2)
-            add("reduce_scatter", "tp", calls / 2 * _ring("reduce_scatter", dims.tp, act), calls // 2)
+            add("all_gather", Axis.TP, calls / 2 * _ring("all_gather", dims.tp, act), calls // 2)
+            add("reduce_scatter", Axis.TP, calls / 2 * _ring("reduce_scatter", dims.tp, act), calls // 2)
         else:
-            add("all_reduce", "tp", calls * _ring("all_reduce", dims.tp, act), calls)
+            add("all_reduce", Axis.TP, calls * _ring("all_reduce", dims.tp, act), calls)
     if dims.pp > 1:
         boundary = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
         hops = 2 * p.pp_stages_per_rank  # every stage this rank runs sends forward and receives backward
-        add("send_recv", "pp", hops * mb * boundary, hops * mb)
+        add("send_recv", Axis.PP, hops * mb * boundary, hops * mb)
     return sorted(out, key=lambda c: -c["bytes"])

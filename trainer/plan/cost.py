@@ -16,7 +16,7 @@ reduce-scatter, 1 for a send/recv) on its axis's link class (on a CPU host runni
 it has cores, each call takes the calibrated ``crowded_call_s`` instead of its hops' latency: the
 ranks wait for the scheduler, not the wire): an axis whose group fits in one node
 (``--gpus-per-node``) uses the intra-node figures (NVLink), else the inter-node ones (the NIC per GPU).
-Ranks are laid out as :class:`trainer.parallel_dims.ParallelDims` lays them out: tp innermost, then
+Ranks are laid out as :class:`trainer.parallel.dims.ParallelDims` lays them out: tp innermost, then
 dp_shard, dp_replicate, pp. Exposed communication: all of it, except the collectives marked
 ``overlaps="compute"``, which hide behind one micro-batch's computation and count only past it.
 On a shared host (the CPU profile) nothing overlaps: gloo moves the bytes on the same cores that
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from ..config import RunConfig
 from ..memory import local_counts
 from ..models import spec_for
-from ..parallel_dims import ParallelDims
+from ..parallel.dims import Axis, Mesh, ParallelDims
 from .comm import bubble_fraction, step_comm
 
 GiB = 2**30
@@ -85,13 +85,13 @@ def custom(base: Device, **changes) -> Device:
 def axis_span(dims: ParallelDims, axis: str) -> int:
     """Consecutive ranks one group of ``axis`` spans ("dp": dp_replicate x dp_shard flattened)."""
     tp, shard, rep = dims.tp, dims.dp_shard, dims.dp_replicate
-    return {"tp": tp, "dp_shard": tp * shard, "dp_replicate": tp * shard * rep, "dp": tp * shard * rep,
-            "pp": dims.world_size}[axis]
+    return {Axis.TP: tp, Axis.DP_SHARD: tp * shard, Axis.DP_REPLICATE: tp * shard * rep, Mesh.DP: tp * shard * rep,
+            Axis.PP: dims.world_size}[axis]
 
 
 def link(dims: ParallelDims, axis: str, dev: Device) -> str:
     """"intra" when a group of ``axis`` fits in one node, else "inter"."""
-    if axis == "pp":
+    if axis == Axis.PP:
         return "intra" if dims.world_size <= dev.gpus_per_node else "inter"
     return "intra" if axis_span(dims, axis) <= dev.gpus_per_node else "inter"
 

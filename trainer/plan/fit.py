@@ -28,7 +28,7 @@ def fit_warning(cfg: RunConfig, world_size: int, device, memory_bytes: int | Non
         if getattr(device, "type", "cpu") != "cuda":
             return None
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
-    from ..parallel_dims import resolve_precision
+    from ..parallel.dims import resolve_precision
     from .shape import planning_config
 
     mixed = resolve_precision(cfg.parallel, torch.device(getattr(device, "type", "cpu"))) == torch.bfloat16

@@ -4,7 +4,7 @@
     el = plan_elastic(cfg, 16, 64, dev)           # every size in [16, 64]: valid or why not, and resize costs
 
 Every candidate is checked by the config's own validation (:meth:`Layout.apply`: the config
-sections and :class:`trainer.parallel_dims.ParallelDims`, the checks that refuse a run), then
+sections and :class:`trainer.parallel.dims.ParallelDims`, the checks that refuse a run), then
 costed by the simulator (:mod:`.accounting`, :mod:`.cost`). Small spaces are enumerated; large
 ones are searched as FlexFlow does (Jia et al., "Beyond Data and Model Parallelism for Deep
 Neural Networks", MLSys 2019, section 5): a Markov chain over layouts whose proposals change one
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from checkpointing.errors import ConfigError
 
 from ..config import RunConfig, divisors
+from ..parallel.dims import Axis
 from .accounting import Layout, peak_memory, peak_ranks
 from .cost import Device, step_time
 
@@ -129,7 +130,7 @@ def _cost(c: Candidate, dev: Device) -> float:
 def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
     what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every"))
     if what == "mesh":
-        axes = ["dp_replicate", "dp_shard", "tp", "pp"]
+        axes = [str(a) for a in (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP)]  # Layout's fields
         src, dst = rng.sample(axes, 2)
         n = getattr(cur, src)
         if n == 1:
@@ -277,10 +278,9 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
 
     ca, da = Layout.of(cfg, a).apply(cfg, a)
     _, db = Layout.of(cfg, b).apply(cfg, b)
-    stage = cfg.parallel.zero_stage
     slices = da.tp * da.pp * da.dp_replicate
     sa = predict(ca, da, 0, dev.mixed)
-    sharded_rank = sa["optimizer"] * (stage >= 1 and da.dp > 1) + sa["params"] * (stage == 3 and da.dp > 1)
+    sharded_rank = sa["optimizer"] * (da.zero_stage >= 1) + sa["params"] * da.uses_fsdp
     replicated_rank = sa["optimizer"] + sa["params"] - sharded_rank
     n1, n2 = da.dp_shard, db.dp_shard
     moved = sharded_rank * n1 * (1 - shard_overlap(n1, n2)) * slices
@@ -292,7 +292,7 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
 def plan_elastic(cfg: RunConfig, lo: int, hi: int, dev: Device, budget_s: float = 6.0) -> dict:
     """Every size in [lo, hi]: invalid with the config's reason, or the config's layout costed and the best
     layout with the same tp x pp; resize costs between neighbouring valid sizes and from ``lo`` to ``hi``."""
-    from ..parallel_dims import ParallelDims
+    from ..parallel.dims import ParallelDims
 
     sizes, valid = [], []
     per = max(0.5, budget_s / max(1, hi - lo + 1))

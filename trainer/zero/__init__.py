@@ -32,8 +32,8 @@ of stages 0-2: where a quantized one plugs in), ``stages`` (0-2), ``fsdp`` (3).
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..parallel_dims import ParallelDims
-from ..parallelize import ModelParts
+from ..parallel.dims import ParallelDims
+from ..parallel.parallelize import ModelParts
 from .buckets import chunk_bounds
 from .common import Optimizer, ensure_adam_state, local_tensor
 from .fsdp import FSDPOptimizer

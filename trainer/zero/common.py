@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..parallel_dims import ParallelDims
+from ..parallel.dims import DATA_AXES, Axis, ParallelDims
 
 
 class Optimizer(Protocol):
@@ -63,7 +63,7 @@ def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
     """
     names = t.device_mesh.mesh_dim_names or ()
     reps = 1
-    for axis in ("dp_replicate", "dp_shard", "tp"):
+    for axis in (*DATA_AXES, Axis.TP):
         if dims.size(axis) > 1 and (axis not in names or t.placements[names.index(axis)].is_replicate()):
             reps *= dims.size(axis)
     return reps

@@ -9,8 +9,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim.adam import adam
 
 from ..config import RunConfig
-from ..parallel_dims import ParallelDims
-from ..parallelize import ModelParts
+from ..parallel.dims import ParallelDims
+from ..parallel.parallelize import ModelParts
 from .common import adam_entries, decays, dtensor_replicas, ensure_adam_state, local_tensor, make_adamw, storage_bytes
 
 log = logging.getLogger("etrain")

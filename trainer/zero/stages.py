@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import RunConfig
-from ..parallel_dims import ParallelDims, axis_group, sub_mesh
-from ..parallelize import ModelParts
+from ..parallel.dims import DATA_AXES, Axis, Mesh, ParallelDims
+from ..parallel.parallelize import ModelParts
 from .buckets import Bucket, Slot, chunk_bounds, local_grad, make_buckets
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .common import (
@@ -31,14 +31,14 @@ class ZeroOptimizer:
     """ZeRO stages 0, 1 and 2 over whole-parameter replicas (see module docstring)."""
 
     def __init__(self, parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int):
-        self.stage = cfg.parallel.zero_stage if dims.dp > 1 else 0
+        self.stage = dims.zero_stage
         self.cfg = cfg.train
         self.dims = dims
-        self.dp_group = axis_group(mesh, dims, "dp")
-        self.shard_group = axis_group(mesh, dims, "dp_shard") if self.stage > 0 else None
-        self.replicate_group = axis_group(mesh, dims, "dp_replicate") if self.stage > 0 else None
-        self.n = dims.dp_shard if self.stage > 0 else 1
-        self.r = dims.coords(rank)["dp_shard"] if self.stage > 0 else 0
+        self.dp_group = dims.group(mesh, Mesh.DP)
+        self.shard_group = dims.group(mesh, Mesh.DP_SHARD_CP) if self.stage > 0 else None
+        self.replicate_group = dims.group(mesh, Axis.DP_REPLICATE) if self.stage > 0 else None
+        self.n = dims.zero_shards
+        self.r = dims.coords(rank)[Axis.DP_SHARD] if self.stage > 0 else 0
         if cfg.parallel.reduce_every_microbatch and dims.dp > 1 and rank == 0:
             log.warning("parallel.reduce_every_microbatch has no effect with zero_stage=%d: stages 0 and 1 keep "
                         "whole gradients and reduce them once per step, stage 2 reduce-scatters every "
@@ -85,7 +85,7 @@ class ZeroOptimizer:
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = make_adamw(groups, self.cfg)
         # Checkpoints see each chunk as a DTensor shard of the whole parameter.
-        self.state_mesh = sub_mesh(mesh, dims, "dp_replicate", "dp_shard", "tp")
+        self.state_mesh = dims.sub_mesh(mesh, *DATA_AXES, Axis.TP)
 
     # --- checkpoints ----------------------------------------------------------
 
@@ -98,9 +98,9 @@ class ZeroOptimizer:
             raise NotImplementedError(f"{s.fqn}: ZeRO and tensor parallelism shard the same dim")
         placements = []
         for name in self.state_mesh.mesh_dim_names:
-            if name == "dp_shard" and self.stage > 0:
+            if name == Axis.DP_SHARD and self.stage > 0:
                 placements.append(Shard(s.dim))
-            elif name == "tp":
+            elif name == Axis.TP:
                 placements.append(tp_placement)
             else:
                 placements.append(Replicate())

@@ -1,6 +1,7 @@
-"""What tensor parallelism needs of every model: gradients in their parameters' placements, and the
-language-model loss.
+"""Tensor parallelism: applied from the model's own plan, and what it needs of every model: gradients
+in their parameters' placements, and the language-model loss.
 
+    apply_tp(spec, model, tp_mesh, pcfg)  # the spec's TP (and sequence, loss) parallel plan over ``tp``
     grads_as_placed(model)              # ZeRO 0-2 read each DTensor gradient as its parameter's shard
     loss = lm_loss(logits, targets)     # mean next-token cross-entropy in fp32; vocab-sharded logits too
 
@@ -22,6 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+
+def apply_tp(spec, model: nn.Module, tp_mesh, pcfg) -> None:
+    """Shard ``model`` over ``tp_mesh`` with its spec's plan (:meth:`trainer.models.spec.ModelSpec.apply_tp`);
+    nothing without a ``tp`` axis (``tp_mesh`` None)."""
+    if tp_mesh is not None:
+        spec.apply_tp(model, tp_mesh, pcfg)
 
 
 def grads_as_placed(model: nn.Module) -> None:

@@ -1,0 +1,323 @@
+"""The parallel layout as a value: degrees per mesh axis, what they imply, the sizes a run may take.
+
+    dims = ParallelDims.from_config(cfg, world_size)     # validates; no process group needed
+    mesh = dims.build_mesh("cpu")                        # named axes: pp, dp_replicate, dp_shard, (cp,) tp
+    dims.zero_stage, dims.dp, dims.uses_fsdp             # derived here, asked everywhere else
+    dims.group(mesh, Mesh.DP)                            # a named (derived) mesh's process group
+    valid_world_sizes(cfg, max_world=16)                 # what a run can be resized to
+
+World = pp x dp_replicate x dp_shard x cp x tp, with tp innermost (neighbouring
+ranks, the fastest links) and pp outermost. ``dp_shard`` is the elastic axis:
+dp_replicate x cp x tp x pp is fixed for a run; resizing changes how many data-parallel
+shards there are, and gradient accumulation keeps the global batch fixed.
+
+Context parallelism (``cp``) and expert parallelism (``ep``) come next: both are axes of
+:class:`Axis` and fields of :class:`ParallelDims` with degree 1, and nothing uses them yet.
+``cp`` multiplies into the world size as ``tp`` does (it splits each sequence, so it is not
+a data-parallel axis, but FSDP shards over ``dp_shard x cp``: :attr:`Mesh.DP_SHARD_CP`);
+``ep`` is carved from ``dp_shard`` (it must divide it) and adds no ranks.
+
+Pure arithmetic over the config plus the mesh accessors: it never imports the
+model, so the orchestrator sizes a group without loading model code.
+:mod:`trainer.parallel.parallelize` applies the layout to a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from checkpointing.errors import ConfigError
+
+from ..config import ParallelConfig, RunConfig, divisors, fmt_list, or_join
+
+
+class Axis(StrEnum):
+    """A dimension of the device mesh; its value is the mesh dimension's name."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"  # context parallelism: next; degree 1 today
+    TP = "tp"
+    EP = "ep"  # expert parallelism, carved from dp_shard: next; degree 1 today, never a mesh dimension of its own
+
+
+# The mesh's dimensions, outermost first (ranks are numbered row-major over them).
+AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
+DATA_AXES = (Axis.DP_REPLICATE, Axis.DP_SHARD)
+DATA_NAMES = tuple(a.value for a in DATA_AXES)  # as mesh[...] takes them
+
+
+class Mesh(StrEnum):
+    """A derived mesh: axes flattened into one group (torchtitan's naming)."""
+
+    DP = "dp"  # dp_replicate x dp_shard: the batch split, the loss and gradient reductions, ZeRO 0
+    DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp: what ZeRO 1-3 shard over (dp_shard while cp is 1)
+    DP_CP = "dp_cp"  # dp x cp: the loss group once cp splits sequences (dp while cp is 1)
+
+
+DERIVED: dict[Mesh, tuple[Axis, ...]] = {
+    Mesh.DP: DATA_AXES,
+    Mesh.DP_SHARD_CP: (Axis.DP_SHARD, Axis.CP),
+    Mesh.DP_CP: (*DATA_AXES, Axis.CP),
+}
+
+
+def fixed_degree(dp_replicate: int, tp: int, pp: int, cp: int = 1) -> int:
+    """The ranks of one data-parallel shard: dp_replicate x cp x tp x pp, which must divide the world."""
+    return dp_replicate * cp * tp * pp
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each mesh axis (their product is the world size) and the ZeRO stage asked for."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int = 1
+    ep: int = 1
+    # parallel.zero_stage as configured; :attr:`zero_stage` is the one in effect.
+    zero_requested: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, world_size: int) -> ParallelDims:
+        """Resolve ``dp_shard = -1`` and check the layout against the world and the batch."""
+        p = cfg.parallel
+        fixed = fixed_degree(p.dp_replicate, p.tp, p.pp)
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of parallel.dp_replicate={p.dp_replicate} "
+                f"x parallel.tp={p.tp} x parallel.pp={p.pp} = {fixed}; "
+                f"run on {fmt_list([fixed * k for k in range(1, 5)])} processes or change the layout"
+            )
+        dp_shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
+        if fixed * dp_shard != world_size:
+            raise ConfigError(
+                f"parallel.dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} x pp={p.pp} "
+                f"= {fixed * dp_shard}, but the world size is {world_size}; set parallel.dp_shard=-1 to fill it"
+            )
+        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, zero_requested=p.zero_stage)
+        dims.check_batch(cfg)
+        dims.check_features(cfg)
+        return dims
+
+    def __post_init__(self) -> None:
+        if self.dp_shard % self.ep:
+            raise ConfigError(f"expert parallelism ep={self.ep} is carved from dp_shard={self.dp_shard} and "
+                              f"must divide it")
+
+    # --- derived quantities: asked here, never re-derived ----------------------------------
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage in effect: the one configured, or 0 without data parallelism (nothing to shard)."""
+        return self.zero_requested if self.dp > 1 else 0
+
+    @property
+    def zero_shards(self) -> int:
+        """Ways ZeRO 1-3 split the optimizer state (and more): dp_shard, or 1 at stage 0."""
+        return self.dp_shard * self.cp if self.zero_stage > 0 else 1
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """ZeRO-3 is FSDP2 (:mod:`trainer.parallel.fsdp`)."""
+        return self.zero_stage == 3
+
+    @property
+    def loss_mesh(self) -> Mesh:
+        """The group the loss and the gradient norm are reduced over."""
+        return Mesh.DP_CP if self.cp > 1 else Mesh.DP
+
+    def size(self, axis: str) -> int:
+        """Degree of an axis or of a derived mesh (the product of its axes)."""
+        if axis in DERIVED:
+            out = 1
+            for a in DERIVED[Mesh(axis)]:
+                out *= self.size(a)
+            return out
+        return getattr(self, Axis(axis).value)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh axis (row-major over AXES; cp only where it is used)."""
+        out = {}
+        for axis in reversed(AXES):
+            if axis == Axis.CP and self.cp == 1:
+                continue
+            rank, out[axis.value] = divmod(rank, self.size(axis))
+        return out
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c[Axis.DP_REPLICATE] * self.dp_shard + c[Axis.DP_SHARD]
+
+    def stages(self, rank: int, per_rank: int) -> tuple[int, list[int]]:
+        """(pipeline stages in all, the stages ``rank`` runs) with ``per_rank`` stages per pp rank
+        (interleaved: pp rank r holds stages r, r + pp, ...)."""
+        n_stages = self.pp * per_rank
+        if self.pp == 1:
+            return n_stages, [0]
+        return n_stages, [self.coords(rank)[Axis.PP] + k * self.pp for k in range(per_rank)]
+
+    def local_batch(self, cfg: RunConfig) -> int:
+        return cfg.train.global_batch // self.dp
+
+    def pp_microbatches(self, cfg: RunConfig) -> int:
+        local = self.local_batch(cfg)
+        return cfg.parallel.pp_microbatches or max(1, local // cfg.train.micro_batch)
+
+    # --- checks --------------------------------------------------------------------------
+
+    def check_batch(self, cfg: RunConfig) -> None:
+        t, p = cfg.train, cfg.parallel
+        if t.global_batch % (self.dp * t.micro_batch):
+            good = valid_dp_sizes(cfg, max_dp=max(64, self.dp))
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by data-parallel size {self.dp} "
+                f"x train.micro_batch={t.micro_batch}; data-parallel sizes that work: {fmt_list(good)} "
+                f"(or change train.global_batch / train.micro_batch)"
+            )
+        if self.pp > 1:
+            local, n_mb = self.local_batch(cfg), self.pp_microbatches(cfg)
+            if local % n_mb:
+                raise ConfigError(
+                    f"parallel.pp_microbatches={n_mb} does not divide the local batch {local} "
+                    f"(train.global_batch / data-parallel size); use one of {fmt_list(divisors(local))}"
+                )
+            if p.pp_schedule != "gpipe" and n_mb < self.pp:
+                raise ConfigError(
+                    f"parallel.pp_schedule={p.pp_schedule!r} needs at least pp={self.pp} micro-batches, "
+                    f"got {n_mb}; raise train.global_batch or lower train.micro_batch"
+                )
+            if p.pp_schedule == "interleaved_1f1b" and n_mb % self.pp:
+                raise ConfigError(
+                    f"parallel.pp_schedule='interleaved_1f1b' needs the micro-batch count ({n_mb}) "
+                    f"to be a multiple of pp={self.pp}"
+                )
+
+    def check_features(self, cfg: RunConfig) -> None:
+        """Options that need something of the layout: refused here, before any process group starts."""
+        p, seq = cfg.parallel, cfg.data.seq_len
+        if p.sequence_parallel and seq % self.tp:
+            near = [v for v in (seq - seq % self.tp, seq - seq % self.tp + self.tp) if v >= max(2, self.tp)]
+            if cfg.model.seq_len_limit is not None:
+                near = [v for v in near if v <= cfg.model.seq_len_limit] or near
+            raise ConfigError(
+                f"parallel.sequence_parallel=true splits every sample's data.seq_len={seq} positions evenly "
+                f"across parallel.tp={self.tp} ranks; use data.seq_len={or_join(near)}, or sequence_parallel=false"
+            )
+        if p.offload == "cpu" and self.dp == 1:
+            fixed = fixed_degree(self.dp_replicate, self.tp, self.pp, self.cp)
+            raise ConfigError(
+                f'parallel.offload="cpu" offloads what FSDP2 shards across data-parallel ranks, and this layout '
+                f"has a data-parallel size of 1 at world size {self.world_size} (tp={self.tp} x pp={self.pp}); "
+                f"run on {2 * fixed} processes with parallel.dp_shard=-1, or set parallel.offload=\"none\""
+            )
+
+    # --- meshes --------------------------------------------------------------------------
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """A named mesh over the axes of size > 1 (None on a single process), and ``dp_shard`` of size 1
+        beside a ``dp_replicate`` > 1 (:meth:`fsdp_mesh`: HSDP replicates across it, shards within 1).
+
+        When both data-parallel axes are > 1 the flattened ``dp`` mesh (:attr:`Mesh.DP`) is
+        created too (for the loss and norm reductions and ZeRO 0/1).
+        """
+        names = tuple(a.value for a in AXES
+                      if self.size(a) > 1 or (a == Axis.DP_SHARD and self.dp_replicate > 1))
+        if not names:
+            return None
+        mesh = init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            mesh[DATA_NAMES]._flatten(Mesh.DP.value)
+        return mesh
+
+    def sub_mesh(self, mesh: DeviceMesh | None, *axes: str) -> DeviceMesh | None:
+        """The sub-mesh over those of ``axes`` that have size > 1, or None."""
+        keep = tuple(str(a) for a in axes if self.size(a) > 1)
+        if mesh is None or not keep:
+            return None
+        return mesh[keep if len(keep) > 1 else keep[0]]
+
+    def fsdp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The mesh ZeRO-3 (FSDP2) shards over: 2-D (dp_replicate, dp_shard) whenever dp_replicate > 1, so
+        that parameters are replicated across ``dp_replicate`` and sharded within ``dp_shard``, even when
+        ``dp_shard`` is 1 (without that axis FSDP2 would shard across the replicas instead)."""
+        if mesh is not None and self.dp_replicate > 1:
+            return mesh[DATA_NAMES]
+        return self.sub_mesh(mesh, Axis.DP_SHARD)
+
+    def group(self, mesh: DeviceMesh | None, name: str):
+        """Process group of one axis or derived mesh (:class:`Mesh`); None where it has size 1."""
+        if mesh is None:
+            return None
+        if name in DERIVED:
+            live = [a for a in DERIVED[Mesh(name)] if self.size(a) > 1]
+            if len(live) > 1:
+                return mesh[str(name)].get_group()
+            return mesh[live[0].value].get_group() if live else None
+        return mesh[str(name)].get_group() if self.size(name) > 1 else None
+
+
+def valid_dp_sizes(cfg: RunConfig, max_dp: int) -> list[int]:
+    """Data-parallel sizes the fixed global batch allows (micro-batch and pipeline rules)."""
+    t = cfg.train
+    return [d for d in range(1, max_dp + 1) if t.global_batch % (d * t.micro_batch) == 0]
+
+
+def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
+    """World sizes a run can be resized to: multiples of dp_replicate x cp x tp x pp that fit the batch."""
+    p = cfg.parallel
+    fixed = fixed_degree(p.dp_replicate, p.tp, p.pp)
+    out = []
+    for world in range(fixed, max_world + 1, fixed):
+        if p.dp_shard not in (-1, world // fixed):
+            continue
+        try:
+            ParallelDims.from_config(cfg, world)
+        except ConfigError:
+            continue
+        out.append(world)
+    return out
+
+
+def size_rule(cfg: RunConfig) -> str:
+    """:func:`valid_world_sizes`'s first rule in words, for error messages: the degrees that must divide the world."""
+    p = cfg.parallel
+    return (f"multiples of dp_replicate x tp x pp (here {p.dp_replicate} x {p.tp} x {p.pp} = "
+            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)})")
+
+
+def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
+    """Compute dtype: bf16 on GPUs by default, fp32 on CPU by default."""
+    if pcfg.mixed_precision == "bf16":
+        return torch.bfloat16
+    if pcfg.mixed_precision == "fp32":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_device(pcfg: ParallelConfig, local_rank: int) -> torch.device:
+    want = pcfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError('parallel.device="cuda" but no CUDA device is visible; use "cpu" or "auto"')
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

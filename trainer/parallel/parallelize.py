@@ -1,0 +1,141 @@
+"""The one ordered parallelize: every step over this rank's part of the model, in one order for every
+model family, each step asked of the model's spec (:mod:`trainer.models`).
+
+    dims = ParallelDims.from_config(cfg, world_size)
+    mesh = dims.build_mesh("cpu")
+    parts = build_model_parts(cfg, dims, mesh, rank, device)   # stages of this rank, parallelized
+    loss = lm_loss(parts.modules[0](inputs), targets)
+
+The order, and why it matters:
+
+1. Pipeline cut (:mod:`.pipeline`) first: stages are cut from the full model, keeping parameter
+   names (FQNs), so that every later step sees only this rank's stages.
+2. Tensor parallelism (:mod:`.tensor`) next, because it replaces parameters with DTensors sharded
+   over the ``tp`` axis, and every later step must see those.
+3. Context parallelism: its slot (none yet: ``cp`` is 1, :mod:`.dims`). It shards activations along
+   the sequence, after TP has placed the parameters and before anything wraps the blocks.
+4. Expert parallelism: its slot (none yet: ``ep`` is 1). It places experts over ``ep``, carved from
+   ``dp_shard``, before FSDP shards what is left over the remaining data-parallel ranks.
+5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
+   as they are.
+6. FSDP (:mod:`.fsdp`) last, because FSDP2 shards whatever parameters it finds (the TP DTensors
+   included, as 2-D shards) and must see the final module tree to group its all-gathers per block.
+
+The built-in model goes through all of it on the meta device; only then does each rank allocate and
+fill its own shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config import RunConfig
+from ..models import spec_for
+from .ac import apply_ac
+from .dims import Axis, ParallelDims, resolve_precision
+from .fsdp import shard_blocks
+from .pipeline import Pipeline, cut_stage
+from .tensor import apply_tp, grads_as_placed, lm_loss
+
+log = logging.getLogger("etrain")
+
+
+def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
+    """Context parallelism's place in the order: nothing yet (``dims.cp`` is 1)."""
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
+    """Expert parallelism's place in the order: nothing yet (``dims.ep`` is 1)."""
+
+
+@dataclass
+class ModelParts:
+    """What this rank runs: one module, or its pipeline stages, and their schedule."""
+
+    modules: list[nn.Module]
+    stage_ids: list[int]
+    n_stages: int
+    pipeline: Pipeline | None
+    uses_fsdp: bool
+    # How to get logits, and the loss (the model's spec, trainer.models); None: call the module, lm_loss.
+    forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Parameters held after tensor parallelism, before ZeRO (for the memory prediction); 0 = compute it
+    # from the model's shape.
+    local_params: int = 0
+    # Whether the forward pass draws random numbers (dropout): the step loop seeds it per sample.
+    draws_random: bool = True
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of the (whole, unpipelined) model for token ids ``inputs``."""
+        if self.forward_fn is not None:
+            return self.forward_fn(self.modules[0], inputs)
+        return self.modules[0](inputs)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (mean over its tokens)."""
+        return (self.loss_fn or lm_loss)(logits, targets)
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.modules:
+            m.train(mode)
+
+
+def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
+                      device: torch.device) -> ModelParts:
+    """Build, parallelize and initialise this rank's part of the model, in the order of the module docstring.
+
+    No rank ever holds more of a stage than its own shards plus one whole tensor being drawn (the built-in
+    model, ``Transformer.init_weights``), or than the whole model it builds on the host (a model a user
+    brings, unless ``model.init_from`` fills it: then its parameters are built on the meta device). ZeRO 0-2
+    shard in the optimizer (:mod:`trainer.zero`), not here; they read each gradient as its parameter's
+    local shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
+    """
+    spec = spec_for(cfg.model)
+    p = cfg.parallel
+    n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
+    tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
+    use_fsdp = dims.uses_fsdp
+    modules, local = [], 0
+    for s in stage_ids:
+        stage = cut_stage(spec, cfg, s, n_stages, dims, device)
+        model = stage.module
+        apply_tp(spec, model, tp_mesh, p)
+        local += spec.local_params(model)
+        apply_cp(model, dims)
+        apply_ep(model, dims)
+        apply_ac(spec, stage, p)
+        if use_fsdp:
+            shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
+        # FSDP's CPU offload keeps the sharded parameters in host memory.
+        spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
+        if not use_fsdp:
+            if dtype != torch.float32:
+                spec.cast(model, dtype)
+            if tp_mesh is not None:
+                grads_as_placed(model)  # after the cast, which replaces DTensor parameters
+        modules.append(model)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
+                            p.pp_schedule, dims.pp_microbatches(cfg))
+    return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
+                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random)
