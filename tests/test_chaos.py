@@ -45,7 +45,7 @@ def use_reference(st, reference: dict, ref_id: str = "reference") -> str:
     reuses a run of the same store."""
     spec = reference["store"].get_spec("reference")
     spec.run_id = ref_id
-    st._write_spec(spec)
+    st.create_run(spec)
     st._write(ref_id, "status", json.dumps(reference["final"]))
     st.put_history(ref_id, reference["history"])
     return ref_id
