@@ -389,7 +389,7 @@ def test_a_tracker_server_that_stops_answering_leaves_etrain_run_responsive(ray_
         run, store = start_run(root, "train.steps=3000", "checkpoint.interval_steps=50",
                                f'logging.mlflow_uri="{server.url}"', "logging.flush_timeout_s=2")
         run_id = run.spec.run_id
-        run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 40, what="step 40", timeout=180)
+        run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 100, what="step 100", timeout=240)
         assert server.answered("/runs/log-batch") > 0  # the tracker was logging
         stalled_at, stall_unix = run.snapshot()["step"], time.time()
         server.stall()
