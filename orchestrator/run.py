@@ -302,6 +302,10 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
             ray.kill(actor, no_restart=True)
             if final is None:  # Ctrl-C, or an error here: the controller dies with this process
                 _interrupted(store, spec.run_id, snap, "its driver (etrain run) ended before the run did")
+        if actor is not None and not local:  # a killed controller's workers' reservations outlive it
+            from .worker_group import remove_orphaned_placement_groups
+
+            remove_orphaned_placement_groups(spec.run_id)
         if local:
             ray.shutdown()
 

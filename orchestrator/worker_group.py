@@ -243,3 +243,22 @@ class RayWorkerGroup(WorkerGroup):
     def shutdown(self) -> None:
         for wid in list(self.workers):
             self.kill(wid)
+
+
+def remove_orphaned_placement_groups(run_id: str) -> int:
+    """Remove the placement groups of ``run_id``'s workers that are still reserved: Ray frees a placement
+    group when the *job* that created it ends, not when its creator actor dies, so a killed controller
+    (Ctrl-C of ``etrain run``, a test's ``BackgroundRun.close``) would hold its workers' CPUs and GPUs
+    for as long as the driver lives. Called once the run's controller is gone; returns how many."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    prefix, n = f"etrain-{run_id}-", 0
+    for pg_id, info in placement_group_table().items():
+        if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+                n += 1
+            except Exception:  # removed meanwhile
+                pass
+    return n

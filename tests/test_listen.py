@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 
 import pytest
 import torch.distributed as dist
@@ -109,7 +110,14 @@ def test_a_local_run_listens_on_loopback_only(ray_cluster, tmp_path):
     assert sum(len(v) for (pid, _), v in found.items() if pid in pids) >= 4, found
     bad = {k: v for k, v in found.items() if any(is_wildcard(ip) or not is_loopback(ip) for ip, _ in v)}
     assert not bad, f"listening beyond loopback: {bad}"
-    run.close()
+    run.close()  # kills the controller mid-run: its workers' placement groups must not outlive it
+    import ray
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        assert time.monotonic() < deadline, f"a killed run still holds {ray.available_resources()} of " \
+                                            f"{ray.cluster_resources()}: {ray.util.placement_group_table()}"
+        time.sleep(0.2)
 
 
 def test_the_etcd_compose_file_publishes_its_ports_on_loopback_only():
