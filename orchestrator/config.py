@@ -14,6 +14,7 @@ config (which sizes the global batch and tp x pp allow) run in
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from checkpointing.errors import ConfigError
@@ -37,6 +38,12 @@ class ElasticConfig:
     max_failures: int = 20
     backoff_s: float = 0.0  # first delay between recovery attempts; doubles with each recent failure
     store: str = ""  # "": the embedded store beside the checkpoints
+    # Sharing a cluster (docs/service.md): who goes first, who may give workers back, whose quota counts it,
+    # and how long the run may wait in QUEUED for its minimum (0: for ever).
+    priority: int = 0  # higher first
+    preemptible: bool = True  # may be shrunk toward min_workers, or suspended and requeued, for a higher priority
+    team: str = "default"  # the quota (`etrain quota TEAM --max-workers N`) its workers count against
+    queue_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_workers == 0:
@@ -62,6 +69,16 @@ class ElasticConfig:
                 raise ConfigError(f"elastic.{name}={getattr(self, name)} must be >= 0")
         if self.max_failures < 0:
             raise ConfigError(f"elastic.max_failures={self.max_failures} must be >= 0")
+        if self.queue_timeout_s < 0:
+            raise ConfigError(f"elastic.queue_timeout_s={self.queue_timeout_s} must be >= 0 (0: wait for ever)")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or abs(self.priority) > 10**6:
+            raise ConfigError(f"elastic.priority={self.priority!r} must be an integer in [-1000000, 1000000] "
+                              "(higher first; 0 by default)")
+        if not isinstance(self.preemptible, bool):
+            raise ConfigError(f"elastic.preemptible={self.preemptible!r} must be true or false")
+        if not isinstance(self.team, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.team):
+            raise ConfigError(f"elastic.team={self.team!r} must be a name of letters, digits, '_', '.' or '-' "
+                              "(at most 63, starting with a letter or digit)")
 
 
 @dataclass(kw_only=True)

@@ -76,7 +76,8 @@ def _object_problem(doc: Any, types: dict[str, tuple], required: tuple[str, ...]
 SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": (int,), "min_workers": (int,),
                                 "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
                                 "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,),
-                                "owner": (str,), "token_hash": (str,), "resume_grant": (str,)}
+                                "owner": (str,), "token_hash": (str,), "resume_grant": (str,), "target": (int,),
+                                "requeue": (bool,)}
 
 
 # What the store keeps of a token (orchestrator.auth.digest), or "" for none.
@@ -173,6 +174,12 @@ class RunSpec:
     owner: str = ""
     token_hash: str = ""
     resume_grant: str = ""  # the sha256 of a one-use grant: `etrain resume --submit` hands it to the new job
+    # Written by the cluster's allocator (docs/service.md), never by a user: the size the controller should
+    # have (0: no decision, ``workers`` is the desired size) and whether to give every worker back and wait
+    # in QUEUED (suspended for a higher-priority run, resumed by the controller itself when re-admitted).
+    # A user's resize sets ``workers`` and clears ``target``.
+    target: int = 0
+    requeue: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
