@@ -197,3 +197,25 @@ def test_etrain_quota_needs_the_admin_token_and_lists_what_teams_hold(store, cap
     assert main(["quota", "vision", "--remove", "--store", store.url, "--token", admin]) == 0
     assert main(["quota", "--json", "--store", store.url]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["teams"]["vision"]["max_workers"] is None
+
+
+def test_the_cluster_metrics_show_the_decision(store):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    a_running_and_b_queued_above_it(store)
+    core = allocator(store, capacity=3)
+    core.tick()
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(core.metrics)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(reg).decode()) for s in f.samples}
+    assert samples[("etrain_cluster_capacity_workers", ())] == 3
+    assert samples[("etrain_cluster_runs", (("phase", "QUEUED"),))] == 1
+    assert samples[("etrain_cluster_runs", (("phase", "RUNNING"),))] == 1
+    assert samples[("etrain_cluster_allocated_workers", (("priority", "0"), ("run_id", "a"), ("team", "default")))] == 1
+    assert samples[("etrain_cluster_allocated_workers", (("priority", "10"), ("run_id", "b"), ("team", "default")))] == 2
+    assert samples[("etrain_cluster_preemptions_total", (("action", "shrink"), ("cause", "preempted")))] == 1
+    assert samples[("etrain_cluster_decisions_total", (("action", "admit"),))] == 1
+    assert samples[("etrain_allocator_decision_seconds_count", ())] == 1
+    assert 0 < samples[("etrain_allocator_decision_seconds_sum", ())] < 5

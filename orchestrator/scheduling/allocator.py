@@ -37,6 +37,7 @@ from checkpointing.errors import ConfigError, EtrainError
 from ..documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun
 from ..store import RunStore, open_store
 from .demand import demand_of, desired
+from .metrics import ClusterMetrics
 from .policy import Admit, ClusterView, Plan, Resize, Suspend, decide
 
 log = logging.getLogger("etrain")
@@ -105,6 +106,8 @@ class AllocatorCore:
         self._sizes: dict[tuple[str, int], tuple] = {}
         self.lock = threading.Lock()
         self.last: dict = {}
+        self.metrics = ClusterMetrics()
+        self.phases: dict[str, str] = {}
 
     def runs(self) -> dict[str, str]:
         return dict(read_doc(self.state, STATE_DOC)[0].get("runs", {}))
@@ -140,6 +143,7 @@ class AllocatorCore:
 
     def gather(self) -> tuple[list, dict[str, tuple[RunStore, RunSpec]], set[str], dict]:
         demands, specs, gone = [], {}, set()
+        self.phases = {}
         per_worker = {"cpus": 0.0, "gpus": 0.0}
         for run_id, url in sorted(self.runs().items()):
             try:
@@ -161,12 +165,14 @@ class AllocatorCore:
                 continue
             demands.append(d)
             specs[run_id] = (st, spec)
+            self.phases[run_id] = (status or {}).get("phase", "INITIALIZING")
             per_worker["cpus"] = max(per_worker["cpus"], cpw)
             per_worker["gpus"] = max(per_worker["gpus"], gpw)
         return demands, specs, gone, per_worker
 
     def tick(self) -> Plan:
         with self.lock:
+            started = time.perf_counter()
             demands, specs, gone, pw = self.gather()
             self._forget(gone)
             cap = self.capacity(pw["cpus"] or 1.0, pw["gpus"])
@@ -175,11 +181,12 @@ class AllocatorCore:
                 cap = min(total, sum(d.allocated for d in demands) + free)
             now = self.clock()
             plan = decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state)), now)
-            applied = [self._apply(d, *specs[d.run_id]) for d in plan.decisions]
+            applied = [a for d in plan.decisions if (a := self._apply(d, *specs[d.run_id]))]
+            self.metrics.observe(demands, plan, self.phases, applied, time.perf_counter() - started, cap, now)
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
                          "priorities": {d.run_id: d.priority for d in demands},
-                         "applied": [a for a in applied if a]}
+                         "applied": applied}
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
 
@@ -234,6 +241,7 @@ class Allocator:
         self.core = AllocatorCore(open_store(state_url), ray_capacity)
         self.interval_s = interval_s
         self.state_url = state_url
+        self.endpoint = start_endpoint(self.core.metrics)
         threading.Thread(target=self._loop, name="allocator", daemon=True).start()
 
     def _loop(self) -> None:
@@ -249,11 +257,26 @@ class Allocator:
         return self.state_url
 
     def state(self) -> dict:
-        return {"state_url": self.state_url, "runs": self.core.runs(), **self.core.last}
+        return {"state_url": self.state_url, "runs": self.core.runs(), **self.core.last,
+                "metrics_url": self.endpoint.url if self.endpoint else None}
 
     def tick(self) -> dict:
         plan = self.core.tick()
         return {"targets": plan.targets, "waiting": plan.waiting}
+
+
+def start_endpoint(metrics: ClusterMetrics):
+    """The allocator's /metrics endpoint on this node's address (127.0.0.1 on a local cluster), registered
+    for Prometheus file_sd discovery; None when it cannot listen (the allocator decides all the same)."""
+    import ray
+
+    from trainer.metrics_endpoint import MetricsEndpoint
+
+    try:
+        return MetricsEndpoint(metrics, addr=ray.util.get_node_ip_address(), port=0)
+    except OSError as e:
+        log.warning("allocator: no metrics endpoint: %s", e)
+        return None
 
 
 def ensure_allocator(state_url: str):
