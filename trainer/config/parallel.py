@@ -43,6 +43,8 @@ class ParallelConfig:
     # last (less memory for ZeRO-3, more communication).
     reduce_every_microbatch: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch.compile each repeated block (trainer.parallel.compile): faster steps after a first slow one.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "pp_stages_per_rank", "ac_every_k"):

@@ -33,6 +33,10 @@ class DecoderSpec(ModelSpec):
     def draws_random(self) -> bool:
         return self.mcfg.dropout > 0
 
+    @property
+    def compile_fullgraph(self) -> bool:
+        return True
+
     def build(self, device: str | torch.device = "meta", seed: int = 0) -> Transformer:
         with torch.device(device):
             model = Transformer(self.mcfg)

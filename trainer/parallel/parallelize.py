@@ -18,7 +18,10 @@ The order, and why it matters:
    ``dp_shard``, before FSDP shards what is left over the remaining data-parallel ranks.
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
-6. FSDP (:mod:`.fsdp`) last, because FSDP2 shards whatever parameters it finds (the TP DTensors
+6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
+   computation and the recomputation, and before FSDP, whose hooks stay outside the compiled graph
+   (torchtitan's order).
+7. FSDP (:mod:`.fsdp`) last, because FSDP2 shards whatever parameters it finds (the TP DTensors
    included, as 2-D shards) and must see the final module tree to group its all-gathers per block.
 
 The built-in model goes through all of it on the meta device; only then does each rank allocate and
@@ -38,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import RunConfig
 from ..models import spec_for
 from .ac import apply_ac
+from .compile import apply_compile, check_compile
 from .dims import Axis, ParallelDims, resolve_precision
 from .fsdp import shard_blocks
 from .pipeline import Pipeline, cut_stage
@@ -114,6 +118,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
+    check_compile(p, device)
     modules, local = [], 0
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
@@ -123,6 +128,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_cp(model, dims)
         apply_ep(model, dims)
         apply_ac(spec, stage, p)
+        apply_compile(spec, stage, p)
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.

@@ -1,0 +1,66 @@
+"""The throughput features (docs/performance.md): ``parallel.compile``, the AdamW implementation,
+selective activation checkpointing, the float8 refusal, and the CPU paths of the CUDA-only parts.
+
+The compiled model must train as the eager one does: 5 losses within 1e-5 (inductor reorders
+floating-point sums, so not bit for bit), on one process and in a 2-rank gloo FSDP group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpointing.errors import ConfigError
+from tests.harness import run_ranks
+from trainer.config_load import load_config
+from trainer.loop import Trainer
+from trainer.parallel.compile import check_compile
+from trainer.world import World
+
+CPU = torch.device("cpu")
+# The tiny preset, narrower and two blocks deep: one block graph to compile, in seconds.
+BASE = ["model.dim=64", "model.ffn_hidden=192", "model.n_kv_heads=2", "model.n_layers=2",
+        "data.max_bytes=200000", "data.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
+        "train.warmup_steps=0", 'parallel.mixed_precision="fp32"']
+STEPS = 5
+
+
+def losses(overrides: list[str], steps: int = STEPS) -> list[float]:
+    trainer = Trainer(load_config(None, BASE + overrides), World(), device=CPU)
+    return [trainer.train_step().loss for _ in range(steps)]
+
+
+def close(a: list[float], b: list[float], tol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+# --- parallel.compile -------------------------------------------------------------------------
+
+
+def test_compile_refused_without_a_compiler(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CXX", "no-such-c++")
+    cfg = load_config(None, BASE + ["parallel.compile=true"])
+    with pytest.raises(ConfigError, match=r"parallel\.compile=true .*C\+\+ compiler"):
+        check_compile(cfg.parallel, CPU)
+
+
+@pytest.mark.slow  # inductor's first build of the block takes a minute on a shared 2-core machine
+def test_compiled_equals_eager_world_1():
+    # On a machine without a C++ compiler this fails with the ConfigError that says so.
+    check_compile(load_config(None, BASE + ["parallel.compile=true"]).parallel, CPU)
+    eager = losses([])
+    compiled = losses(["parallel.compile=true"])
+    assert close(eager, compiled, 1e-5), (eager, compiled)
+    # And under activation checkpointing (recomputation inside the compiled block).
+    ac = losses(['parallel.activation_checkpoint="full"', "parallel.compile=true"])
+    assert close(eager, ac, 1e-5), (eager, ac)
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_fsdp_world_2():
+    out = run_ranks("tests.throughput_jobs:losses", 2, {
+        "base": BASE, "steps": STEPS, "layouts": [("eager", []), ("compiled", ["parallel.compile=true"])]})
+    for rank in out:
+        assert close(rank["eager"], rank["compiled"], 1e-5), rank
+    assert out[0]["compiled"] == out[1]["compiled"]
