@@ -64,3 +64,36 @@ def test_compiled_equals_eager_fsdp_world_2():
     for rank in out:
         assert close(rank["eager"], rank["compiled"], 1e-5), rank
     assert out[0]["compiled"] == out[1]["compiled"]
+
+
+# --- train.optimizer_impl ---------------------------------------------------------------------
+
+
+def trained(overrides: list[str], steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+    trainer = Trainer(load_config(None, BASE + overrides), World(), device=CPU)
+    out = [trainer.train_step().loss for _ in range(steps)]
+    return out, {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}, trainer
+
+
+def test_adamw_auto_is_foreach_on_cpu_and_fused_agrees():
+    auto, auto_params, trainer = trained([])
+    group = trainer.optimizer.optimizer.param_groups[0]
+    assert group["foreach"] and not group["fused"]  # the CPU default: what AdamW was before the key
+    foreach, foreach_params, _ = trained(['train.optimizer_impl="foreach"'])
+    assert auto == foreach and all(torch.equal(auto_params[n], foreach_params[n]) for n in auto_params)
+    for impl in ("fused", "for_loop"):
+        losses_, params, trainer = trained([f'train.optimizer_impl="{impl}"'])
+        group = trainer.optimizer.optimizer.param_groups[0]
+        assert group["fused"] == (impl == "fused") and not group["foreach"]
+        assert close(foreach, losses_, 1e-5), (impl, foreach, losses_)
+        for n, p in params.items():
+            torch.testing.assert_close(p, foreach_params[n], rtol=1e-5, atol=1e-6, msg=f"{impl}: {n}")
+
+
+def test_adamw_fused_under_fsdp_world_2():
+    # ZeRO-3 steps the local shards with torch's functional AdamW: the fused kernels there too.
+    fsdp = ["parallel.zero_stage=3"]
+    out = run_ranks("tests.throughput_jobs:losses", 2, {
+        "base": BASE, "steps": 3, "layouts": [("foreach", fsdp), ("fused", fsdp + ['train.optimizer_impl="fused"'])]})
+    for rank in out:
+        assert close(rank["foreach"], rank["fused"], 1e-5), rank
