@@ -97,3 +97,38 @@ def test_adamw_fused_under_fsdp_world_2():
         "base": BASE, "steps": 3, "layouts": [("foreach", fsdp), ("fused", fsdp + ['train.optimizer_impl="fused"'])]})
     for rank in out:
         assert close(rank["foreach"], rank["fused"], 1e-5), rank
+
+
+# --- activation_checkpoint = "selective" --------------------------------------------------------
+
+AC_BASE = [o for o in BASE if not o.startswith(("data.seq_len", "train.micro_batch"))] + [
+    "data.seq_len=128", "train.micro_batch=4"]
+
+
+def ac_run(mode: str) -> dict:
+    """3 steps' losses, then one micro-batch's forward (the bytes it leaves for backward) and backward
+    (the gradients) under ``parallel.activation_checkpoint=mode``."""
+    from tests.jobs import LiveBytes
+
+    trainer = Trainer(load_config(None, AC_BASE + [f'parallel.activation_checkpoint="{mode}"']), World(), device=CPU)
+    losses_ = [trainer.train_step().loss for _ in range(3)]
+    inputs, targets = trainer.batcher.tokens(trainer.batcher.local_positions(0))
+    mb = trainer.cfg.train.micro_batch
+    trainer.optimizer.zero_grad()
+    with LiveBytes() as live:
+        loss = trainer.parts.loss(trainer.parts.forward(inputs[:mb]), targets[:mb])
+        held = live.live
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.parts.named_parameters()}
+    return {"losses": losses_, "loss": loss.item(), "grads": grads, "held": held, "peak": live.peak}
+
+
+def test_selective_ac_is_bitwise_none_and_holds_less():
+    none, sel, full = ac_run("none"), ac_run("selective"), ac_run("full")
+    assert sel["losses"] == none["losses"] and sel["loss"] == none["loss"], (none["losses"], sel["losses"])
+    assert sel["grads"].keys() == none["grads"].keys()
+    for n, g in none["grads"].items():
+        assert torch.equal(sel["grads"][n], g), n
+    # Norms, SwiGLU's activation and product, the rotary embeddings are recomputed; matmuls are kept.
+    assert full["held"] < sel["held"] < 0.85 * none["held"], (none["held"], sel["held"], full["held"])
+    assert sel["peak"] < none["peak"], (none["peak"], sel["peak"])

@@ -29,7 +29,8 @@ class ParallelConfig:
     # Pipeline micro-batches per step on one data-parallel rank; 0 = the local
     # batch divided by train.micro_batch.
     pp_microbatches: int = 0
-    activation_checkpoint: Literal["none", "full", "every_k"] = "none"
+    # "selective": every block keeps its matmul outputs and recomputes the rest in backward.
+    activation_checkpoint: Literal["none", "full", "every_k", "selective"] = "none"
     ac_every_k: int = 2
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     offload: Literal["none", "cpu"] = "none"

@@ -141,7 +141,7 @@ class ModelSpec(ABC):
 
     @abstractmethod
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
-        """Activation checkpointing of the stage's blocks ("full" or "every_k")."""
+        """Activation checkpointing of the stage's blocks ("full", "every_k" or "selective")."""
 
     @abstractmethod
     def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
