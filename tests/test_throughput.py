@@ -132,3 +132,32 @@ def test_selective_ac_is_bitwise_none_and_holds_less():
     # Norms, SwiGLU's activation and product, the rotary embeddings are recomputed; matmuls are kept.
     assert full["held"] < sel["held"] < 0.85 * none["held"], (none["held"], sel["held"], full["held"])
     assert sel["peak"] < none["peak"], (none["peak"], sel["peak"])
+
+
+# --- mixed_precision = "float8" -----------------------------------------------------------------
+
+
+def test_float8_refused_on_cpu_exits_2_naming_the_field(monkeypatch, capsys):
+    from trainer.cli import main
+
+    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    argv = [a for o in [*BASE, 'parallel.mixed_precision="float8"'] for a in ("--set", o)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert 'parallel.mixed_precision="float8" cannot train here' in err and "CUDA GPU" in err, err
+    assert "Traceback" not in err
+
+
+def test_float8_refusals():
+    from trainer.parallel.float8 import float8_refusal, probe_torchao
+
+    assert "runs on cpu" in float8_refusal("cpu", None, None, 1)
+    assert "compute capability 8.0" in float8_refusal("cuda", (8, 0), None, 1)
+    assert "parallel.tp=2" in float8_refusal("cuda", (9, 0), None, 2)
+    assert float8_refusal("cuda", (9, 0), "torchao 0.1 does not work", 1) == "torchao 0.1 does not work"
+    assert float8_refusal("cuda", (8, 9), None, 1) is None
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        assert "torchao is not importable" in probe_torchao(0)

@@ -32,7 +32,8 @@ class ParallelConfig:
     # "selective": every block keeps its matmul outputs and recomputes the rest in backward.
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = "none"
     ac_every_k: int = 2
-    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # "float8": bf16, with the blocks' linears in float8 through torchao (CUDA, compute capability >= 8.9).
+    mixed_precision: Literal["auto", "fp32", "bf16", "float8"] = "auto"
     offload: Literal["none", "cpu"] = "none"
     # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
     sequence_parallel: bool = False

@@ -9,7 +9,9 @@ model family, each step asked of the model's spec (:mod:`trainer.models`).
 The order, and why it matters:
 
 1. Pipeline cut (:mod:`.pipeline`) first: stages are cut from the full model, keeping parameter
-   names (FQNs), so that every later step sees only this rank's stages.
+   names (FQNs), so that every later step sees only this rank's stages. Float8 linears
+   (:mod:`.float8`, ``mixed_precision="float8"``) replace the plain ones right after, so that every
+   later step wraps the modules that will run.
 2. Tensor parallelism (:mod:`.tensor`) next, because it replaces parameters with DTensors sharded
    over the ``tp`` axis, and every later step must see those.
 3. Context parallelism: its slot (none yet: ``cp`` is 1, :mod:`.dims`). It shards activations along
@@ -42,6 +44,7 @@ from ..config import RunConfig
 from ..models import spec_for
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
+from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
 from .fsdp import shard_blocks
 from .pipeline import Pipeline, cut_stage
@@ -103,6 +106,13 @@ class ModelParts:
             m.train(mode)
 
 
+def check_device_features(pcfg, device: torch.device) -> None:
+    """ConfigError (exit 2) for what ``device`` cannot do: ``parallel.compile`` without a compiler for it,
+    ``mixed_precision="float8"`` without float8 hardware or a working torchao."""
+    check_compile(pcfg, device)
+    check_float8(pcfg, device)
+
+
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                       device: torch.device) -> ModelParts:
     """Build, parallelize and initialise this rank's part of the model, in the order of the module docstring.
@@ -118,11 +128,12 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
-    check_compile(p, device)
+    check_device_features(p, device)
     modules, local = [], 0
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
+        apply_float8(spec, model, p, use_fsdp)
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         apply_cp(model, dims)
