@@ -161,3 +161,56 @@ def test_float8_refusals():
 
     if importlib.util.find_spec("torchao") is None:
         assert "torchao is not importable" in probe_torchao(0)
+
+
+# --- collective timing: host time on gloo, CUDA events on NCCL ------------------------------------
+
+
+def test_cpu_collectives_keep_host_timing():
+    import torch.distributed as dist
+
+    from tests.harness import free_port
+    from trainer.telemetry import CommMeter
+
+    meter = CommMeter()
+    meter.install()
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+    finally:
+        dist.destroy_process_group()
+        meter.uninstall()
+    (row,) = meter.snapshot()
+    assert (row["kind"], row["calls"], row["bytes"]) == ("all_reduce", 2, 8000)
+    assert row["seconds"] > 0 and not meter.events._pending  # timed by the host clock, no events made
+    assert not meter.events.wants(t) and not meter.events.wants([t])
+
+
+class FakeEvent:
+    """A CUDA event's behaviour for the timer: fired or not, a time in ms."""
+
+    def __init__(self, ms: float, fired: bool = True):
+        self.ms, self.fired = ms, fired
+
+    def query(self) -> bool:
+        return self.fired
+
+    def elapsed_time(self, end) -> float:
+        return end.ms - self.ms
+
+
+def test_event_pairs_are_recorded_once_fired():
+    from trainer.gpu_timing import EventTimer
+
+    timer, got = EventTimer(), []
+    late = FakeEvent(9.0, fired=False)
+    timer.add(FakeEvent(1.0), FakeEvent(3.5), ("all_reduce", "dp", 8, 2))
+    timer.add(FakeEvent(2.0), late, ("all_gather", "tp", 4, 2))
+    assert timer.drain(lambda *a: got.append(a)) == 1
+    assert got == [("all_reduce", "dp", 8, 2, 0.0025)]
+    late.fired = True
+    assert timer.drain(lambda *a: got.append(a)) == 0
+    assert got[-1] == ("all_gather", "tp", 4, 2, 0.007)
