@@ -214,3 +214,26 @@ def test_event_pairs_are_recorded_once_fired():
     late.fired = True
     assert timer.drain(lambda *a: got.append(a)) == 0
     assert got[-1] == ("all_gather", "tp", 4, 2, 0.007)
+
+
+# --- checkpointing.host_copy: the CPU path as before; the CUDA path's bookkeeping -------------------
+
+
+def test_host_copy_cpu_path_is_synchronous_and_reuses_buffers():
+    from torch.distributed.tensor import DTensor  # noqa: F401 - the module imports it lazily
+
+    from checkpointing.host_copy import HostCopy, fence_writes
+
+    host = HostCopy()
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)}, "step": 3}
+    pending = host.copy_async(state)
+    assert pending.done() and pending.event is None  # nothing queued: CPU copies happen in the call
+    out = pending.wait()
+    assert torch.equal(out["model"]["w"], state["model"]["w"]) and out["step"] == 3
+    buf = out["model"]["w"]
+    state["model"]["w"].add_(1)
+    again = host.copy(state)
+    assert again["model"]["w"].data_ptr() == buf.data_ptr()  # one buffer set on the host, kept
+    assert torch.equal(again["model"]["w"], state["model"]["w"])
+    assert host.nbytes() == 24 and not host._more[0]  # no ping-pong set for host state
+    fence_writes()  # no CUDA copy in flight: nothing to order
