@@ -1,5 +1,5 @@
-"""The throughput features (docs/performance.md): ``parallel.compile``, the AdamW implementation,
-selective activation checkpointing, the float8 refusal, and the CPU paths of the CUDA-only parts.
+"""The throughput features (docs/parallelism.md, "Throughput features"): ``parallel.compile``, the AdamW
+implementation, selective activation checkpointing, the float8 refusal, and the CPU paths of the CUDA-only parts.
 
 The compiled model must train as the eager one does: 5 losses within 1e-5 (inductor reorders
 floating-point sums, so not bit for bit), on one process and in a 2-rank gloo FSDP group.
