@@ -105,12 +105,12 @@ AC_BASE = [o for o in BASE if not o.startswith(("data.seq_len", "train.micro_bat
     "data.seq_len=128", "train.micro_batch=4"]
 
 
-def ac_run(mode: str) -> dict:
+def ac_run(mode: str, base: list[str] = AC_BASE) -> dict:
     """3 steps' losses, then one micro-batch's forward (the bytes it leaves for backward) and backward
     (the gradients) under ``parallel.activation_checkpoint=mode``."""
     from tests.jobs import LiveBytes
 
-    trainer = Trainer(load_config(None, AC_BASE + [f'parallel.activation_checkpoint="{mode}"']), World(), device=CPU)
+    trainer = Trainer(load_config(None, base + [f'parallel.activation_checkpoint="{mode}"']), World(), device=CPU)
     losses_ = [trainer.train_step().loss for _ in range(3)]
     inputs, targets = trainer.batcher.tokens(trainer.batcher.local_positions(0))
     mb = trainer.cfg.train.micro_batch
@@ -237,3 +237,33 @@ def test_host_copy_cpu_path_is_synchronous_and_reuses_buffers():
     assert torch.equal(again["model"]["w"], state["model"]["w"])
     assert host.nbytes() == 24 and not host._more[0]  # no ping-pong set for host state
     fence_writes()  # no CUDA copy in flight: nothing to order
+
+
+# --- a transformers model: its blocks found by the model spec -------------------------------------
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def llama(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    return ['model.source="hf"', f'model.hf_config="{tmp_path}"']
+
+
+def test_hf_selective_ac_is_bitwise_none_and_holds_less(llama):
+    base = [*AC_BASE[:-2], "data.seq_len=64", "train.micro_batch=4", *llama]
+    none, sel = ac_run("none", base), ac_run("selective", base)
+    assert sel["losses"] == none["losses"] and sel["loss"] == none["loss"]
+    assert all(torch.equal(sel["grads"][n], g) for n, g in none["grads"].items())
+    assert sel["held"] < 0.9 * none["held"], (none["held"], sel["held"])
+
+
+@pytest.mark.slow
+def test_hf_compiled_equals_eager(llama):
+    eager = losses(llama)
+    compiled = losses(llama + ["parallel.compile=true"])
+    assert close(eager, compiled, 1e-5), (eager, compiled)
