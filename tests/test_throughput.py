@@ -134,6 +134,17 @@ def test_selective_ac_is_bitwise_none_and_holds_less():
     assert sel["peak"] < none["peak"], (none["peak"], sel["peak"])
 
 
+def test_selective_ac_under_tensor_parallelism_is_bitwise_none():
+    # The matmuls run on DTensor shards and the all-reduces (reduce-scatters under sequence parallelism)
+    # are saved: recomputation sees the same values.
+    tp, sel = ["parallel.tp=2", "train.micro_batch=4"], ['parallel.activation_checkpoint="selective"']
+    sp = [*tp, "parallel.sequence_parallel=true"]
+    out = run_ranks("tests.throughput_jobs:losses", 2, {"base": BASE, "steps": 3, "layouts": [
+        ("tp", tp), ("tp_sel", tp + sel), ("sp", sp), ("sp_sel", sp + sel)]})
+    for rank in out:
+        assert rank["tp_sel"] == rank["tp"] and rank["sp_sel"] == rank["sp"], rank
+
+
 # --- mixed_precision = "float8" -----------------------------------------------------------------
 
 

@@ -101,15 +101,17 @@ def apply_block_ac(blocks: list[nn.Module], mode: str, every_k: int) -> None:
 @functools.cache
 def saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps (torchtitan's op-level policy): the matmuls and
-    attention kernels, the costly part to recompute, and the collectives' results (never re-communicated)."""
+    attention kernels, the costly part to recompute, and the results of tensor parallelism's reduce-scatters and
+    all-reduces (never communicated again in backward)."""
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     c10d = getattr(torch.ops, "_c10d_functional", None)
-    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
-        ops.add(c10d.reduce_scatter_tensor.default)
+    for name in ("reduce_scatter_tensor", "all_reduce"):  # tensor parallelism's: never communicated twice
+        if c10d is not None and hasattr(c10d, name):
+            ops.add(getattr(c10d, name).default)
     return frozenset(ops)
 
 
