@@ -58,11 +58,13 @@ def test_compiled_equals_eager_world_1():
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager_fsdp_world_2():
-    out = run_ranks("tests.throughput_jobs:losses", 2, {
-        "base": BASE, "steps": STEPS, "layouts": [("eager", []), ("compiled", ["parallel.compile=true"])]})
+def test_compiled_equals_eager_fsdp_and_pipeline_world_2():
+    on, pp, sel = ["parallel.compile=true"], ["parallel.pp=2"], ['parallel.activation_checkpoint="selective"']
+    out = run_ranks("tests.throughput_jobs:losses", 2, {"base": BASE, "steps": STEPS, "layouts": [
+        ("eager", []), ("compiled", on), ("pp", pp), ("pp_compiled", pp + on), ("pp_compiled_sel", pp + on + sel)]})
     for rank in out:
         assert close(rank["eager"], rank["compiled"], 1e-5), rank
+        assert close(rank["pp"], rank["pp_compiled"], 1e-5) and close(rank["pp"], rank["pp_compiled_sel"], 1e-5), rank
     assert out[0]["compiled"] == out[1]["compiled"]
 
 
