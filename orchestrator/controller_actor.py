@@ -24,6 +24,7 @@ from trainer.config import RunConfig
 
 from .auth import job_env
 from .controller import Controller, ControllerOptions
+from .drain import DrainWatch, ray_draining_nodes
 from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
 from .store import RunSpec, open_store
 
@@ -42,7 +43,8 @@ class ControllerActor:
                                env=job_env())
         self.endpoint, observers = start_metrics(spec.run_id, config)
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config)]
-        self.ctl = Controller(spec, store, group, opts, config=config, observers=observers)
+        self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,
+                              drains=DrainWatch(source=ray_draining_nodes))
 
     def run(self) -> dict:
         try:

@@ -1,0 +1,138 @@
+"""A draining node makes the run shrink off it (orchestrator/drain.py): the decision as a pure function,
+and the controller stepped against the fake group with a drain source the test controls (no Ray).
+
+The Ray test (a node drained through Ray's own drain call under a training run, then a node added)
+is in tests/test_drain_ray.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator.drain import DrainCommit, DrainHold, DrainShrink, DrainWatch, decide
+from orchestrator.policies import ScalingPolicy
+from tests import test_controller as base
+from tests.test_controller import STEPS, assert_finished_cleanly
+
+rig = base.rig  # the controller rig's fixture
+
+VALID = (1, 2, 3, 4, 6, 12)
+
+
+def decision(members=("a", "b", "c"), draining=None, ready=0, started=0, desired=3, lo=1, hi=3,
+             deadline_in=60.0, committed=False):
+    node_of = {w: f"n-{w}" for w in members}
+    draining = draining if draining is not None else {"n-b": time.time() + deadline_in}
+    return decide(members=list(members), node_of=node_of, draining=draining, ready_elsewhere=ready,
+                  started_elsewhere=started, desired=desired, scaling=ScalingPolicy(min_workers=lo, max_workers=hi),
+                  valid_sizes=VALID, now_unix=time.time(), commit_margin_s=30.0, committed=committed)
+
+
+def test_no_member_on_a_draining_node_is_no_decision():
+    assert decision(draining={"n-elsewhere": time.time() + 5}) is None
+    assert decision(draining={}) is None
+
+
+def test_enough_members_elsewhere_shrink_off_the_node():
+    d = decision()
+    assert isinstance(d, DrainShrink) and d.size == 2 and d.leaving == ("b",)
+    assert "draining" in d.reason
+    # a spare that is up elsewhere takes the leaving member's place: same size, without it
+    d = decision(ready=1)
+    assert isinstance(d, DrainShrink) and d.size == 3 and d.leaving == ("b",)
+
+
+def test_below_min_workers_holds_while_replacements_start_then_commits_near_the_deadline():
+    d = decision(members=("a", "b"), desired=2, lo=2, hi=2)
+    assert isinstance(d, DrainHold) and d.replacements == 1
+    assert isinstance(decision(members=("a", "b"), desired=2, lo=2, hi=2, started=1), DrainHold)
+    assert decision(members=("a", "b"), desired=2, lo=2, hi=2, started=1).replacements == 0
+    near = decision(members=("a", "b"), desired=2, lo=2, hi=2, deadline_in=10.0)
+    assert isinstance(near, DrainCommit) and "committing a checkpoint" in near.reason
+    assert isinstance(decision(members=("a", "b"), desired=2, lo=2, hi=2, deadline_in=10.0, committed=True), DrainHold)
+    # no deadline: never "near"
+    assert isinstance(decision(members=("a", "b"), desired=2, lo=2, hi=2, draining={"n-b": None}), DrainHold)
+
+
+def watch(r, draining: dict) -> None:
+    r.ctl.drains = DrainWatch(source=lambda: draining, poll_s=0.0)
+
+
+def node_of_rank(r, rank: int) -> str:
+    return r.group.info(r.ctl.members[rank])["node_id"]
+
+
+def test_a_draining_node_shrinks_the_run_off_it_with_no_step_lost_and_a_joining_node_grows_it_back(rig):
+    r = rig(workers=3, max_workers=3, capacity=3)
+    draining: dict = {}
+    watch(r, draining)
+    r.drive_to_step(6)
+    leaving = r.ctl.members[1]
+    draining[node_of_rank(r, 1)] = time.time() + 60
+    r.group.capacity -= 1  # the draining node's slot goes with it: its replacement waits for a node
+    r.drive(lambda r: r.ctl.state.name == "RESIZING")
+    r.drive(lambda r: r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 2 and leaving not in r.ctl.members and leaving not in r.group.workers
+    pre = r.events("preempted")
+    assert len(pre) == 1 and pre[0]["reason"] == "drain" and pre[0]["action"] == "shrink"
+    assert pre[0]["node"] == f"node{int(leaving[1:].split('-')[0]):04d}-fake"
+    assert pre[0]["from_workers"] == 3 and pre[0]["to_workers"] == 2 and pre[0]["ranks"] == [1]
+    assert 55 < pre[0]["deadline_in_s"] <= 60
+    r.drive_to_step(r.ctl.last_completed_step() + 3)
+    assert len(r.ctl.members) == 2 and len(r.ctl.spares) == 1  # the replacement waits for capacity
+    r.group.add_capacity(1)  # a node joins
+    r.drive(lambda r: len(r.ctl.members) == 3 and r.ctl.state.name == "RUNNING")
+    r.drive()
+    assert_finished_cleanly(r)
+    assert [e["world_size"] for e in r.events("formed")] == [3, 2, 3]
+    assert r.events("failure") == [] and r.status()["failures"] == 0  # not a failure
+    assert r.group.steps_trained == STEPS  # no step lost
+    assert "draining" in r.events("resized")[0]["reason"]
+
+
+def test_below_min_workers_the_run_trains_on_the_draining_node_until_its_replacement_is_up(rig):
+    r = rig(workers=2, min_workers=2, max_workers=2, capacity=2)
+    draining: dict = {}
+    watch(r, draining)
+    r.drive_to_step(6)
+    leaving = r.ctl.members[1]
+    draining[node_of_rank(r, 1)] = time.time() + 600
+    r.drive_to_step(9)
+    assert leaving in r.ctl.members and len(r.ctl.spares) == 1  # held; a replacement started, pending
+    assert [e["action"] for e in r.events("preempted")] == ["hold"]
+    r.group.add_capacity(1)
+    r.drive(lambda r: leaving not in r.ctl.members and r.ctl.state.name == "RUNNING")
+    assert len(r.ctl.members) == 2
+    assert [e["action"] for e in r.events("preempted")] == ["hold", "shrink"]
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.events("failure") == [] and r.group.steps_trained == STEPS
+
+
+def test_below_min_workers_with_the_deadline_near_a_checkpoint_is_committed(rig):
+    r = rig(workers=2, min_workers=2, max_workers=2, capacity=2)
+    draining: dict = {}
+    watch(r, draining)
+    r.drive_to_step(6)  # the last commit: step 5
+    draining[node_of_rank(r, 1)] = time.time() + 10
+    r.drive_to_step(10)
+    commit = r.events("preempted")[0]
+    assert commit["action"] == "commit" and r.ctl.committed_step >= commit["step"] >= 6
+    # then it trains on there while a replacement starts; the node's loss would be recovered from that commit
+    assert [e["action"] for e in r.events("preempted")] == ["commit", "hold"] and len(r.ctl.spares) == 1
+    assert len(r.ctl.members) == 2 and r.events("failure") == []
+
+
+def test_a_failing_drain_read_keeps_the_last_one():
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) > 1:
+            raise ConnectionError("gcs away")
+        return {"n": None}
+
+    w = DrainWatch(source=source, poll_s=1.0)
+    assert w.poll(0.0) == {"n": None}
+    assert w.poll(0.5) == {"n": None} and len(calls) == 1  # throttled
+    assert w.poll(1.5) == {"n": None} and len(calls) == 2  # the read failed: the last one kept
