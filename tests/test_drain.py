@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from orchestrator.drain import DrainCommit, DrainHold, DrainShrink, DrainWatch, decide
 from orchestrator.policies import ScalingPolicy
 from tests import test_controller as base
@@ -136,3 +138,44 @@ def test_a_failing_drain_read_keeps_the_last_one():
     assert w.poll(0.0) == {"n": None}
     assert w.poll(0.5) == {"n": None} and len(calls) == 1  # throttled
     assert w.poll(1.5) == {"n": None} and len(calls) == 2  # the read failed: the last one kept
+
+
+# --- the chaos kinds drain_node and add_node (plan and report; injected on Ray in tests/test_drain_ray.py) ---
+
+
+def test_drain_and_add_node_faults_load_and_bad_values_name_the_field():
+    from checkpointing.errors import ConfigError
+    from orchestrator.chaos.plan import load_plan
+
+    plan = load_plan(None, ["kind=drain_node,at_step=5,rank=1,deadline_s=30", "kind=add_node,after_fault=0,cpus=2"])
+    assert (plan.faults[0].deadline_s, plan.faults[1].cpus) == (30.0, 2)
+    for bad, says in (("kind=drain_node,at_step=1,deadline_s=0", "deadline_s=0 must be > 0"),
+                      ("kind=add_node,at_step=1,cpus=0", "cpus=0 must be >= 1")):
+        try:
+            load_plan(None, [bad])
+        except ConfigError as e:
+            assert says in str(e)
+        else:
+            raise AssertionError(f"{bad} loaded")
+
+
+def test_a_drain_row_is_detected_by_the_notice_and_recovered_by_the_resize_off_the_node():
+    from orchestrator.chaos.injector import Injection
+    from orchestrator.chaos.report import assess
+
+    drain = Injection(0, "drain_node", 10.0, 5, {"rank": 1, "node": "n1", "deadline_s": 60.0}, committed=4)
+    add = Injection(1, "add_node", 14.0, 9, {"cpus": 1, "node": "n9"})
+    events = [{"kind": "preempted", "time": 10.4, "reason": "drain", "action": "shrink"},
+              {"kind": "resized", "time": 11.6, "first_step_unix": 11.8, "from_workers": 3, "to_workers": 2,
+               "reason": "node n1 is draining: 3 -> 2 workers"},
+              {"kind": "resized", "time": 20.0, "first_step_unix": 20.3, "from_workers": 2, "to_workers": 3,
+               "reason": "growing 2 -> 3 workers"}]
+    d, a = assess([drain, add], events, [])
+    assert d["detected"] and d["time_to_detect_s"] == pytest.approx(0.4) and d["action"] == "shrink"
+    assert d["recovered"] and d["steps_lost"] == 0 and d["before_deadline"]
+    assert a["recovered"] and a["grew"] == [2, 3] and a["time_to_recover_s"] == pytest.approx(6.3)
+    # the node went before the run could leave it: recovered as a failure, its steps lost counted
+    lost = [events[0], {"kind": "recovered", "time": 30.0, "first_step_unix": 31.0, "steps_lost": 1,
+                        "restored_step": 4}]
+    (d,) = assess([drain], lost, [])
+    assert d["recovered"] and d["steps_lost"] == 1 and "as a failure" in d["note"]
