@@ -179,3 +179,30 @@ def test_a_drain_row_is_detected_by_the_notice_and_recovered_by_the_resize_off_t
                         "restored_step": 4}]
     (d,) = assess([drain], lost, [])
     assert d["recovered"] and d["steps_lost"] == 1 and "as a failure" in d["note"]
+
+
+def test_preemptions_are_counted_by_action_and_reason(rig):
+    from orchestrator.metrics import MetricsEndpoint, RunMetrics
+    from orchestrator.observers import MetricsObserver
+    from tests.test_metrics import sample, scrape
+
+    r = rig(workers=3, max_workers=3, capacity=3)
+    draining: dict = {}
+    watch(r, draining)
+    metrics = RunMetrics("r")
+
+    class Counting(MetricsObserver):
+        def on_poll(self, ctl):  # the fake workers have no telemetry
+            pass
+
+    r.ctl.observers.observers.append(Counting(metrics))
+    ep = MetricsEndpoint(metrics, addr="127.0.0.1", port=0, file_sd_dir="")
+    try:
+        r.drive_to_step(4)
+        draining[node_of_rank(r, 2)] = None  # a drain without a deadline
+        r.drive(lambda r: len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING")
+        s = scrape(ep.url)
+        assert sample(s, "etrain_preemptions_total", action="shrink", reason="drain") == 1
+        assert r.events("preempted")[0]["deadline_unix"] is None
+    finally:
+        ep.close()
