@@ -99,3 +99,56 @@ def test_a_drained_node_is_left_at_a_step_boundary_and_an_added_node_grows_the_r
         assert final["step"] == STEPS and final["steps_lost"] == 0 and final["recoveries"] == 0
     finally:  # capacity back for the next tests, pass or fail
         restore(cluster)
+
+
+def test_a_sigterm_to_a_ray_start_node_drains_it_and_the_run_leaves_it(ray_cluster, reference, tmp_path):
+    """What a KubeRay pod's deletion does: the node's process (`ray start --block` there; tests/node_proc.py
+    here, the same Ray node code) gets SIGTERM, drains its own node for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+    and exits once the node is idle. The run shrinks off it at a
+    step boundary (no failure, no step lost) and the node is gone well before the drain's timeout."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from tests.harness import free_port
+
+    before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    log = open(tmp_path / "node.log", "w")
+    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "60"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.node_proc", ray.get_runtime_context().gcs_address,
+                             str(free_port())], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (new := [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before]):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()
+            time.sleep(0.2)
+        node = new[0]
+        run, st = start_run(f"file://{tmp_path}/runs", workers=4, min_workers=1, max_workers=4,
+                            run_id=f"s-{uuid.uuid4().hex[:6]}")
+        formed = run.wait_event("formed")
+        assert node in formed["nodes"]  # four workers on four 1-CPU nodes: one is on it
+        run.wait(lambda s: s["step"] >= 4, what="step 4")
+        sigterm_at = time.time()
+        os.kill(proc.pid, signal.SIGTERM)
+        resized = run.wait_event("resized")
+        assert (resized["from_workers"], resized["to_workers"]) == (4, 3) and "draining" in resized["reason"]
+        final = run.join()
+        proc.wait(timeout=60)  # the node's process exits once its node is idle, before the 60 s drain timeout
+        print(f"SIGTERM -> first step without the node {resized['first_step_unix'] - sigterm_at:.2f} s "
+              f"(resize_s {resized['resize_s']})")
+        events = st.events(run.spec.run_id)
+        notice = next(e for e in events if e["kind"] == "preempted")
+        assert notice["node"] == node and notice["reason"] == "drain" and notice["action"] == "shrink"
+        assert resized["first_step_unix"] - sigterm_at < 30
+        assert [e for e in events if e["kind"] == "failure"] == []
+        assert final["phase"] == "FINISHED" and final["steps_lost"] == 0 and final["recoveries"] == 0
+        assert final["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        restore(ray_cluster)
