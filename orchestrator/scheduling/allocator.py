@@ -214,13 +214,21 @@ class AllocatorCore:
 
 
 def ray_capacity(cpus_per_worker: float, gpus_per_worker: float,
-                 draining: frozenset[str] = frozenset()) -> tuple[int, int]:
+                 draining: frozenset[str] | None = None) -> tuple[int, int]:
     """(workers the live Ray cluster holds, workers that fit in what is free now): each alive node's CPUs
-    (GPUs, when workers take GPUs) over what one worker takes, the nodes in ``draining`` (node ids) left
-    out. The allocator counts as capacity what its runs were granted plus what is free, never more than
-    the cluster holds: what others hold (standby spares, other jobs) is not the runs' to share."""
+    (GPUs, when workers take GPUs) over what one worker takes, the draining nodes (``draining``, node
+    ids; by default Ray's, :func:`orchestrator.drain.ray_draining_nodes`) left out. The allocator counts
+    as capacity what its runs were granted plus what is free, never more than the cluster holds: what
+    others hold (standby spares, other jobs) is not the runs' to share."""
     import ray
 
+    if draining is None:
+        from ..drain import ray_draining_nodes
+
+        try:
+            draining = frozenset(ray_draining_nodes())
+        except Exception:  # the drain state unreadable this round: count every alive node
+            draining = frozenset()
     key, per = ("GPU", gpus_per_worker) if gpus_per_worker > 0 else ("CPU", max(cpus_per_worker, 1e-6))
     total = free = 0
     for n in ray.nodes():
