@@ -120,3 +120,18 @@ def test_requeue_commits_gives_back_and_continues_to_the_reference_losses(ray_cl
     ref = {row.step: row.loss for row in reference["history"]}
     assert sorted(losses) == sorted(ref)
     assert [losses[s] for s in sorted(ref)] == pytest.approx([ref[s] for s in sorted(ref)], rel=1e-5)
+
+
+def test_a_users_resize_clears_the_allocators_target_in_one_write(tmp_path, capsys):
+    r = Rig(tmp_path, workers=1, min_workers=1, max_workers=3, steps=400)
+    try:
+        r.drive_to_step(3)
+        r.ctl.publish()
+        r.store.update_spec(RUN, expected=r.ctl.spec.generation, target=3)
+        generation = r.store.get_spec(RUN).generation
+        assert etrain(["resize", RUN, "--workers", "2", "--store", f"file://{tmp_path}/runs"]) == 0
+        spec = r.store.get_spec(RUN)
+        assert (spec.workers, spec.target, spec.generation) == (2, 0, generation + 1)
+        r.drive(lambda r: len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING")
+    finally:
+        r.close()
