@@ -87,6 +87,7 @@ class Queued(State):
             return Finishing("stop requested while queued")
         if c.spec.requeue:  # held by the allocator: not even the gang is reserved
             c.release_workers()
+            c.sleep(c.opts.poll_s)
         else:
             c.group.reserve_gang(c.spec.min_workers)
             if c.group.gang_ready(timeout=c.opts.poll_s if self.announced else c.opts.admit_wait_s):

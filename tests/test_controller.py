@@ -885,9 +885,11 @@ def test_requeue_commits_gives_everything_back_and_continues_when_cleared(rig):
     assert r.group.storage.latest() == at and r.group.workers == {} and r.group.gang is None
     (pre,) = r.events("preempted")
     assert pre["action"] == "suspend" and pre["checkpoint_committed"] and pre["step"] == at
+    t0 = r.clock()
     for _ in range(20):  # held while requeue is set
         r.step()
     assert r.ctl.state.name == "QUEUED" and r.group.workers == {}
+    assert r.clock() - t0 >= 20 * 0.1  # each look waits a poll: a held run does not spin
     r.store.update_spec(RUN, requeue=False)
     r.drive()
     assert_finished_cleanly(r)
