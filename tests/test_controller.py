@@ -895,3 +895,16 @@ def test_requeue_commits_gives_everything_back_and_continues_when_cleared(rig):
     assert_finished_cleanly(r)
     assert r.group.steps_trained == STEPS  # committed at the boundary: no step trained twice
     assert r.ctl.failures.records == [] and r.events("admitted")
+
+
+def test_a_group_that_cannot_form_in_scheduling_gives_back_and_waits_queued_not_failed(rig):
+    fault = Fault(rank=1, step=7, kind="die", lose_capacity=True)  # its gang bundle's slot goes with it
+    r = rig(workers=2, min_workers=2, capacity=2, steps=200, faults=[fault], opts=options(start_timeout_s=5.0))
+    r.drive(lambda r: r.ctl.state.name == "QUEUED" and fault.fired)
+    r.step()
+    assert r.group.workers == {} and r.ctl.state.name == "QUEUED"  # nothing held while it waits
+    r.ctl.publish()
+    assert "did not start within 5 s" in r.events("queued")[0]["reason"]
+    r.group.add_capacity(1)
+    r.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.last_completed_step() > 5)
+    assert r.events("admitted") and len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING"
