@@ -135,3 +135,14 @@ def test_a_users_resize_clears_the_allocators_target_in_one_write(tmp_path, caps
         r.drive(lambda r: len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING")
     finally:
         r.close()
+
+
+def test_the_metrics_show_the_queued_phase_and_the_queue_wait():
+    from trainer.metrics import RunMetrics
+
+    m = RunMetrics("q")
+    m.observe_run(world_size=0, epoch=0, phase="QUEUED", goodput=0.0, queue_wait_s=12.5)
+    families = {f.name: f for f in m.collect()}
+    phase = {s.labels["phase"]: s.value for s in families["etrain_phase"].samples}
+    assert phase["QUEUED"] == 1 and phase["RUNNING"] == 0
+    assert families["etrain_queue_wait_seconds"].samples[0].value == 12.5
