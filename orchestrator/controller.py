@@ -51,8 +51,8 @@ from .config import recovery_from_raw
 from .membership import Membership
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .pending import PendingRecovery, PendingResize
-from .queueing import sharing
 from .policies import FailureLog, FailurePolicy, ScalingPolicy
+from .queueing import sharing
 from .states import Failed, Initializing, Recovering, Scheduling, State
 from .status import RunStatus
 from .store import RunSpec, RunStore, StoreUnavailable

@@ -138,8 +138,10 @@ class Scheduling(State):
         self.since = self.since if self.since is not None else now
         if c.spec.suspended or c.suspend_cause:
             return suspending(c, "while scheduling")
-        if c.spec.requeue:
+        if c.spec.requeue:  # no group trains: nothing to commit
             c.release_workers()
+            c.event("preempted", action="suspend", step=c.last_completed_step(), checkpoint_committed=False,
+                    reason="requeued by the cluster's allocator (spec.requeue) while scheduling")
             return Queued("requeued by the cluster's allocator")
         c.ensure_workers(self.target)
         candidates = c.members + c.spares
