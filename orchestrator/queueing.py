@@ -14,20 +14,20 @@ FINISHING; a QUEUED run waits for its gang, or is held by the allocator
 
 from __future__ import annotations
 
-from .config import ElasticConfig
 from .phase import ORDER, Phase
 
 # The phases `etrain queue` lists: QUEUED, then the admitted ones.
 LISTED = ORDER[ORDER.index(Phase.QUEUED): ORDER.index(Phase.FINISHING) + 1]
-_DEFAULTS = ElasticConfig()
 
 
 def sharing(spec) -> dict:
     """The run's share of the cluster as its status shows it. ``[elastic]`` was validated by the driver
     (:class:`orchestrator.config.ElasticConfig`); a field it leaves out has the config's default."""
-    e = spec.config.get("elastic") or {}
-    return {"priority": e.get("priority", _DEFAULTS.priority), "team": e.get("team", _DEFAULTS.team),
-            "preemptible": e.get("preemptible", _DEFAULTS.preemptible), "owner": spec.owner,
+    from .config import ElasticConfig  # the trainer's config modules: not for `etrain queue`, which lists only
+
+    e, default = spec.config.get("elastic") or {}, ElasticConfig
+    return {"priority": e.get("priority", default.priority), "team": e.get("team", default.team),
+            "preemptible": e.get("preemptible", default.preemptible), "owner": spec.owner,
             "min_workers": spec.min_workers, "max_workers": spec.max_workers, "target": spec.target,
             "requeue": spec.requeue}
 
@@ -54,7 +54,7 @@ def queue_rows(statuses: list[dict], now: float) -> list[dict]:
         queued = s.get("phase") == Phase.QUEUED and s.get("queued_unix")
         waiting = max(0.0, now - s["queued_unix"]) if queued else float(s.get("queue_wait_s") or 0.0)
         rows.append({"run_id": s.get("run_id"), "phase": s.get("phase"), "priority": s.get("priority", 0),
-                     "team": s.get("team", _DEFAULTS.team), "owner": s.get("owner", ""),
+                     "team": s.get("team", "default"), "owner": s.get("owner", ""),
                      "min_workers": s.get("min_workers"), "max_workers": s.get("max_workers"),
                      "allocated": s.get("world_size", 0), "target": s.get("target", 0),
                      "waiting_s": round(waiting, 1), "waits_for": waits_for(s), "store": s.get("store")})

@@ -105,14 +105,20 @@ def test_requeue_commits_gives_back_and_continues_to_the_reference_losses(ray_cl
     rid = run.spec.run_id
     run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 6, what="step 6")
     spec = store.get_spec(rid)
+    asked = time.time()
     store.update_spec(rid, expected=spec.generation, requeue=True)  # as the allocator writes it (CAS)
     run.wait(lambda s: s["phase"] == "QUEUED", what="QUEUED after the requeue")
     pre = run.wait_event("preempted")
     assert pre["action"] == "suspend" and pre["checkpoint_committed"] is True
     assert run.snapshot()["world_size"] == 0
     spec = store.get_spec(rid)
+    cleared = time.time()
     store.update_spec(rid, expected=spec.generation, requeue=False)
     final = run.join()
+    events = store.events(rid)
+    back = next(e for e in events if e["kind"] == "formed" and e["time"] > cleared)
+    print(f"requeue: given back {pre['time'] - asked:.2f} s after the request; formed again "
+          f"{back['time'] - cleared:.2f} s after it was cleared")
     assert final["phase"] == "FINISHED" and final["failures"] == 0 and final["steps_lost"] == 0, final
     formed = [e for e in store.events(rid) if e["kind"] == "formed"]
     assert formed[-1]["restored_from"] == pre["step"] and "admitted" in kinds(store, rid)
