@@ -96,7 +96,12 @@ class Membership:
 
     def form(self, size: int, ready: list[str]) -> int:
         """Make ``size`` of the ``ready`` workers the group of a new epoch; returns the restored step."""
-        chosen = [w for w in self.members if w in ready][:size]
+        kept = [w for w in self.members if w in ready]
+        if len(kept) > size:  # a shrink keeps the gang's members (in rank order): their bundles stay reserved
+            gang = [w for w in kept if self.group.in_gang(w)][:size]
+            others = [w for w in kept if w not in gang][: size - len(gang)]
+            kept = [w for w in kept if w in gang or w in others]
+        chosen = kept[:size]
         chosen += [w for w in ready if w not in chosen][: size - len(chosen)]
         if len(chosen) < size:
             raise GroupFailure(f"only {len(chosen)} of {size} workers are ready", "error")

@@ -135,6 +135,10 @@ class WorkerGroup(Protocol):
         """Whether the gang holds its resources (waiting up to ``timeout``); True for a group without gangs."""
         return True
 
+    def in_gang(self, wid: str) -> bool:
+        """Whether the worker holds a bundle of the gang (a shrink keeps these: the gang stays in use)."""
+        return getattr(self.workers.get(wid), "bundle", None) is not None
+
     def alive(self, wid: str, timeout: float = 2.0) -> bool:
         """Whether the worker answers a ping within ``timeout``."""
         try:

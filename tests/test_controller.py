@@ -908,3 +908,12 @@ def test_a_group_that_cannot_form_in_scheduling_gives_back_and_waits_queued_not_
     r.group.add_capacity(1)
     r.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.last_completed_step() > 5)
     assert r.events("admitted") and len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING"
+
+
+def test_a_shrink_keeps_the_gangs_members_so_that_it_frees_what_it_gives_back(rig):
+    r = rig(workers=3, min_workers=1, max_workers=3, steps=200, faults=[Fault(rank=0, step=7, kind="die")])
+    r.drive(lambda r: len(r.ctl.members) == 3 and r.events("recovered"))  # the replacement took the gang's bundle
+    assert [r.group.in_gang(w) for w in r.ctl.members] == [False, False, True]
+    r.store.update_spec(RUN, expected=r.ctl.spec.generation, target=1)
+    r.drive(lambda r: len(r.ctl.members) == 1 and r.ctl.state.name == "RUNNING")
+    assert r.group.in_gang(r.ctl.members[0]) and list(r.group.workers) == r.ctl.members  # nothing else held
