@@ -67,6 +67,7 @@ from .cli_control import (
     looked_where,
     store_url,
 )
+from .cli_queue import cmd_queue
 from .cli_service import add_quota_parser, cmd_quota
 
 
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="a run's status, or every run in the store")
     _add_run(p, nargs="?", help="run id (default: every run in the store)")
     p.add_argument("--json", action="store_true", help="the status document(s) as JSON")
+    _add_store(p)
+
+    p = sub.add_parser("queue", help="the queued and admitted runs: priority, team, owner, min..max, allocated, "
+                                     "target, waiting time and why a queued run waits")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
     _add_store(p)
 
     p = sub.add_parser("events", help="a run's failures, recoveries and resizes, with their timings")
@@ -403,7 +409,7 @@ def cmd_resume(args) -> int:
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
             "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit,
-            "quota": cmd_quota}
+            "quota": cmd_quota, "queue": cmd_queue}
 
 
 if __name__ == "__main__":

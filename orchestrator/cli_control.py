@@ -204,7 +204,7 @@ def cmd_resize(args) -> int:
         if args.workers not in allowed:
             raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
                               f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-        return {"workers": args.workers}
+        return {"workers": args.workers, "target": 0}  # the user's size overrides the allocator's, in one CAS write
 
     change_run(store, args.run, resize, args.token)
     print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "

@@ -53,7 +53,8 @@ from .membership import Membership
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .pending import PendingRecovery, PendingResize
 from .policies import FailureLog, FailurePolicy, ScalingPolicy
-from .states import Failed, Initializing, Recovering, State
+from .queueing import sharing
+from .states import Failed, Initializing, Recovering, Scheduling, State
 from .status import RunStatus
 from .store import RunSpec, RunStore, StoreUnavailable
 from .worker_group import GroupFailure, WorkerGroup, WorkerLost
@@ -66,7 +67,9 @@ class ControllerOptions:
     poll_s: float = 0.1  # how often RUNNING looks at calls, progress and the spec
     spec_every_s: float = 0.1  # how often the spec is re-read (a resize or suspend waits at most this)
     status_every_s: float = 1.0  # how often the status is written
-    start_timeout_s: float = 600.0  # workers that cannot start (no capacity) within this fail the run
+    start_timeout_s: float = 600.0  # workers that cannot start within this are given back: QUEUED again
+    admit_wait_s: float = 2.0  # how long a start waits for its gang before it is QUEUED (and says so)
+    queue_timeout_s: float = 0.0  # a run not admitted within this fails (0: it waits for ever)
     replace_wait_s: float = 0.0  # how long to wait for workers that have no resources before forming smaller
     boot_timeout_s: float = 120.0  # how long a start or a grow waits for workers that are still booting
     standby: int = 0  # warm workers kept started beyond the group: a failure or a grow uses one at once
@@ -129,6 +132,10 @@ class Controller(Membership):
         self.resize_requested_at: float | None = None  # when a changed size request was first read
         self.next_spec_read = 0.0
         self.suspend_cause: str | None = None  # set by request_suspend (the driver got SIGTERM)
+        # the queue: since when (controller clock) and why the run waits in QUEUED, and its waits so far
+        self.queued_at: float | None = None
+        self.queue_reason = ""
+        self.queue_wait_s = 0.0
         # progress and durability
         self.progress: dict = {}
         self.progress_at = clock()
@@ -200,7 +207,7 @@ class Controller(Membership):
             log.debug("spec not refreshed: %s", e)
             return
         if spec.generation != self.spec.generation:
-            if spec.workers != self.spec.workers:
+            if (spec.workers, spec.target) != (self.spec.workers, self.spec.target):
                 # From the request itself by the requester's clock, so that resize_s includes the time to
                 # notice it; bounded (never in the future, at most 10 s back) against clocks that disagree.
                 waited = time.time() - spec.updated_unix if spec.updated_unix else 0.0
@@ -209,6 +216,25 @@ class Controller(Membership):
             self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
             self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
             self.next_grow_check = 0.0
+
+    def queued(self, reason: str, since: float) -> None:
+        """The run waits in QUEUED from ``since`` (its gang was not admitted at once, or it was requeued)."""
+        self.queued_at, self.queue_reason = since, reason
+        self.event("queued", workers=self.spec.min_workers, reason=reason)
+        log.info("queued: waiting for %d workers together (%s)", self.spec.min_workers, reason)
+
+    def admitted(self, since: float | None) -> State:
+        """The gang holds its workers: on to SCHEDULING (``since``: when the run was queued, None: at once)."""
+        if since is not None:
+            wait = self.clock() - since
+            self.queue_wait_s += wait
+            self.event("admitted", wait_s=round(wait, 3), workers=self.spec.min_workers)
+        self.queued_at, self.queue_reason = None, ""
+        return Scheduling(self.desired(), "admitted")
+
+    def queue_wait(self) -> float:
+        """Seconds waited in QUEUED, the current wait included."""
+        return self.queue_wait_s + (self.clock() - self.queued_at if self.queued_at is not None else 0.0)
 
     def request_suspend(self, cause: str) -> None:
         """Suspend at the next step boundary, as a spec asking it would, naming ``cause`` (e.g. "SIGTERM")."""
@@ -394,6 +420,9 @@ class Controller(Membership):
             "eval_loss": p.get("eval_loss"), "eval_step": p.get("eval_step"),
             "tokens_per_s": p.get("tokens_per_s"), "latest_checkpoint": self.committed_step,
             "controller_id": self.controller_id, "failures": len(self.failures.records),
+            "queue_reason": self.queue_reason, "queue_wait_s": round(self.queue_wait(), 3),
+            "queued_unix": (time.time() - (self.clock() - self.queued_at)) if self.queued_at is not None else None,
+            **sharing(self.spec),  # priority, team, owner, min..max, target, requeue: what `etrain queue` lists
             "metrics_url": None,  # where the run's metrics are served, when they are (the metrics observer)
             **self.observers.status_fields(self),
         }

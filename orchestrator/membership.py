@@ -24,14 +24,23 @@ from .worker_group import GroupFailure
 log = logging.getLogger("etrain")
 
 
+def desired_size(workers: int, target: int, min_workers: int, max_workers: int, allowed) -> int:
+    """``target`` (the allocator's, when > 0) or else ``workers``, clamped to [min_workers, max_workers] and
+    snapped down to the largest ``allowed`` size not above it (the smallest allowed one when none is)."""
+    want = max(min_workers, min(target if target > 0 else workers, max_workers))
+    allowed = sorted(n for n in allowed if min_workers <= n <= max_workers)
+    fits = [n for n in allowed if n <= want]
+    return fits[-1] if fits else (allowed[0] if allowed else want)
+
+
 class Membership:
     """Who is in the run's group (mixed into the Controller)."""
 
     def desired(self) -> int:
-        """The size to aim for: the largest allowed valid size <= the requested workers."""
-        want = max(self.spec.min_workers, min(self.spec.workers, self.spec.max_workers))
-        fits = [n for n in self.scaling.allowed(self.valid_sizes) if n <= want]
-        return fits[-1] if fits else want
+        """The size to aim for: the allocator's target when it set one, else the requested workers, snapped
+        to the allowed sizes (:func:`desired_size`)."""
+        return desired_size(self.spec.workers, self.spec.target, self.spec.min_workers, self.spec.max_workers,
+                            self.scaling.allowed(self.valid_sizes))
 
     def ensure_workers(self, target: int, standby: bool = True) -> None:
         """Start workers until members plus spares are ``target`` plus the warm standbys (without
@@ -87,7 +96,12 @@ class Membership:
 
     def form(self, size: int, ready: list[str]) -> int:
         """Make ``size`` of the ``ready`` workers the group of a new epoch; returns the restored step."""
-        chosen = [w for w in self.members if w in ready][:size]
+        kept = [w for w in self.members if w in ready]
+        if len(kept) > size:  # a shrink keeps the gang's members (in rank order): their bundles stay reserved
+            gang = [w for w in kept if self.group.in_gang(w)][:size]
+            others = [w for w in kept if w not in gang][: size - len(gang)]
+            kept = [w for w in kept if w in gang or w in others]
+        chosen = kept[:size]
         chosen += [w for w in ready if w not in chosen][: size - len(chosen)]
         if len(chosen) < size:
             raise GroupFailure(f"only {len(chosen)} of {size} workers are ready", "error")

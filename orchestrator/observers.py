@@ -285,7 +285,8 @@ class MetricsObserver(ControllerObserver):
 
     def on_state(self, ctl):
         self.metrics.observe_run(world_size=len(ctl.members), epoch=ctl.epoch, phase=ctl.state.name,
-                                 goodput=ctl.goodput.ratio(), step_time_ratio=ctl.goodput.step_time_ratio())
+                                 goodput=ctl.goodput.ratio(), step_time_ratio=ctl.goodput.step_time_ratio(),
+                                 queue_wait_s=ctl.queue_wait())
 
     def on_poll(self, ctl):
         """Collect the members' telemetry asked for last time, ask again. Never waits: a member busy

@@ -17,6 +17,9 @@ from enum import StrEnum
 class Phase(StrEnum):
     PENDING = "PENDING"  # recorded in the store, no controller has written a status yet
     INITIALIZING = "INITIALIZING"
+    # Waiting for its gang (min_workers reserved together) to be admitted by the cluster, or held there by
+    # the allocator (spec.requeue): no worker held, nothing trained (docs/service.md#the-queue).
+    QUEUED = "QUEUED"
     SCHEDULING = "SCHEDULING"
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"

@@ -217,7 +217,7 @@ _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 def controller_options(e: ElasticConfig) -> ControllerOptions:
     """The controller's timings and failure policy as ``[elastic]`` sets them."""
     return ControllerOptions(hang_timeout_s=e.hang_timeout_s, replace_wait_s=e.replace_wait_s,
-                             boot_timeout_s=e.boot_timeout_s, standby=e.standby,
+                             boot_timeout_s=e.boot_timeout_s, standby=e.standby, queue_timeout_s=e.queue_timeout_s,
                              failure=FailurePolicy(max_failures=e.max_failures, backoff_s=e.backoff_s))
 
 

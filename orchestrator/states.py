@@ -12,7 +12,8 @@ controller's observers hear of it (``orchestrator.observers``).
 
 Invariants:
 
-* The state names are :class:`orchestrator.phase.Phase` members; a terminal
+* The state names are :class:`orchestrator.phase.Phase` members (Requeuing is
+  SUSPENDING: it commits and gives the workers back, then waits QUEUED); a terminal
   state (SUSPENDED, FINISHED, FAILED) carries the reason and cannot step.
 * A failure becomes a :class:`Recovering` in one place, :meth:`Recovering.now`
   (and :meth:`Recovering.after` for a :class:`GroupFailure`): a group call
@@ -63,7 +64,65 @@ class Initializing(State):
         c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
                 controller_id=c.controller_id)
         c.observers.on_start(c)  # the lease renewed from now on, a resumed run's history, the metrics endpoint
-        return Scheduling(c.desired(), "starting")
+        return Queued("starting", timeout=True).step(c)  # QUEUED only when the gang is not admitted at once
+
+
+@dataclass
+class Queued(State):
+    """Wait until the run's gang (``min_workers`` reserved together) is admitted; while the allocator holds
+    the run (``spec.requeue``) hold nothing and wait. ``timeout``: ``queue_timeout_s`` bounds the wait (the
+    first admission; a run requeued by the allocator is never failed for waiting)."""
+
+    reason: str
+    timeout: bool = False
+    since: float | None = None
+    announced: bool = False  # the `queued` event written (the gang was not admitted at once)
+    name = Phase.QUEUED
+
+    def step(self, c: Controller) -> State:
+        now = c.clock()
+        self.since = now if self.since is None else self.since
+        if c.spec.suspended or c.suspend_cause:
+            return suspending(c, "while queued")
+        if c.spec.stop:
+            return Finishing("stop requested while queued")
+        if c.spec.requeue:  # held by the allocator: not even the gang is reserved
+            c.release_workers()
+            c.sleep(c.opts.poll_s)
+        else:
+            c.group.reserve_gang(c.spec.min_workers)
+            if c.group.gang_ready(timeout=c.opts.poll_s if self.announced else c.opts.admit_wait_s):
+                return c.admitted(self.since if self.announced else None)
+        if not self.announced:
+            self.announced = True
+            c.queued(self.reason, self.since)
+        waited = c.clock() - self.since
+        if self.timeout and c.opts.queue_timeout_s and waited > c.opts.queue_timeout_s:
+            c.release_workers()
+            return Failed(f"not admitted within elastic.queue_timeout_s={c.opts.queue_timeout_s:g} s: the cluster "
+                          f"could not reserve the run's {c.spec.min_workers} min_workers together; raise "
+                          "elastic.queue_timeout_s (0: wait for ever), lower elastic.min_workers or add capacity")
+        c.refresh_spec_throttled()
+        return self
+
+
+@dataclass
+class Requeuing(State):
+    """The allocator asked for the run's workers back (``spec.requeue``): commit a durable checkpoint at the
+    step boundary, give every worker and the gang back and wait in QUEUED; not a failure."""
+
+    name = Phase.SUSPENDING
+
+    def step(self, c: Controller) -> State:
+        c.stop_at_boundary()
+        saved = c.save_now()
+        if not saved and c.cfg.checkpoint.url:  # tried again at the next poll; check_durability bounds it
+            log.warning("requeue postponed: the boundary checkpoint did not commit")
+            return Running()
+        c.release_workers()
+        c.event("preempted", action="suspend", step=c.last_completed_step(), checkpoint_committed=saved,
+                reason="requeued by the cluster's allocator (spec.requeue)")
+        return Queued("requeued by the cluster's allocator")
 
 
 @dataclass
@@ -80,6 +139,11 @@ class Scheduling(State):
         self.since = self.since if self.since is not None else now
         if c.spec.suspended or c.suspend_cause:
             return suspending(c, "while scheduling")
+        if c.spec.requeue:  # no group trains: nothing to commit
+            c.release_workers()
+            c.event("preempted", action="suspend", step=c.last_completed_step(), checkpoint_committed=False,
+                    reason="requeued by the cluster's allocator (spec.requeue) while scheduling")
+            return Queued("requeued by the cluster's allocator")
         c.ensure_workers(self.target)
         candidates = c.members + c.spares
         ready = c.group.ready(candidates, timeout=c.opts.poll_s)
@@ -88,10 +152,11 @@ class Scheduling(State):
         if size is not None:
             c.form(size, ready)
             return Running()
-        if waited > c.opts.start_timeout_s:
+        if waited > c.opts.start_timeout_s:  # give everything back and wait for the gang again
             status = ScalingStatus(current=0, requested=self.target, available=len(ready), valid_sizes=c.valid_sizes)
             decision = c.scaling.decide(status, now)
-            return Failed(f"workers did not start within {c.opts.start_timeout_s:.0f} s: {decision.reason}")
+            c.release_workers()
+            return Queued(f"workers did not start within {c.opts.start_timeout_s:.0f} s: {decision.reason}")
         c.refresh_spec_throttled()
         return self
 
@@ -117,6 +182,8 @@ class Running(State):
             return suspending(c)
         if c.spec.stop:
             return Finishing("stop requested", stopping=True)
+        if c.spec.requeue:
+            return Requeuing()
         hang = check_hang(c)
         if hang is not None:
             return hang

@@ -11,10 +11,16 @@ The controller only sees worker ids and calls, through :class:`WorkerGroup`:
 :class:`RayWorkerGroup` implements it on Ray, and ``tests.fake_group.FakeGroup``
 in memory, so the controller is tested without Ray.
 
-Each Ray worker gets a one-bundle placement group ({"CPU": 1}, or one GPU on
-GPU clusters) reserved before its actor starts, so a worker that cannot be
-placed stays *pending* instead of failing: when a node joins, pending workers
-come up by themselves, and the controller grows the group. Every worker is
+The run's ``min_workers`` are reserved together first, as one *gang*
+placement group (one bundle per worker, ``reserve_gang``): a run is admitted
+when the whole gang is, so two runs never each hold part of their minimum and
+block each other. The first workers started take the gang's free bundles (a
+replacement for a dead gang member takes its freed bundle); the others, the
+elastic part above the minimum and the standbys, get a one-bundle placement
+group each ({"CPU": 1}, or one GPU on GPU clusters) reserved before the actor
+starts, so a worker that cannot be placed stays *pending* instead of failing:
+when a node joins, pending workers come up by themselves, and the controller
+grows the group. Every worker is
 built from the run's parsed config (``trainer.config.RunConfig``), which the
 driver parsed once and which pickles through Ray.
 """
@@ -55,6 +61,7 @@ class _Worker:
     info_ref: Any
     pg_ref: Any  # ready when the placement group holds its resources
     info: dict | None = None
+    bundle: int | None = None  # its bundle in the run's gang; None: a placement group of its own
 
 
 @dataclass
@@ -117,8 +124,20 @@ class WorkerGroup(Protocol):
         ...
 
     def shutdown(self) -> None:
-        """Kill every worker."""
+        """Kill every worker and give the gang back."""
         ...
+
+    def reserve_gang(self, n: int) -> None:
+        """Reserve ``n`` workers' resources together (all or none), unless a gang is reserved already; the
+        next workers started take its bundles. A group without gangs (the default) reserves nothing."""
+
+    def gang_ready(self, timeout: float) -> bool:
+        """Whether the gang holds its resources (waiting up to ``timeout``); True for a group without gangs."""
+        return True
+
+    def in_gang(self, wid: str) -> bool:
+        """Whether the worker holds a bundle of the gang (a shrink keeps these: the gang stays in use)."""
+        return getattr(self.workers.get(wid), "bundle", None) is not None
 
     def alive(self, wid: str, timeout: float = 2.0) -> bool:
         """Whether the worker answers a ping within ``timeout``."""
@@ -130,7 +149,7 @@ class WorkerGroup(Protocol):
 
 
 class RayWorkerGroup(WorkerGroup):
-    """One ``TrainWorker`` actor per worker, each in a placement group of its own."""
+    """One ``TrainWorker`` actor per worker, in a bundle of the run's gang or a placement group of its own."""
 
     def __init__(self, config: RunConfig, run_id: str, store_url: str, *, resources: dict | None = None,
                  pg_timeout_s: float = 120.0, env: dict | None = None):
@@ -142,6 +161,30 @@ class RayWorkerGroup(WorkerGroup):
         self.env = env or {}
         self.workers: dict[str, _Worker] = {}
         self._counter = itertools.count()
+        self.gang: Any = None  # the gang placement group (reserve_gang), its size and its ready ref
+        self.gang_size = 0
+        self.gang_ref: Any = None
+
+    def reserve_gang(self, n: int) -> None:
+        from ray.util.placement_group import placement_group
+
+        if self.gang is None:
+            # PACK is a preference: the bundles spread over nodes when no one node holds them all.
+            self.gang = placement_group([dict(self.resources)] * n, strategy="PACK",
+                                        name=f"etrain-{self.run_id}-gang-{uuid.uuid4().hex[:4]}")
+            self.gang_size, self.gang_ref = n, self.gang.ready()
+
+    def gang_ready(self, timeout: float) -> bool:
+        import ray
+
+        if self.gang is None:
+            return False
+        done, _ = ray.wait([self.gang_ref], timeout=timeout)
+        return bool(done)
+
+    def _free_bundle(self) -> int | None:
+        held = {w.bundle for w in self.workers.values()}
+        return next((b for b in range(self.gang_size) if b not in held), None) if self.gang is not None else None
 
     def start(self, n: int) -> list[str]:
         import ray
@@ -154,16 +197,21 @@ class RayWorkerGroup(WorkerGroup):
         out = []
         for _ in range(n):
             wid = f"w{next(self._counter)}-{uuid.uuid4().hex[:4]}"
-            pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}")
+            bundle = self._free_bundle()
+            if bundle is not None:  # a gang member
+                pg, index, pg_ref = self.gang, bundle, self.gang_ref
+            else:
+                pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}")
+                index, pg_ref = 0, pg.ready()
             opts = {
                 "num_cpus": self.resources.get("CPU", 1), "num_gpus": self.resources.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
                 "max_restarts": 0, "max_task_retries": 0, "name": f"etrain-{self.run_id}-{wid}",
             }
             if self.env:
                 opts["runtime_env"] = {"env_vars": dict(self.env)}
             actor = actor_cls.options(**opts).remote(self.config, wid, self.store_url, self.pg_timeout_s)
-            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg.ready())
+            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg_ref, bundle=bundle)
             out.append(wid)
         return out
 
@@ -235,14 +283,23 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(w.actor, no_restart=True)
         except Exception:
             pass
-        try:
-            remove_placement_group(w.pg)
-        except Exception:
-            pass
+        if w.bundle is None:  # a gang member's bundle stays reserved for its replacement
+            try:
+                remove_placement_group(w.pg)
+            except Exception:
+                pass
 
     def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for wid in list(self.workers):
             self.kill(wid)
+        if self.gang is not None:
+            try:
+                remove_placement_group(self.gang)
+            except Exception:  # removed already (the job ended)
+                pass
+            self.gang, self.gang_size, self.gang_ref = None, 0, None
 
 
 def remove_orphaned_placement_groups(run_id: str) -> int:

@@ -31,6 +31,9 @@ like ``orchestrator.worker.TrainWorker``:
 * ``capacity`` bounds the workers placed at once; workers started beyond it
   stay pending (not ready) until ``add_capacity`` or a kill frees a slot.
   A placed worker is up ``boot_s`` later (a new process importing torch).
+* ``reserve_gang(n)`` takes ``n`` slots at once when that many are free
+  (before any pending worker); the next workers started take its bundles and
+  are placed as soon as the gang is; ``shutdown`` gives the gang back.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class FakeWorker:
     last: dict = field(default_factory=dict)
     saves: list[dict] = field(default_factory=list)
     pending: list[Call] = field(default_factory=list)  # calls that have not returned (hung worker)
+    bundle: int | None = None  # its bundle in the gang (reserve_gang)
 
 
 class FakeGroup(WorkerGroup):
@@ -158,6 +162,9 @@ class FakeGroup(WorkerGroup):
         self.log: list[tuple[str, str, tuple]] = []  # (wid, method, args) of every submit
         self._ids = itertools.count()
         self._ports = itertools.count(29500)
+        self.gang: int | None = None  # the gang's size (reserve_gang), and whether it holds its slots
+        self.gang_placed = False
+        self.gang_lost: set[int] = set()  # its bundles whose slot went with a lost node (placed again later)
 
     # --- capacity -----------------------------------------------------------------
 
@@ -167,17 +174,35 @@ class FakeGroup(WorkerGroup):
         self._place()
 
     def _place(self) -> None:
-        """Pending workers take free slots in start order."""
-        placed = sum(1 for w in self.workers.values() if w.placed)
+        """The gang takes its slots when they are all free, then pending workers take free slots in start order
+        (a gang member only its gang's)."""
+        placed = sum(1 for w in self.workers.values() if w.placed and w.bundle is None)
+        if self.gang is not None and not self.gang_placed:
+            self.gang_placed = self.capacity is None or self.capacity - placed >= self.gang
+        for b in sorted(self.gang_lost):  # a bundle whose slot was lost is placed again where there is room
+            if self.capacity is None or self.capacity - placed - (self.gang - len(self.gang_lost)) > 0:
+                self.gang_lost.discard(b)
+        placed += self.gang - len(self.gang_lost) if self.gang_placed else 0
         for w in sorted(self.workers.values(), key=lambda w: w.seq):
-            if w.placed:
+            if w.placed or (w.bundle is not None and (not self.gang_placed or w.bundle in self.gang_lost)):
                 continue
-            if self.capacity is not None and placed >= self.capacity:
+            if w.bundle is None and self.capacity is not None and placed >= self.capacity:
                 break
             w.placed = True
             boot = self.boot_s if not isinstance(self.boot_s, list) else self.boot_s[min(w.seq, len(self.boot_s) - 1)]
             w.up_at = self.clock() + boot
-            placed += 1
+            placed += w.bundle is None
+
+    def reserve_gang(self, n: int) -> None:
+        if self.gang is None:
+            self.gang, self.gang_placed = n, False
+            self._place()
+
+    def gang_ready(self, timeout: float) -> bool:
+        self._place()
+        if self.gang is not None and not self.gang_placed:
+            self.clock.advance(timeout)
+        return self.gang is not None and self.gang_placed
 
     # --- the WorkerGroup interface -------------------------------------------------
 
@@ -185,7 +210,9 @@ class FakeGroup(WorkerGroup):
         out = []
         for _ in range(n):
             seq = next(self._ids)
-            w = FakeWorker(wid=f"w{seq}-fake", seq=seq)
+            held = {w.bundle for w in self.workers.values()}
+            free = [b for b in range(self.gang or 0) if b not in held]
+            w = FakeWorker(wid=f"w{seq}-fake", seq=seq, bundle=free[0] if free else None)
             self.workers[w.wid] = w
             self.all_workers.append(w)
             out.append(w.wid)
@@ -271,6 +298,8 @@ class FakeGroup(WorkerGroup):
     def shutdown(self) -> None:
         for wid in list(self.workers):
             self.kill(wid)
+        self.gang, self.gang_placed, self.gang_lost = None, False, set()
+        self._place()
 
     # --- helpers for tests ---------------------------------------------------------
 
@@ -360,6 +389,8 @@ class FakeGroup(WorkerGroup):
         """The process is gone: its calls raise WorkerLost, its peers' collective fails."""
         if lose_capacity and self.capacity is not None:
             self.capacity -= 1
+            if w.bundle is not None:  # its gang bundle went with the node: Ray places it again elsewhere
+                self.gang_lost.add(w.bundle)
         already = w.dead
         w.dead, w.hung = True, False
         for c in [*w.pending, *([w.train] if w.train is not None else [])]:

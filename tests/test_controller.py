@@ -578,9 +578,9 @@ def test_resume_after_suspend_continues_from_the_checkpoint_on_another_size(rig)
     assert r2.ctl.epoch == 2  # the fencing epoch carries on
 
 
-def test_suspend_while_scheduling(rig):
+def test_suspend_while_queued(rig):
     r = rig(workers=2, min_workers=2, capacity=1)
-    r.drive(lambda r: r.ctl.state.name == "SCHEDULING")
+    r.drive(lambda r: r.ctl.state.name == "QUEUED")
     r.step()
     r.store.update_spec(RUN, suspended=True)
     r.drive(limit=100)
@@ -679,26 +679,60 @@ def test_short_capacity_runs_at_the_largest_valid_size_then_grows(rig):
     assert r.group.steps_trained == STEPS
 
 
-def test_below_min_workers_waits_in_scheduling_until_capacity_arrives(rig):
+def test_below_min_workers_waits_queued_until_its_gang_is_admitted(rig):
     r = rig(workers=4, min_workers=2, capacity=1)
     for _ in range(20):
         r.step()
-    assert r.ctl.state.name == "SCHEDULING" and r.ctl.members == []
+    assert r.ctl.state.name == "QUEUED" and r.ctl.members == [] and r.group.workers == {}
+    r.ctl.publish()
+    st = r.status()
+    assert st["phase"] == "QUEUED" and st["queue_wait_s"] > 0 and "starting" in st["queue_reason"]
     r.group.add_capacity(2)
     r.drive(lambda r: r.ctl.state.name == "RUNNING", limit=50)
-    assert len(r.ctl.members) == 3
+    assert len(r.ctl.members) == 3  # the gang of 2, and one more in a slot of its own
+    assert [e["kind"] for e in r.events()][:3] == ["started", "queued", "admitted"]
+    assert r.events("queued")[0]["workers"] == 2 and r.events("admitted")[0]["wait_s"] > 0
     r.drive()
     assert_finished_cleanly(r)
+    assert r.phases()[:4] == ["INITIALIZING", "QUEUED", "SCHEDULING", "RUNNING"]
 
 
-def test_no_capacity_within_the_start_timeout_fails_with_a_reason(rig):
+def test_no_capacity_waits_queued_for_ever_not_failed(rig):
     r = rig(workers=2, min_workers=2, capacity=1, opts=options(start_timeout_s=5.0))
+    for _ in range(300):  # far past start_timeout_s: never FAILED for want of capacity
+        r.step()
+    assert r.ctl.state.name == "QUEUED" and r.ctl.failures.records == []
+    assert r.group.workers == {} and not r.group.gang_placed  # nothing half-held
+
+
+def test_the_queue_timeout_fails_a_run_not_admitted_naming_the_key(rig):
+    r = rig(workers=2, min_workers=2, capacity=1, opts=options(queue_timeout_s=5.0))
     r.drive(limit=500)
     assert r.ctl.state.name == "FAILED"
-    reason = r.ctl.state.reason
-    assert "did not start within 5 s" in reason
-    assert "1 workers available" in reason and "smallest allowed size is 2" in reason
-    assert r.group.workers == {}
+    assert "elastic.queue_timeout_s=5" in r.ctl.state.reason and "2 min_workers" in r.ctl.state.reason
+    assert r.group.workers == {} and r.group.gang is None
+
+
+def test_a_gang_members_replacement_takes_its_freed_bundle(rig):
+    r = rig(workers=3, min_workers=2, capacity=3, steps=200, faults=[Fault(rank=0, step=7, kind="die")])
+    r.drive(lambda r: r.events("recovered") and r.ctl.state.name == "RUNNING")
+    assert sorted(r.group.workers[w].bundle for w in r.ctl.members if r.group.workers[w].bundle is not None) == [0, 1]
+    assert len(r.ctl.members) == 3 and r.ctl.failures.records[0].kind == "actor_died"
+
+
+def test_the_allocators_target_is_the_desired_size_snapped_and_a_resize_clears_it(rig):
+    from orchestrator.membership import desired_size
+
+    assert desired_size(2, 0, 1, 4, [1, 2, 4]) == 2  # no decision: the requested workers
+    assert desired_size(2, 3, 1, 4, [1, 2, 4]) == 2  # snapped down to a valid size
+    assert desired_size(2, 9, 1, 4, [1, 2, 4]) == 4  # at most max_workers
+    assert desired_size(2, 1, 2, 4, [1, 2, 4]) == 2  # at least min_workers
+    assert desired_size(3, 0, 3, 4, [2, 4]) == 4  # no valid size below: the smallest valid one
+    r = rig(workers=1, min_workers=1, max_workers=3, steps=200)
+    r.drive_to_step(3)
+    r.store.update_spec(RUN, expected=r.ctl.spec.generation, target=3)  # the allocator grows it past workers
+    r.drive(lambda r: len(r.ctl.members) == 3 and r.events("resized"))
+    assert r.events("resized")[0]["to_workers"] == 3 and r.group.steps_trained == r.ctl.last_completed_step()
 
 
 # --- fencing -------------------------------------------------------------------------
@@ -840,3 +874,46 @@ def test_a_train_worker_sigkilled_while_scheduling_is_replaced_on_ray(ray_cluste
     assert "died while starting" in failure["message"]
     formed = [e for e in events if e["kind"] == "formed"]
     assert formed[-1]["world_size"] == 3 and killed[0] not in formed[-1]["pids"]
+
+
+def test_requeue_commits_gives_everything_back_and_continues_when_cleared(rig):
+    r = rig(workers=2, steps=STEPS)
+    r.drive_to_step(7)
+    r.store.update_spec(RUN, expected=r.ctl.spec.generation, requeue=True)  # as the allocator writes it
+    r.drive(lambda r: r.ctl.state.name == "QUEUED")
+    at = r.ctl.last_completed_step()
+    assert r.group.storage.latest() == at and r.group.workers == {} and r.group.gang is None
+    (pre,) = r.events("preempted")
+    assert pre["action"] == "suspend" and pre["checkpoint_committed"] and pre["step"] == at
+    t0 = r.clock()
+    for _ in range(20):  # held while requeue is set
+        r.step()
+    assert r.ctl.state.name == "QUEUED" and r.group.workers == {}
+    assert r.clock() - t0 >= 20 * 0.1  # each look waits a poll: a held run does not spin
+    r.store.update_spec(RUN, requeue=False)
+    r.drive()
+    assert_finished_cleanly(r)
+    assert r.group.steps_trained == STEPS  # committed at the boundary: no step trained twice
+    assert r.ctl.failures.records == [] and r.events("admitted")
+
+
+def test_a_group_that_cannot_form_in_scheduling_gives_back_and_waits_queued_not_failed(rig):
+    fault = Fault(rank=1, step=7, kind="die", lose_capacity=True)  # its gang bundle's slot goes with it
+    r = rig(workers=2, min_workers=2, capacity=2, steps=200, faults=[fault], opts=options(start_timeout_s=5.0))
+    r.drive(lambda r: r.ctl.state.name == "QUEUED" and fault.fired)
+    r.step()
+    assert r.group.workers == {} and r.ctl.state.name == "QUEUED"  # nothing held while it waits
+    r.ctl.publish()
+    assert "did not start within 5 s" in r.events("queued")[0]["reason"]
+    r.group.add_capacity(1)
+    r.drive(lambda r: r.ctl.state.name == "RUNNING" and r.ctl.last_completed_step() > 5)
+    assert r.events("admitted") and len(r.ctl.members) == 2 and r.ctl.state.name == "RUNNING"
+
+
+def test_a_shrink_keeps_the_gangs_members_so_that_it_frees_what_it_gives_back(rig):
+    r = rig(workers=3, min_workers=1, max_workers=3, steps=200, faults=[Fault(rank=0, step=7, kind="die")])
+    r.drive(lambda r: len(r.ctl.members) == 3 and r.events("recovered"))  # the replacement took the gang's bundle
+    assert [r.group.in_gang(w) for w in r.ctl.members] == [False, False, True]
+    r.store.update_spec(RUN, expected=r.ctl.spec.generation, target=1)
+    r.drive(lambda r: len(r.ctl.members) == 1 and r.ctl.state.name == "RUNNING")
+    assert r.group.in_gang(r.ctl.members[0]) and list(r.group.workers) == r.ctl.members  # nothing else held

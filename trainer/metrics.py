@@ -36,8 +36,8 @@ STEPS_LOST_BUCKETS = (0, 1, 2, 3, 5, 8, 10, 20, 50, 100, 200, 500, 1000)
 # The values of the etrain_phase label, in the order a run goes through them: the controller's
 # phases (``orchestrator.phase.Phase`` without PENDING), which the trainer cannot import.
 # tests/test_architecture.py checks that the two agree.
-PHASES = ("INITIALIZING", "SCHEDULING", "RUNNING", "RECOVERING", "RESIZING", "SUSPENDING", "FINISHING",
-          "SUSPENDED", "FINISHED", "FAILED")
+PHASES = ("INITIALIZING", "QUEUED", "SCHEDULING", "RUNNING", "RECOVERING", "RESIZING", "SUSPENDING",
+          "FINISHING", "SUSPENDED", "FINISHED", "FAILED")
 
 
 class Histogram:
@@ -112,6 +112,7 @@ class RunMetrics:
         self.world_size = 0
         self.epoch = 0
         self.phase = "INITIALIZING"
+        self.queue_wait_s = 0.0
         self.goodput = 0.0
         self.step_time_ratio = 0.0
 
@@ -246,12 +247,14 @@ class RunMetrics:
             self.resizes_total += 1
 
     def observe_run(self, *, world_size: int, epoch: int, phase: str, goodput: float,
-                    step_time_ratio: float | None = None) -> None:
+                    step_time_ratio: float | None = None, queue_wait_s: float = 0.0) -> None:
         """``goodput``: effective (:class:`StepLedger`); ``step_time_ratio``: every trained step's time over
         wall time. None: the same as ``goodput``, for a reporter that never rolls back (rank 0 under
-        torchrun: a restart is a new process, whose steps all stay in the model)."""
+        torchrun: a restart is a new process, whose steps all stay in the model). ``queue_wait_s``: seconds
+        spent in QUEUED so far, the current wait included."""
         with self._lock:
             self.world_size, self.epoch, self.phase, self.goodput = world_size, epoch, phase, goodput
+            self.queue_wait_s = queue_wait_s
             self.step_time_ratio = goodput if step_time_ratio is None else step_time_ratio
 
     # --- the collector ------------------------------------------------------------------
@@ -374,6 +377,8 @@ class RunMetrics:
         for p in PHASES:
             ph.add_metric([rid, p], 1.0 if p == self.phase else 0.0)
         yield ph
+        yield gauge("etrain_queue_wait_seconds", "Seconds the run has waited in QUEUED for its gang (or held "
+                    "by the allocator), the current wait included", self.queue_wait_s)
         yield gauge("etrain_goodput_ratio", "Effective training time (steps the model holds) over wall time "
                     "since the start", self.goodput)
         yield gauge("etrain_step_time_ratio", "Time of every step trained (redone ones too) over wall time "
