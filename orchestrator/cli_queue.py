@@ -28,6 +28,7 @@ def cmd_queue(args) -> int:
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
     rows = queue_rows(registry.statuses([store_url(args)], registered=not explicit, strict=explicit), time.time())
+    add_allocator_reasons(rows)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return 0
@@ -45,3 +46,25 @@ def cmd_queue(args) -> int:
         if r["waits_for"]:
             print(f"{r['run_id']} waits for {r['waits_for']}")
     return 0
+
+
+def add_allocator_reasons(rows: list[dict]) -> None:
+    """Where the cluster's allocator keeps its state in a listed store, a queued run's row also says why the
+    allocator does not admit it yet (``allocator``), beside why its gang waits (docs/service.md)."""
+    from .scheduling.allocator import STATE_DOC, read_doc
+    from .store import open_store
+
+    docs: dict = {}
+    for r in rows:
+        url = r.get("store")
+        if not url or r["phase"] != "QUEUED":
+            continue
+        if url not in docs:
+            try:
+                docs[url] = read_doc(open_store(url), STATE_DOC)[0].get("waiting") or {}
+            except Exception:  # unreachable, or not etrain's: the gang's reason stands alone
+                docs[url] = {}
+        why = docs[url].get(r["run_id"])
+        if why:
+            r["allocator"] = why
+            r["waits_for"] = f"{r['waits_for']}; the allocator: {why}" if r["waits_for"] else f"the allocator: {why}"

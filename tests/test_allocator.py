@@ -219,3 +219,19 @@ def test_the_cluster_metrics_show_the_decision(store):
     assert samples[("etrain_cluster_decisions_total", (("action", "admit"),))] == 1
     assert samples[("etrain_allocator_decision_seconds_count", ())] == 1
     assert 0 < samples[("etrain_allocator_decision_seconds_sum", ())] < 5
+
+
+def test_etrain_queue_says_why_the_allocator_does_not_admit_a_run(store, capsys):
+    import json
+
+    from orchestrator.cli import main
+
+    make_run(store, "big", workers=3, min_workers=3, max_workers=3, elastic={"preemptible": False})
+    make_run(store, "next", workers=2, min_workers=2, max_workers=2, phase="QUEUED", world=0)
+    allocator(store, capacity=3).tick()
+    capsys.readouterr()
+    assert main(["queue", "--json", "--store", store.url]) == 0
+    rows = {r["run_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "needs 2 workers together: 0 free" in rows["next"]["allocator"]
+    assert "the allocator: needs 2 workers together" in rows["next"]["waits_for"]
+    assert "allocator" not in rows["big"]
