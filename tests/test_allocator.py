@@ -75,8 +75,9 @@ def test_suspends_the_lowest_priority_run_whole_when_shrinking_is_not_enough(sto
     assert low.requeue and low.target == 0
     assert not keep.requeue and keep.target == 0, "a run that is not preemptible keeps its workers"
     assert high.target == 2
-    (pre,) = kinds(store, "low", "preempted")
-    assert pre["action"] == "suspend"
+    (sus,) = kinds(store, "low", "allocated")
+    assert sus["action"] == "suspend" and sus["cause"] == "preempted" and "'high'" in sus["reason"]
+    assert not kinds(store, "low", "preempted"), "the controller writes a suspend's preempted event, at its commit"
     # Once "high" ends, "low" is admitted again: requeue cleared, back at its size.
     lease = store.acquire("high", "ctl-high")
     store.put_status("high", {"run_id": "high", "phase": "FINISHED", "step": 1000}, lease)

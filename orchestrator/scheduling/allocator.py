@@ -16,8 +16,9 @@ the spec it read (a user's resize in between wins; the next decision reads it):
 * ``requeue``: give every worker back after a durable commit and wait in QUEUED (suspended for a
   higher priority), cleared when the run is admitted again.
 
-Each decision is a run event ``allocated`` (action, workers, cause, reason); a shrink or a suspend for
-another run, or for the cluster's capacity or a quota, is also ``preempted``. Runs that ended leave
+Each decision is a run event ``allocated`` (action, workers, cause, reason); a shrink for another run,
+or for the cluster's capacity or a quota, is also ``preempted`` (a suspend's ``preempted`` event is the
+controller's, written when it has committed and given its workers back). Runs that ended leave
 the registry. The registry, the last decision and why each queued run waits are the store document
 ``allocator`` of the store the allocator was started with; the quotas are its document ``quotas``
 (``etrain quota``). A restarted allocator (Ray restarts it) reads them back: it decides from the specs
@@ -208,7 +209,7 @@ class AllocatorCore:
         event = {"action": action, "workers": workers, "cause": cause, "reason": d.reason,
                  "from_workers": desired(spec) if not spec.requeue else 0}
         store.add_event(spec.run_id, {"kind": "allocated", **event})
-        if action in ("shrink", "suspend") and cause in PREEMPTING:
+        if action == "shrink" and cause in PREEMPTING:  # a suspend's `preempted` is the controller's, at its commit
             store.add_event(spec.run_id, {"kind": "preempted", **event})
         return {"run_id": spec.run_id, **event}
 
