@@ -1,0 +1,215 @@
+"""Causal attention over a sequence split across the cp ranks: ring, all-gather and Ulysses.
+
+    out = ring_attention(q, k, v, cp)        # q, k, v: (batch, heads, seq / cp, head_dim), this rank's positions
+    out = allgather_attention(q, k, v, cp)
+    out = ulysses_attention(q, k, v, cp)
+
+``cp`` is a :class:`trainer.parallel.context.ContextParallel`: the group, this rank's place in it and the
+global position of every local token (head-tail split). Every collective is one that gloo runs
+(``isend``/``irecv``, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``), and none of
+them carries a gradient on gloo, so each style is a custom autograd function whose backward makes the
+matching collectives itself:
+
+* ring: the K/V blocks travel around the ring (cp - 1 exchanges with the neighbours, each started before
+  the block in hand is attended, so they overlap) while each rank attends its own queries; partial results
+  are combined by their log-sum-exp. Backward sends each block round again with its K/V gradient
+  accumulating (cp - 1 exchanges of K, V, dK, dV), then dK, dV home (one more).
+* allgather: K/V gathered whole (one all-gather), the mask from global positions; backward reduce-scatters
+  dK, dV (one). K/V memory is O(seq), not O(seq / cp).
+* ulysses: one all-to-all from sequence- to head-sharded (q, k, v together), whole-sequence causal
+  attention over heads / cp heads, one all-to-all back; backward the same two, reversed.
+
+Blocks are attended by :func:`block_attention` (fp32 scores, the log-sum-exp computed here, masked by
+global positions); its backward :func:`block_attention_grad` is the flash-attention recurrence. This is the
+path for every device; a GPU kernel that returns the log-sum-exp (flash, memory-efficient) plugs in there,
+since every block of the head-tail split is either causal on local indices, whole, or whole for the tail
+half of the queries. Ulysses calls ``scaled_dot_product_attention`` itself, so it takes the device's best
+kernel as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import compat
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp), in fp32 or wider, of queries at global positions ``q_pos`` attending causally to keys at
+    ``k_pos``; rows that see no key have a log-sum-exp of -inf and an output of 0."""
+    s = _scores(q, k, q_pos, k_pos)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return p @ _up(v), lse
+
+
+def block_attention_grad(q, k, v, q_pos, k_pos, lse, dout, delta) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv), in fp32 or wider, of one block, given the final log-sum-exp of the queries' rows and
+    ``delta = rowsum(dout * out)`` of their final output."""
+    s = _scores(q, k, q_pos, k_pos)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ _up(v).transpose(-1, -2) - delta.unsqueeze(-1))
+    scale = q.shape[-1] ** -0.5
+    return (ds @ _up(k)) * scale, (ds.transpose(-1, -2) @ _up(q)) * scale, dv
+
+
+def _scores(q, k, q_pos, k_pos) -> torch.Tensor:
+    q, k = _up(q), _up(k)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    return s.masked_fill(q_pos[:, None] < k_pos[None, :], -math.inf)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for the attention arithmetic (or the tensor's own dtype when wider)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial attentions of the same queries combined by their log-sum-exps."""
+    new = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+    return out, new
+
+
+def _exchange(send: torch.Tensor, cp) -> torch.Tensor:
+    """``send`` to the next cp rank; what the previous one sent, back."""
+    recv = torch.empty_like(send)
+    reqs = [dist.isend(send, cp.global_rank(cp.rank + 1), group=cp.group),
+            dist.irecv(recv, cp.global_rank(cp.rank - 1), group=cp.group)]
+    for r in reqs:
+        r.wait()
+    return recv
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        n, r = cp.size, cp.rank
+        pos = cp.positions(q.shape[2])
+        kv = torch.stack([k, v]).contiguous()
+        out = lse = None
+        for i in range(n):
+            pending = None
+            if i < n - 1:  # the next block travels while this one is attended
+                nxt = torch.empty_like(kv)
+                pending = [dist.isend(kv, cp.global_rank(r + 1), group=cp.group),
+                           dist.irecv(nxt, cp.global_rank(r - 1), group=cp.group)]
+            src = (r - i) % n
+            o, s = block_attention(q, kv[0], kv[1], pos, cp.positions(q.shape[2], src))
+            out, lse = (o, s) if out is None else _merge(out, lse, o, s)
+            if pending is not None:
+                for req in pending:
+                    req.wait()
+                kv = nxt
+        ctx.cp = cp
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cp = ctx.cp
+        q, k, v, out, lse = ctx.saved_tensors
+        n, r = cp.size, cp.rank
+        pos = cp.positions(q.shape[2])
+        dout = _up(dout)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(out)
+        buf = torch.stack([_up(k), _up(v), torch.zeros_like(out), torch.zeros_like(out)])
+        for i in range(n):
+            src = (r - i) % n
+            gq, gk, gv = block_attention_grad(q, buf[0], buf[1], pos, cp.positions(q.shape[2], src), lse, dout, delta)
+            dq += gq
+            buf[2] += gk
+            buf[3] += gv
+            if i < n - 1:
+                buf = _exchange(buf, cp)
+        dkv = _exchange(buf[2:].contiguous(), cp)  # each block's gradient, complete, back to its rank
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        n, s = cp.size, q.shape[2]
+        kv = torch.stack([k, v]).contiguous()
+        full = torch.empty((n * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        compat.all_gather_single(full, kv, group=cp.group)  # concatenated along dim 0, as gloo wants
+        full = full.unflatten(0, (n, 2))
+        k_all, v_all = (full[:, j].permute(1, 2, 0, 3, 4).flatten(2, 3) for j in (0, 1))
+        k_pos = torch.cat([cp.positions(s, j) for j in range(n)])
+        out, lse = block_attention(q, k_all, v_all, cp.positions(s), k_pos)
+        ctx.cp = cp
+        ctx.save_for_backward(q, k_all, v_all, k_pos, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cp = ctx.cp
+        q, k_all, v_all, k_pos, out, lse = ctx.saved_tensors
+        n, s = cp.size, q.shape[2]
+        dout = _up(dout)
+        dq, dk, dv = block_attention_grad(q, k_all, v_all, cp.positions(s), k_pos, lse, dout, (dout * out).sum(-1))
+        # (n, 2, b, h, s, d): rank j's keys' gradients in row j.
+        full = torch.stack([g.unflatten(2, (n, s)).permute(2, 0, 1, 3, 4) for g in (dk, dv)], dim=1)
+        mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+        compat.reduce_scatter_single(mine, full.flatten(0, 1).contiguous(), group=cp.group)
+        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """(B, h, s, d) sequence-sharded <-> (B, h / n, n * s, d) head-sharded (``to_heads``), the sequence in
+    rank order; backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, cp, to_heads: bool):
+        ctx.cp, ctx.to_heads = cp, to_heads
+        return _all_to_all(x, cp, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.cp, not ctx.to_heads), None, None
+
+
+def _all_to_all(x: torch.Tensor, cp, to_heads: bool) -> torch.Tensor:
+    n = cp.size
+    b, h, s, d = x.shape
+    if to_heads:  # row j: the heads rank j attends, of this rank's positions
+        send = x.unflatten(1, (n, h // n)).transpose(0, 1).contiguous()
+    else:  # row j: rank j's positions of this rank's heads
+        send = x.unflatten(2, (n, s // n)).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=cp.group)
+    if to_heads:  # (n, B, h/n, s, d) -> (B, h/n, n*s, d)
+        return recv.permute(1, 2, 0, 3, 4).flatten(2, 3)
+    return recv.transpose(0, 1).flatten(1, 2)  # (n, B, h/n, s/n, d) -> (B, h, s/n, d)
+
+
+def ring_attention(q, k, v, cp) -> torch.Tensor:
+    return _Ring.apply(q, k, v, cp)
+
+
+def allgather_attention(q, k, v, cp) -> torch.Tensor:
+    return _AllGather.apply(q, k, v, cp)
+
+
+def ulysses_attention(q, k, v, cp) -> torch.Tensor:
+    b, h, s, _ = q.shape
+    qkv = _AllToAll.apply(torch.cat([q, k, v]).contiguous(), cp, True)  # (3b, h/n, n*s, d), rank order
+    order = cp.gather_order(s)  # rank order -> position order, and back
+    qkv = qkv.index_select(2, order)
+    out = F.scaled_dot_product_attention(qkv[:b], qkv[b : 2 * b], qkv[2 * b :], is_causal=True)
+    out = out.index_select(2, torch.argsort(order))
+    return _AllToAll.apply(out.contiguous(), cp, False)
+
+
+STYLES = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
