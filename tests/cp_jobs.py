@@ -14,9 +14,9 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def train_with_grads(payload: dict) -> dict:
-    """Per layout ``(name, overrides)``: the losses of ``payload["steps"]`` steps, the reduced gradients
-    of the first step (whole tensors, before clipping and the update), and the collectives per step after
-    the first, by "kind/axis"."""
+    """Per layout ``(name, overrides, steps)``: the losses of its steps, the reduced gradients of the first
+    step (whole tensors, before clipping and the update), and the collectives per step after the first, by
+    "kind/axis"."""
     from trainer.telemetry import comm_meter
 
     meter = comm_meter()
@@ -25,7 +25,7 @@ def train_with_grads(payload: dict) -> dict:
     init_distributed(world, CPU)
     try:
         out = {}
-        for name, _, trainer in trainers(world, payload["base"], payload["layouts"]):
+        for name, rest, trainer in trainers(world, payload["base"], payload["layouts"]):
             meter.name_axes(trainer.mesh)
             grads = {}
             step = trainer.optimizer.step
@@ -38,7 +38,7 @@ def train_with_grads(payload: dict) -> dict:
             trainer.optimizer.step = capture
             losses = [trainer.train_step().loss]
             before = meter.snapshot()
-            steps = payload["steps"]
+            steps = rest[0]
             losses += [trainer.train_step().loss for _ in range(steps - 1)]
             out[name] = {"losses": losses, "grads": grads if world.rank == 0 else None,
                          "comm": comm_per_step(meter, before, steps - 1)}

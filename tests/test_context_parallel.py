@@ -37,6 +37,10 @@ WORLD2 = {
     "cp2_ring_zero3": cp(2, "ring"),
     **{f"cp2_{s}_zero0": cp(2, s, "parallel.zero_stage=0") for s in STYLES},
 }
+# bf16 against the fp32 cp 1 run, as the parallelism matrix (tests/test_parity.py) compares it: the first two losses
+# within 1e-2 relative (about 2.5 bf16 spacings).
+BF16 = {f"cp2_{s}_bf16": cp(2, s, 'parallel.mixed_precision="bf16"') for s in ("ring", "ulysses")}
+BF16_RTOL = 1e-2
 WORLD4 = {
     "cp4_ring_zero3": cp(4, "ring"),
     "cp4_ulysses_zero3": cp(4, "ulysses"),
@@ -46,9 +50,9 @@ WORLD4 = {
 }
 
 
-def run(world: int, layouts: dict) -> dict:
-    return run_ranks("tests.cp_jobs:train_with_grads", world,
-                     {"base": BASE, "steps": STEPS, "layouts": list(layouts.items())}, timeout=600)[0]
+def run(world: int, layouts: dict, steps: dict | None = None) -> dict:
+    spec = [(name, over, (steps or {}).get(name, STEPS)) for name, over in layouts.items()]
+    return run_ranks("tests.cp_jobs:train_with_grads", world, {"base": BASE, "layouts": spec}, timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def world2():
-    return run(2, WORLD2)
+    return run(2, {**WORLD2, **BF16}, steps=dict.fromkeys(BF16, 2))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,12 @@ def check(got: dict, ref: dict) -> None:
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_cp2_trains_as_cp1(name, world2, reference):
     check(world2[name], reference)
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_cp2_bf16_within_the_matrix_tolerance(name, world2, reference):
+    for a, b in zip(world2[name]["losses"][:2], reference["losses"][:2]):
+        assert abs(a - b) <= BF16_RTOL * abs(b), (world2[name]["losses"], reference["losses"])
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
@@ -167,3 +177,31 @@ def test_refusal_exits_2_naming_the_field():
                         "--set", "data.seq_len=30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "data.seq_len=28 or 32" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_checkpoint_at_cp2_resumes_at_any_cp(tmp_path):
+    """Context parallelism holds no state: a checkpoint of (world 4, cp 2) loads bitwise at (world 2, cp 1)
+    and at (world 4, cp 4), and both continue as the uninterrupted run does; the data cursor is exact."""
+    base = BASE + [f'checkpoint.url="file://{tmp_path}/ckpt"', "train.steps=4"]
+    four = run_ranks("tests.ckpt_jobs:run_plan", 4, {"base": base, "actions": [
+        {"layout": cp(2), "train": 4, "state": False},
+        {"layout": cp(2), "train": 2, "save": "cp2"},
+        {"layout": cp(4), "load": "cp2", "train": 2, "state": False},
+    ]}, timeout=600)[0]
+    two = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"load": "cp2", "train": 2, "state_before_train": True},
+    ]}, timeout=600)
+    straight, saved, cp4 = four
+    assert saved["saves"] == [(2, "committed", "")]
+    resumed = two[0][0]
+    assert resumed["loaded_step"] == cp4["loaded_step"] == 2
+    assert resumed["samples_consumed"] == cp4["samples_consumed"] == straight["samples_consumed"] == 4 * 4
+    for r in (resumed, cp4):
+        for a, b in zip(r["losses"], straight["losses"][2:], strict=True):
+            assert abs(a - b) <= LOSS_TOL, (r["losses"], straight["losses"])
+    loaded = {}
+    for rank in two:
+        loaded.update(rank[0]["state_loaded"])
+    assert loaded.keys() == saved["state"].keys()
+    for k, v in saved["state"].items():
+        assert torch.equal(loaded[k], v), k
