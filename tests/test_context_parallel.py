@@ -21,10 +21,10 @@ from trainer.models import model_preflight
 from trainer.parallel.context import zigzag_positions
 from trainer.parallel.dims import Mesh, ParallelDims, size_rule, valid_world_sizes
 
-LAYERS, HEADS, HEAD_DIM, SEQ, MB = 4, 4, 16, 64, 2  # the tiny preset, narrowed to dim 64
-BASE = ["model.dim=64", "model.ffn_hidden=192", "model.n_kv_heads=2", "data.max_bytes=2000000", f"data.seq_len={SEQ}",
-        "train.global_batch=4", f"train.micro_batch={MB}", "train.warmup_steps=0", "train.lr=3e-3",
-        "train.grad_clip=0.5"]  # clipping active: a wrong global norm would show
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, SEQ, MB = 4, 4, 2, 16, 64, 2  # the tiny preset, narrowed to dim 64
+BASE = ["model.dim=64", "model.ffn_hidden=192", f"model.n_kv_heads={KV_HEADS}", "data.max_bytes=2000000",
+        f"data.seq_len={SEQ}", "train.global_batch=4", f"train.micro_batch={MB}", "train.warmup_steps=0",
+        "train.lr=3e-3", "train.grad_clip=0.5"]  # clipping active: a wrong global norm would show
 STEPS, LOSS_TOL, GRAD_TOL = 5, 1e-4, 1e-5
 STYLES = ("ring", "allgather", "ulysses")
 
@@ -104,22 +104,24 @@ def cp_traffic(res: dict) -> dict:
 def test_cp_collectives_per_step(style, world2):
     """ZeRO 0 at cp 2, dp 1 (two micro-batches per rank and step): besides the one all-reduce of the
     gradients, the cp axis carries only attention's collectives, per layer and micro-batch, where one
-    rank's q, k or v is E = micro_batch x heads x (seq / cp) x head_dim fp32 values:
+    rank's q is E = micro_batch x heads x (seq / cp) x head_dim fp32 values, and its k or v K = E x kv_heads
+    / heads (grouped-query K/V travel unrepeated):
 
     ring: cp - 1 sends of K, V forward; cp - 1 of K, V, dK, dV and one of dK, dV backward (as many recvs);
-    allgather: one all-gather of K, V (cp x 2E out), one reduce-scatter of dK, dV (cp x 2E in);
-    ulysses: two all-to-alls forward (q, k, v: 3E; the output: E), the same two backward.
+    allgather: one all-gather of K, V (cp x 2K out), one reduce-scatter of dK, dV (cp x 2K in);
+    ulysses: two all-to-alls forward (q, k, v repeated to every head: 3E; the output: E), the same two backward.
     """
     n, m = 2, 4 // MB  # cp, micro-batches per step
     e = MB * HEADS * (SEQ // n) * HEAD_DIM * 4  # bytes
+    kv = e * KV_HEADS // HEADS
     per = LAYERS * m
     got = cp_traffic(world2[f"cp2_{style}_zero0"])
     assert got.pop("all_reduce")["calls"] == 1, got
     if style == "ring":
-        expected = {"send": (per * (2 * n - 1), per * e * (2 * (n - 1) + 4 * (n - 1) + 2))}
+        expected = {"send": (per * (2 * n - 1), per * kv * (2 * (n - 1) + 4 * (n - 1) + 2))}
         expected["recv"] = expected["send"]
     elif style == "allgather":
-        expected = {"all_gather": (per, per * n * 2 * e), "reduce_scatter": (per, per * n * 2 * e)}
+        expected = {"all_gather": (per, per * n * 2 * kv), "reduce_scatter": (per, per * n * 2 * kv)}
     else:
         expected = {"all_to_all": (4 * per, per * 2 * (3 * e + e))}
     assert {k: (v["calls"], v["bytes"]) for k, v in got.items()} == expected

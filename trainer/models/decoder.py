@@ -63,15 +63,14 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.cp is not None:  # grouped-query K/V as they are (fewer bytes between the cp ranks)
+            return self.wo(self.cp.attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if self.cp is not None:
-            out = self.cp.attention(q, k, v)
-        else:
-            p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

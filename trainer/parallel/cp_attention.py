@@ -1,6 +1,7 @@
 """Causal attention over a sequence split across the cp ranks: ring, all-gather and Ulysses.
 
     out = ring_attention(q, k, v, cp)        # q, k, v: (batch, heads, seq / cp, head_dim), this rank's positions
+                                             # (k, v may have fewer heads: grouped-query attention)
     out = allgather_attention(q, k, v, cp)
     out = ulysses_attention(q, k, v, cp)
 
@@ -8,7 +9,8 @@
 global position of every local token (head-tail split). Every collective is one that gloo runs
 (``isend``/``irecv``, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``), and none of
 them carries a gradient on gloo, so each style is a custom autograd function whose backward makes the
-matching collectives itself:
+matching collectives itself. Ring and allgather move grouped-query K/V as they are (n_kv_heads heads, not
+n_heads: fewer bytes), repeated to the query heads only inside a block:
 
 * ring: the K/V blocks travel around the ring (cp - 1 exchanges with the neighbours, each started before
   the block in hand is attended, so they overlap) while each rank attends its own queries; partial results
@@ -45,7 +47,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     s = _scores(q, k, q_pos, k_pos)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return p @ _up(v), lse
+    return p @ _expand(_up(v), q), lse
 
 
 def block_attention_grad(q, k, v, q_pos, k_pos, lse, dout, delta) -> tuple[torch.Tensor, ...]:
@@ -54,15 +56,28 @@ def block_attention_grad(q, k, v, q_pos, k_pos, lse, dout, delta) -> tuple[torch
     s = _scores(q, k, q_pos, k_pos)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     dv = p.transpose(-1, -2) @ dout
-    ds = p * (dout @ _up(v).transpose(-1, -2) - delta.unsqueeze(-1))
+    ds = p * (dout @ _expand(_up(v), q).transpose(-1, -2) - delta.unsqueeze(-1))
     scale = q.shape[-1] ** -0.5
-    return (ds @ _up(k)) * scale, (ds.transpose(-1, -2) @ _up(q)) * scale, dv
+    dk = (ds.transpose(-1, -2) @ _up(q)) * scale
+    return (ds @ _expand(_up(k), q)) * scale, _fold(dk, k), _fold(dv, k)
 
 
 def _scores(q, k, q_pos, k_pos) -> torch.Tensor:
-    q, k = _up(q), _up(k)
+    q, k = _up(q), _expand(_up(k), q)
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     return s.masked_fill(q_pos[:, None] < k_pos[None, :], -math.inf)
+
+
+def _expand(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query K or V (fewer heads than q) repeated to q's heads; they travel unrepeated."""
+    rep = q.shape[1] // kv.shape[1]
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+
+def _fold(g: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`_expand`: the heads that share a K/V head summed back onto it."""
+    rep = g.shape[1] // kv.shape[1]
+    return g if rep == 1 else g.unflatten(1, (kv.shape[1], rep)).sum(2)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -124,7 +139,7 @@ class _Ring(torch.autograd.Function):
         dout = _up(dout)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(out)
-        buf = torch.stack([_up(k), _up(v), torch.zeros_like(out), torch.zeros_like(out)])
+        buf = torch.stack([_up(k), _up(v), torch.zeros_like(_up(k)), torch.zeros_like(_up(v))])
         for i in range(n):
             src = (r - i) % n
             gq, gk, gv = block_attention_grad(q, buf[0], buf[1], pos, cp.positions(q.shape[2], src), lse, dout, delta)
@@ -204,6 +219,7 @@ def allgather_attention(q, k, v, cp) -> torch.Tensor:
 
 def ulysses_attention(q, k, v, cp) -> torch.Tensor:
     b, h, s, _ = q.shape
+    k, v = _expand(k, q), _expand(v, q)  # every rank attends whole heads of q: K/V repeated to match
     qkv = _AllToAll.apply(torch.cat([q, k, v]).contiguous(), cp, True)  # (3b, h/n, n*s, d), rank order
     order = cp.gather_order(s)  # rank order -> position order, and back
     qkv = qkv.index_select(2, order)
