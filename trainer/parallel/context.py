@@ -54,6 +54,14 @@ class ContextParallel:
         pos = zigzag_positions(local_len * self.size, self.size, self.rank if rank is None else rank)
         return pos if self._device is None else pos.to(self._device)
 
+    def live_block(self, local_len: int, src: int) -> tuple[int, int]:
+        """(q0, k1): of this rank's queries, those from q0 on see any key of cp rank ``src``'s block, and
+        they see its keys up to k1, all of them (head-tail split): its own block whole (causally), an
+        earlier rank's head chunk by every query, a later rank's whole block by the tail queries."""
+        if src == self.rank:
+            return 0, local_len
+        return (0, local_len // 2) if src < self.rank else (local_len // 2, local_len)
+
     def gather_order(self, local_len: int) -> torch.Tensor:
         """The permutation that puts the cp ranks' tokens, concatenated in rank order, in position order."""
         return torch.argsort(torch.cat([self.positions(local_len, j) for j in range(self.size)]))

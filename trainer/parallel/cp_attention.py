@@ -14,8 +14,10 @@ n_heads: fewer bytes), repeated to the query heads only inside a block:
 
 * ring: the K/V blocks travel around the ring (cp - 1 exchanges with the neighbours, each started before
   the block in hand is attended, so they overlap) while each rank attends its own queries; partial results
-  are combined by their log-sum-exp. Backward sends each block round again with its K/V gradient
-  accumulating (cp - 1 exchanges of K, V, dK, dV), then dK, dV home (one more).
+  are combined by their log-sum-exp. Of another rank's block only what the causal mask lets through is
+  attended (all queries x its head chunk, or the tail queries x all of it: half the block). Backward sends
+  each block round again with its K/V gradient accumulating (cp - 1 exchanges of K, V, dK, dV), then dK,
+  dV home (one more).
 * allgather: K/V gathered whole (one all-gather), the mask from global positions; backward reduce-scatters
   dK, dV (one). K/V memory is O(seq), not O(seq / cp).
 * ulysses: one all-to-all from sequence- to head-sharded (q, k, v together), whole-sequence causal
@@ -120,8 +122,14 @@ class _Ring(torch.autograd.Function):
                 pending = [dist.isend(kv, cp.global_rank(r + 1), group=cp.group),
                            dist.irecv(nxt, cp.global_rank(r - 1), group=cp.group)]
             src = (r - i) % n
-            o, s = block_attention(q, kv[0], kv[1], pos, cp.positions(q.shape[2], src))
-            out, lse = (o, s) if out is None else _merge(out, lse, o, s)
+            q0, c1 = cp.live_block(q.shape[2], src)  # only what the causal mask lets through is attended
+            o, s = block_attention(q[:, :, q0:], kv[0, :, :, :c1], kv[1, :, :, :c1], pos[q0:],
+                                   cp.positions(q.shape[2], src)[:c1])
+            if out is None:  # this rank's own block, first: every row sees a key
+                out, lse = o, s
+            else:
+                o, s = _merge(out[:, :, q0:], lse[:, :, q0:], o, s)
+                out, lse = torch.cat([out[:, :, :q0], o], 2), torch.cat([lse[:, :, :q0], s], 2)
             if pending is not None:
                 for req in pending:
                     req.wait()
@@ -142,10 +150,13 @@ class _Ring(torch.autograd.Function):
         buf = torch.stack([_up(k), _up(v), torch.zeros_like(_up(k)), torch.zeros_like(_up(v))])
         for i in range(n):
             src = (r - i) % n
-            gq, gk, gv = block_attention_grad(q, buf[0], buf[1], pos, cp.positions(q.shape[2], src), lse, dout, delta)
-            dq += gq
-            buf[2] += gk
-            buf[3] += gv
+            q0, c1 = cp.live_block(q.shape[2], src)
+            gq, gk, gv = block_attention_grad(q[:, :, q0:], buf[0, :, :, :c1], buf[1, :, :, :c1], pos[q0:],
+                                              cp.positions(q.shape[2], src)[:c1], lse[:, :, q0:],
+                                              dout[:, :, q0:], delta[:, :, q0:])
+            dq[:, :, q0:] += gq
+            buf[2, :, :, :c1] += gk
+            buf[3, :, :, :c1] += gv
             if i < n - 1:
                 buf = _exchange(buf, cp)
         dkv = _exchange(buf[2:].contiguous(), cp)  # each block's gradient, complete, back to its rank
