@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.jobs import CPU, comm_per_step, trainers
+from tests.jobs import CPU, comm_per_step, micro_batch_bytes, trainers
 from trainer.world import World, init_distributed, shutdown_distributed
 
 
@@ -42,6 +42,23 @@ def train_with_grads(payload: dict) -> dict:
             losses += [trainer.train_step().loss for _ in range(steps - 1)]
             out[name] = {"losses": losses, "grads": grads if world.rank == 0 else None,
                          "comm": comm_per_step(meter, before, steps - 1)}
+            del trainer
+        return out
+    finally:
+        shutdown_distributed()
+
+
+def activation_peak(payload: dict) -> dict:
+    """Per layout ``(name, overrides)``: the bytes one micro-batch's forward leaves for backward and the peak
+    over its forward and backward on this rank (tests.jobs.LiveBytes), after one warm-up step."""
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        out = {}
+        for name, _, trainer in trainers(world, payload["base"], payload["layouts"]):
+            trainer.train_step()
+            held, peak = micro_batch_bytes(trainer)
+            out[name] = {"held": held, "peak": peak}
             del trainer
         return out
     finally:

@@ -18,17 +18,18 @@ n_heads: fewer bytes), repeated to the query heads only inside a block:
   attended (all queries x its head chunk, or the tail queries x all of it: half the block). Backward sends
   each block round again with its K/V gradient accumulating (cp - 1 exchanges of K, V, dK, dV), then dK,
   dV home (one more).
-* allgather: K/V gathered whole (one all-gather), the mask from global positions; backward reduce-scatters
-  dK, dV (one). K/V memory is O(seq), not O(seq / cp).
+* allgather: K/V gathered whole (one all-gather), attended block by block as the ring does; backward
+  reduce-scatters dK, dV (one). K/V memory is O(seq), not O(seq / cp).
 * ulysses: one all-to-all from sequence- to head-sharded (q, k, v together), whole-sequence causal
   attention over heads / cp heads, one all-to-all back; backward the same two, reversed.
 
-Blocks are attended by :func:`block_attention` (fp32 scores, the log-sum-exp computed here, masked by
-global positions); its backward :func:`block_attention_grad` is the flash-attention recurrence. This is the
-path for every device; a GPU kernel that returns the log-sum-exp (flash, memory-efficient) plugs in there,
-since every block of the head-tail split is either causal on local indices, whole, or whole for the tail
-half of the queries. Ulysses calls ``scaled_dot_product_attention`` itself, so it takes the device's best
-kernel as it is.
+A block of the head-tail split is either causal on local indices (a rank's own) or, once cut to what the
+mask lets through, whole (:func:`_attend_block`), so a kernel that returns the log-sum-exp takes it: on the
+CPU ATen's flash kernel (and its backward, fed the merged output and log-sum-exp), which never holds the
+seq x seq scores; on other devices, for now, :func:`block_attention` (fp32 scores masked by global
+positions, the log-sum-exp computed here; its backward :func:`block_attention_grad` is the flash-attention
+recurrence), where the GPU's flash or memory-efficient kernel plugs in. Ulysses calls
+``scaled_dot_product_attention`` itself, so it takes the device's best kernel as it is.
 """
 
 from __future__ import annotations
@@ -108,6 +109,54 @@ def _exchange(send: torch.Tensor, cp) -> torch.Tensor:
     return recv
 
 
+def _flash_cpu():
+    """The CPU flash-attention kernel (and its backward) that returns the log-sum-exp; None where absent."""
+    ops = torch.ops.aten
+    if hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
+        return (ops._scaled_dot_product_flash_attention_for_cpu,
+                ops._scaled_dot_product_flash_attention_for_cpu_backward)
+    return None
+
+
+FLASH_CPU = _flash_cpu()
+
+
+def _attend_block(q, k, v, cp, src: int, pos):
+    """This rank's queries against cp rank ``src``'s block: (q0, output and log-sum-exp of rows q0..).
+
+    Only what the causal mask lets through is attended (:meth:`ContextParallel.live_block`): the own block
+    causally, another whole. On the CPU that is the flash kernel (no seq x seq scores held); elsewhere the
+    fp32 arithmetic of :func:`block_attention` (a GPU kernel that returns the log-sum-exp goes here)."""
+    q0, c1 = cp.live_block(q.shape[2], src)
+    qs, ks, vs = q[:, :, q0:], k[:, :, :c1], v[:, :, :c1]
+    if FLASH_CPU is not None and q.device.type == "cpu":
+        o, lse = FLASH_CPU[0](qs, _expand(ks, qs).to(q.dtype), _expand(vs, qs).to(q.dtype), 0.0, src == cp.rank)
+        return q0, _up(o), lse
+    return q0, *block_attention(qs, ks, vs, pos[q0:], cp.positions(q.shape[2], src)[:c1])
+
+
+def _attend_block_grad(q, k, v, cp, src: int, pos, out, lse, dout, delta):
+    """(q0, c1, dq of rows q0.., dk and dv of keys ..c1) of :func:`_attend_block`, given the final output and
+    log-sum-exp of the queries' rows."""
+    q0, c1 = cp.live_block(q.shape[2], src)
+    qs, ks, vs = q[:, :, q0:], k[:, :, :c1], v[:, :, :c1]
+    if FLASH_CPU is not None and q.device.type == "cpu":
+        gq, gk, gv = FLASH_CPU[1](dout[:, :, q0:].to(q.dtype).contiguous(), qs, _expand(ks, qs).to(q.dtype),
+                                  _expand(vs, qs).to(q.dtype), out[:, :, q0:].to(q.dtype), lse[:, :, q0:].contiguous(),
+                                  0.0, src == cp.rank)
+        return q0, c1, _up(gq), _fold(_up(gk), ks), _fold(_up(gv), vs)
+    return q0, c1, *block_attention_grad(qs, ks, vs, pos[q0:], cp.positions(q.shape[2], src)[:c1],
+                                         lse[:, :, q0:], dout[:, :, q0:], delta[:, :, q0:])
+
+
+def _combine(out, lse, q0: int, o, s):
+    """The running (output, log-sum-exp) with a block's partial result for rows q0.. merged in."""
+    if out is None:  # this rank's own block, first: every row sees a key
+        return o, s
+    o, s = _merge(out[:, :, q0:], lse[:, :, q0:], o, s)
+    return torch.cat([out[:, :, :q0], o], 2), torch.cat([lse[:, :, :q0], s], 2)
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp):
@@ -121,15 +170,7 @@ class _Ring(torch.autograd.Function):
                 nxt = torch.empty_like(kv)
                 pending = [dist.isend(kv, cp.global_rank(r + 1), group=cp.group),
                            dist.irecv(nxt, cp.global_rank(r - 1), group=cp.group)]
-            src = (r - i) % n
-            q0, c1 = cp.live_block(q.shape[2], src)  # only what the causal mask lets through is attended
-            o, s = block_attention(q[:, :, q0:], kv[0, :, :, :c1], kv[1, :, :, :c1], pos[q0:],
-                                   cp.positions(q.shape[2], src)[:c1])
-            if out is None:  # this rank's own block, first: every row sees a key
-                out, lse = o, s
-            else:
-                o, s = _merge(out[:, :, q0:], lse[:, :, q0:], o, s)
-                out, lse = torch.cat([out[:, :, :q0], o], 2), torch.cat([lse[:, :, :q0], s], 2)
+            out, lse = _combine(out, lse, *_attend_block(q, kv[0], kv[1], cp, (r - i) % n, pos))
             if pending is not None:
                 for req in pending:
                     req.wait()
@@ -149,11 +190,7 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros_like(out)
         buf = torch.stack([_up(k), _up(v), torch.zeros_like(_up(k)), torch.zeros_like(_up(v))])
         for i in range(n):
-            src = (r - i) % n
-            q0, c1 = cp.live_block(q.shape[2], src)
-            gq, gk, gv = block_attention_grad(q[:, :, q0:], buf[0, :, :, :c1], buf[1, :, :, :c1], pos[q0:],
-                                              cp.positions(q.shape[2], src)[:c1], lse[:, :, q0:],
-                                              dout[:, :, q0:], delta[:, :, q0:])
+            q0, c1, gq, gk, gv = _attend_block_grad(q, buf[0], buf[1], cp, (r - i) % n, pos, out, lse, dout, delta)
             dq[:, :, q0:] += gq
             buf[2, :, :, :c1] += gk
             buf[3, :, :, :c1] += gv
@@ -166,30 +203,34 @@ class _Ring(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp):
-        n, s = cp.size, q.shape[2]
+        n = cp.size
         kv = torch.stack([k, v]).contiguous()
         full = torch.empty((n * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
         compat.all_gather_single(full, kv, group=cp.group)  # concatenated along dim 0, as gloo wants
-        full = full.unflatten(0, (n, 2))
-        k_all, v_all = (full[:, j].permute(1, 2, 0, 3, 4).flatten(2, 3) for j in (0, 1))
-        k_pos = torch.cat([cp.positions(s, j) for j in range(n)])
-        out, lse = block_attention(q, k_all, v_all, cp.positions(s), k_pos)
+        full = full.unflatten(0, (n, 2))  # (n, 2, b, h, s, d): rank j's K, V in row j
+        pos, out, lse = cp.positions(q.shape[2]), None, None
+        for src in range(n):  # the own block first
+            src = (cp.rank + src) % n
+            out, lse = _combine(out, lse, *_attend_block(q, full[src, 0], full[src, 1], cp, src, pos))
         ctx.cp = cp
-        ctx.save_for_backward(q, k_all, v_all, k_pos, out, lse)
+        ctx.save_for_backward(q, full, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         cp = ctx.cp
-        q, k_all, v_all, k_pos, out, lse = ctx.saved_tensors
-        n, s = cp.size, q.shape[2]
-        dout = _up(dout)
-        dq, dk, dv = block_attention_grad(q, k_all, v_all, cp.positions(s), k_pos, lse, dout, (dout * out).sum(-1))
-        # (n, 2, b, h, s, d): rank j's keys' gradients in row j.
-        full = torch.stack([g.unflatten(2, (n, s)).permute(2, 0, 1, 3, 4) for g in (dk, dv)], dim=1)
-        mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-        compat.reduce_scatter_single(mine, full.flatten(0, 1).contiguous(), group=cp.group)
-        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None
+        q, full, out, lse = ctx.saved_tensors
+        pos, dout = cp.positions(q.shape[2]), _up(dout)
+        delta = (dout * out).sum(-1)
+        dq, dkv = torch.zeros_like(out), torch.zeros(full.shape, dtype=out.dtype, device=out.device)
+        for src in range(cp.size):
+            q0, c1, gq, gk, gv = _attend_block_grad(q, full[src, 0], full[src, 1], cp, src, pos, out, lse, dout, delta)
+            dq[:, :, q0:] += gq
+            dkv[src, 0, :, :, :c1] += gk
+            dkv[src, 1, :, :, :c1] += gv
+        mine = torch.empty(full.shape[1:], dtype=dkv.dtype, device=dkv.device)
+        compat.reduce_scatter_single(mine, dkv.flatten(0, 1), group=cp.group)
+        return dq.to(q.dtype), mine[0].to(full.dtype), mine[1].to(full.dtype), None
 
 
 class _AllToAll(torch.autograd.Function):
