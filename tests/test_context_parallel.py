@@ -181,6 +181,7 @@ def test_refusal_exits_2_naming_the_field():
     assert "data.seq_len=28 or 32" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # 20-25 s of 2 + 4 processes
 def test_checkpoint_at_cp2_resumes_at_any_cp(tmp_path):
     """Context parallelism holds no state: a checkpoint of (world 4, cp 2) loads bitwise at (world 2, cp 1)
     and at (world 4, cp 4), and both continue as the uninterrupted run does; the data cursor is exact."""
@@ -209,6 +210,7 @@ def test_checkpoint_at_cp2_resumes_at_any_cp(tmp_path):
         assert torch.equal(loaded[k], v), k
 
 
+@pytest.mark.slow  # 20-25 s of 2 + 4 processes
 def test_activation_memory_per_rank_falls_with_cp():
     """Each rank holds seq_len / cp positions end to end: what one micro-batch's forward leaves for backward,
     and the peak over forward and backward, per rank at cp 4 against cp 1 (seq 512, ZeRO 0: no gathered
@@ -256,3 +258,10 @@ def test_block_attention_arithmetic_matches_sdpa():
             grads[2][:, :, b] += gv
     for got, w in zip(grads, want):
         assert torch.allclose(got, w, atol=1e-12)
+
+
+def test_plan_says_it_does_not_model_cp_yet(capsys):
+    from trainer.plan.cli import main
+
+    assert main([os.path.join(ROOT, "examples/tiny.toml"), "--set", "parallel.cp=2"]) == 2
+    assert "plan with parallel.cp=1" in capsys.readouterr().err
