@@ -265,3 +265,14 @@ def test_plan_says_it_does_not_model_cp_yet(capsys):
 
     assert main([os.path.join(ROOT, "examples/tiny.toml"), "--set", "parallel.cp=2"]) == 2
     assert "plan with parallel.cp=1" in capsys.readouterr().err
+
+
+def test_orchestrator_sizes_a_cp_run_by_the_same_rule():
+    from orchestrator.config import allowed_sizes, check_sizes, elastic_from_raw
+
+    cfg = load_config(None, BASE + cp(2))
+    assert allowed_sizes(cfg, 1, 8) == [2, 4]
+    with pytest.raises(ConfigError, match=r"--workers 3 is not a valid size for this run; .*\[2, 4\]"):
+        check_sizes(cfg, elastic_from_raw({}, workers=3, min_workers=1, max_workers=8))
+    with pytest.raises(ConfigError, match=r"multiples of dp_replicate x cp x tp x pp \(here 1 x 2 x 1 x 1 = 2\)"):
+        check_sizes(cfg, elastic_from_raw({}, workers=1, min_workers=1, max_workers=1))
