@@ -107,7 +107,7 @@ def test_cp_collectives_per_step(style, world2):
     rank's q is E = micro_batch x heads x (seq / cp) x head_dim fp32 values, and its k or v K = E x kv_heads
     / heads (grouped-query K/V travel unrepeated):
 
-    ring: cp - 1 sends of K, V forward; cp - 1 of K, V, dK, dV and one of dK, dV backward (as many recvs);
+    ring: cp - 1 sends of K, V forward; cp - 1 of K, V and cp of dK, dV backward (as many recvs);
     allgather: one all-gather of K, V (cp x 2K out), one reduce-scatter of dK, dV (cp x 2K in);
     ulysses: two all-to-alls forward (q, k, v repeated to every head: 3E; the output: E), the same two backward.
     """
@@ -118,7 +118,7 @@ def test_cp_collectives_per_step(style, world2):
     got = cp_traffic(world2[f"cp2_{style}_zero0"])
     assert got.pop("all_reduce")["calls"] == 1, got
     if style == "ring":
-        expected = {"send": (per * (2 * n - 1), per * kv * (2 * (n - 1) + 4 * (n - 1) + 2))}
+        expected = {"send": (per * (3 * n - 2), per * kv * (2 * (n - 1) + 2 * (n - 1) + 2 * n))}
         expected["recv"] = expected["send"]
     elif style == "allgather":
         expected = {"all_gather": (per, per * n * 2 * kv), "reduce_scatter": (per, per * n * 2 * kv)}
@@ -128,10 +128,10 @@ def test_cp_collectives_per_step(style, world2):
 
 
 def test_cp4_ring_exchanges_grow_with_the_ring(world4):
-    """At cp 4 the ring makes cp - 1 = 3 exchanges forward and cp = 4 backward per layer (one micro-batch
-    per rank and step at dp 1 and global batch 4: two)."""
+    """At cp 4 the ring makes cp - 1 = 3 exchanges forward, and 3 of K/V and 4 of their gradients backward, per
+    layer and micro-batch (two per rank and step at dp 1 and global batch 4)."""
     got = cp_traffic(world4["cp4_ring_zero3"])
-    assert got["send"]["calls"] == got["recv"]["calls"] == LAYERS * 2 * (4 - 1 + 4), got
+    assert got["send"]["calls"] == got["recv"]["calls"] == LAYERS * 2 * (3 + 3 + 4), got
 
 
 def test_zigzag_split_covers_the_sequence_and_balances_causal_work():

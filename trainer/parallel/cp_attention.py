@@ -16,8 +16,8 @@ n_heads: fewer bytes), repeated to the query heads only inside a block:
   the block in hand is attended, so they overlap) while each rank attends its own queries; partial results
   are combined by their log-sum-exp. Of another rank's block only what the causal mask lets through is
   attended (all queries x its head chunk, or the tail queries x all of it: half the block). Backward sends
-  each block round again with its K/V gradient accumulating (cp - 1 exchanges of K, V, dK, dV), then dK,
-  dV home (one more).
+  each block round again (cp - 1 exchanges of K, V) and, one step behind it, its gradient, which each rank
+  adds its part to (cp exchanges of dK, dV, the last one home); both overlap the block gradients' work.
 * allgather: K/V gathered whole (one all-gather), attended block by block as the ring does; backward
   reduce-scatters dK, dV (one). K/V memory is O(seq), not O(seq / cp).
 * ulysses: one all-to-all from sequence- to head-sharded (q, k, v together), whole-sequence causal
@@ -99,13 +99,22 @@ def _merge(out, lse, block_out, block_lse):
     return out, new
 
 
-def _exchange(send: torch.Tensor, cp) -> torch.Tensor:
-    """``send`` to the next cp rank; what the previous one sent, back."""
+_KV, _DKV = 0, 1  # message tags: K/V blocks, and their gradients (both travel to the next rank at once)
+
+
+def _start_exchange(send: torch.Tensor, cp, tag: int = _KV) -> tuple:
+    """Start sending ``send`` to the next cp rank and receiving the previous one's; :func:`_finish` waits."""
     recv = torch.empty_like(send)
-    reqs = [dist.isend(send, cp.global_rank(cp.rank + 1), group=cp.group),
-            dist.irecv(recv, cp.global_rank(cp.rank - 1), group=cp.group)]
-    for r in reqs:
-        r.wait()
+    reqs = [dist.isend(send, cp.global_rank(cp.rank + 1), group=cp.group, tag=tag),
+            dist.irecv(recv, cp.global_rank(cp.rank - 1), group=cp.group, tag=tag)]
+    return reqs, send, recv
+
+
+def _finish(exchange: tuple) -> torch.Tensor:
+    """What the previous cp rank sent, once the exchange is done (``send`` is kept alive until then)."""
+    reqs, _, recv = exchange
+    for req in reqs:
+        req.wait()
     return recv
 
 
@@ -165,16 +174,10 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
         for i in range(n):
-            pending = None
-            if i < n - 1:  # the next block travels while this one is attended
-                nxt = torch.empty_like(kv)
-                pending = [dist.isend(kv, cp.global_rank(r + 1), group=cp.group),
-                           dist.irecv(nxt, cp.global_rank(r - 1), group=cp.group)]
+            ahead = _start_exchange(kv, cp) if i < n - 1 else None  # the next block travels while this one is attended
             out, lse = _combine(out, lse, *_attend_block(q, kv[0], kv[1], cp, (r - i) % n, pos))
-            if pending is not None:
-                for req in pending:
-                    req.wait()
-                kv = nxt
+            if ahead is not None:
+                kv = _finish(ahead)
         ctx.cp = cp
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -188,15 +191,22 @@ class _Ring(torch.autograd.Function):
         dout = _up(dout)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(out)
-        buf = torch.stack([_up(k), _up(v), torch.zeros_like(_up(k)), torch.zeros_like(_up(v))])
+        kv = torch.stack([k, v]).contiguous()
+        incoming = None  # the gradient of the block in hand, summed by the ranks it visited before, in flight
         for i in range(n):
-            q0, c1, gq, gk, gv = _attend_block_grad(q, buf[0], buf[1], cp, (r - i) % n, pos, out, lse, dout, delta)
+            src = (r - i) % n
+            ahead = _start_exchange(kv, cp, _KV) if i < n - 1 else None  # the next block, while this one's runs
+            q0, c1, gq, gk, gv = _attend_block_grad(q, kv[0], kv[1], cp, src, pos, out, lse, dout, delta)
             dq[:, :, q0:] += gq
-            buf[2, :, :, :c1] += gk
-            buf[3, :, :, :c1] += gv
-            if i < n - 1:
-                buf = _exchange(buf, cp)
-        dkv = _exchange(buf[2:].contiguous(), cp)  # each block's gradient, complete, back to its rank
+            dkv = torch.zeros((2, *kv.shape[1:]), dtype=out.dtype, device=out.device)
+            dkv[0, :, :, :c1] = gk
+            dkv[1, :, :, :c1] = gv
+            if incoming is not None:
+                dkv += _finish(incoming)
+            incoming = _start_exchange(dkv, cp, _DKV)  # on to the next rank, whose block it is one step later
+            if ahead is not None:
+                kv = _finish(ahead)
+        dkv = _finish(incoming)  # this rank's own block's gradient, complete
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
