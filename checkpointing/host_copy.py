@@ -3,12 +3,15 @@ durable checkpoint's async save and the memory recovery tier share.
 
     host = HostCopy()
     copy = host.copy(state_dict)           # every tensor in a host buffer kept from one copy to the next
+    pending = host.copy_async(state_dict)  # CUDA: queued on a side stream; pending.wait() on the host later
+    fence_writes()                         # before the optimizer writes in place: the GPU waits for the reads
     layout = layout_fingerprint(state_dict)  # what a DCP save plan depends on
     planned = PlannedLayout(plan_id, layout, writer.plan, paths, writer.results, is_coordinator, metadata,
                             tokens)       # kept, so a later save of the same layout skips DCP's planning
 
 :class:`HostCopy` keeps its buffers (pinned where CUDA is present) and the DTensors
-rewrapped over them between copies, so a steady-state copy allocates nothing. A
+rewrapped over them between copies, so a steady-state copy allocates nothing; device-to-host
+copies run on a side stream into ping-pong buffers, ordered by events (:class:`HostCopy`). A
 save of a state whose :func:`layout_fingerprint` matches a :class:`PlannedLayout`
 reuses its plan (``checkpointing.transaction``, ``checkpointing.recovery.tier``).
 """
@@ -16,6 +19,7 @@ reuses its plan (``checkpointing.transaction``, ``checkpointing.recovery.tier``)
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,50 +44,127 @@ class PlannedLayout:
         return retoken_metadata(self.metadata, dict(zip(self.tokens, tokens)))
 
 
+class PendingCopy:
+    """A copy queued on the side stream: :meth:`wait` blocks the calling (host) thread until the host
+    buffers hold it and returns the copied state; nothing to wait for when every tensor was on the host."""
+
+    def __init__(self, state: dict, event=None):
+        self.state = state
+        self.event = event  # a CUDA event recorded on the side stream after the last copy, or None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> dict:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.state
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every HostCopy with a CUDA copy in flight, for fence_writes
+
+
+def fence_writes() -> None:
+    """Make the current CUDA stream wait (on the GPU, the host does not block) until every queued device-to-host
+    copy has read its tensors: the optimizer step calls it before writing parameters and state in place.
+    Nothing to do without CUDA or a copy in flight."""
+    for host in list(_LIVE):
+        host.fence()
+
+
 class HostCopy:
-    """Host buffers for a state dict, kept from one copy to the next (DTensors rewrapped over them)."""
+    """Host buffers for a state dict, kept from one copy to the next (DTensors rewrapped over them).
+
+    CPU tensors are copied in the calling thread, as they always were. CUDA tensors are copied on a side
+    stream, which first waits for the compute stream (the values as of the call), into pinned buffers that
+    alternate between two sets (ping-pong: copy N+1 may be queued while copy N is still read on the host;
+    copy N+2 reuses N's buffers, so N must have been consumed by then). An event after the last copy lets
+    :func:`fence_writes` order the optimizer's in-place writes after the reads, and :meth:`PendingCopy.wait`
+    tell the host when the buffers are filled; forward and backward of the next step overlap the copy.
+    """
+
+    SLOTS = 2  # buffer sets for CUDA state (ping-pong); host state needs one
 
     def __init__(self):
-        self.buffers: dict = {}  # path -> host buffer
-        self._views: dict = {}  # path -> the DTensor over that buffer, made once (from_local costs)
+        self.buffers: dict = {}  # path -> host buffer (slot 0)
+        self._more: list[dict] = [{} for _ in range(self.SLOTS - 1)]  # the other slots' buffers, CUDA state only
+        self._views: dict = {}  # (slot, path) -> the DTensor over that buffer, made once (from_local costs)
+        self._slot = 0
+        self._stream = None  # the side stream, made at the first CUDA copy
+        self._event = None  # recorded after the last queued copy
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+        return sum(t.numel() * t.element_size() for d in (self.buffers, *self._more) for t in d.values())
 
     def copy(self, state_dict: dict) -> dict:
-        """A copy of every tensor in ``state_dict`` in host buffers kept from one save to the next."""
+        """A copy of every tensor in ``state_dict`` in host buffers kept from one save to the next, complete
+        when this returns (CUDA copies: the host waits for the side stream's event, not the compute stream)."""
+        return self.copy_async(state_dict).wait()
+
+    def copy_async(self, state_dict: dict) -> PendingCopy:
+        """Queue the copy; for CUDA state, returns before it is done (:class:`PendingCopy`)."""
         import torch
 
-        devices: set[str] = set()
-        out = self._copy_tree(state_dict, "", devices)
-        if "cuda" in devices:
-            torch.cuda.current_stream().synchronize()  # once, after every copy was queued
-        return out
+        if not _has_cuda(state_dict):
+            return PendingCopy(self._copy_tree(state_dict, "", 0))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._slot = (self._slot + 1) % self.SLOTS
+        side, compute = self._stream, torch.cuda.current_stream()
+        side.wait_stream(compute)  # the values as of now, after the queued forward/backward/step
+        with torch.cuda.stream(side):
+            out = self._copy_tree(state_dict, "", self._slot)
+            self._event = torch.cuda.Event()
+            self._event.record(side)
+        _LIVE.add(self)
+        return PendingCopy(out, self._event)
 
-    def _copy_tree(self, obj, path: str, devices: set[str]):
+    def fence(self) -> None:
+        """The current stream waits for this copy's reads (:func:`fence_writes`)."""
+        if self._event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def _copy_tree(self, obj, path: str, slot: int):
         import torch
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, dict):
-            return {k: self._copy_tree(v, f"{path}/{k}", devices) for k, v in obj.items()}
+            return {k: self._copy_tree(v, f"{path}/{k}", slot) for k, v in obj.items()}
         if not isinstance(obj, torch.Tensor):
             return obj
         local = obj._local_tensor if isinstance(obj, DTensor) else obj
-        buf = self.buffers.get(path)
+        on_gpu = local.device.type == "cuda"
+        bufs = self.buffers if slot == 0 or not on_gpu else self._more[slot - 1]
+        buf = bufs.get(path)
         if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
             buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
-            self.buffers[path] = buf
-        devices.add(local.device.type)
-        buf.copy_(local.detach(), non_blocking=local.device.type == "cuda")
+            bufs[path] = buf
+        buf.copy_(local.detach(), non_blocking=on_gpu)
+        if on_gpu:  # a temporary source must outlive the copy: the allocator waits for the side stream
+            local.record_stream(torch.cuda.current_stream())
         if not isinstance(obj, DTensor):
             return buf
-        view = self._views.get(path)
+        key = (slot if on_gpu else 0, path)
+        view = self._views.get(key)
         if (view is None or view._local_tensor.data_ptr() != buf.data_ptr() or view.device_mesh is not obj.device_mesh
                 or view.placements != obj.placements or view.shape != obj.shape or view.stride() != obj.stride()):
             view = DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
                                       stride=obj.stride())
-            self._views[path] = view
+            self._views[key] = view
         return view
+
+
+def _has_cuda(obj) -> bool:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return any(_has_cuda(v) for v in obj.values())
+    if isinstance(obj, DTensor):
+        return obj._local_tensor.is_cuda
+    return isinstance(obj, torch.Tensor) and obj.is_cuda
 
 
 def layout_fingerprint(state_dict) -> str:

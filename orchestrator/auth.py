@@ -125,6 +125,20 @@ def authorize(store, spec: RunSpec, token: str | None = None, *, grant: str | No
                         f"(${ADMIN_TOKEN_ENV}){tried}")
 
 
+def authorize_admin(store, token: str | None = None, what: str = "this change") -> None:
+    """Cluster-wide changes (team quotas) need the store's admin token (``--token``, $ETRAIN_ADMIN_TOKEN or
+    the admin token file); NotAuthorized naming what to do otherwise."""
+    admin = admin_hash(store)
+    if admin is None:
+        raise NotAuthorized(f"{what} needs the store's admin token, and {redact(store.url)} has none yet: make it "
+                            "with `etrain admin-token`")
+    held = [(token, "--token"), (os.environ.get(ADMIN_TOKEN_ENV), f"${ADMIN_TOKEN_ENV}"),
+            (_admin_from_file(), admin_token_file())]
+    if not any(matches(t, admin) for t, _ in held if t):
+        raise NotAuthorized(f"{what} needs the admin token of {redact(store.url)}: pass --token TOKEN or set "
+                            f"${ADMIN_TOKEN_ENV}")
+
+
 def change_run(store, run_id: str, changes: dict | Callable[[RunSpec], dict], token: str | None = None, *,
                grant: str | None = None, attempts: int = 5) -> RunSpec:
     """Authorize the caller for ``run_id`` and apply ``changes`` (a dict, or a function of the spec read

@@ -8,6 +8,7 @@
     etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
     etrain resize RUN --workers N         etrain stop RUN         (these four: [--token TOKEN])
     etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_token)
+    etrain quota [TEAM] [--max-workers N | --remove] [--json]   (teams' quotas on a shared cluster; setting: admin)
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
@@ -66,6 +67,7 @@ from .cli_control import (
     looked_where,
     store_url,
 )
+from .cli_service import add_quota_parser, cmd_quota
 
 
 def _run_id(field: str):
@@ -202,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, required=True, help="the new group size (a valid size for the run)")
     _add_token(p)
     _add_store(p)
+
+    add_quota_parser(sub, _add_store, _add_token)
 
     p = sub.add_parser("plot", help="draw a run, live or finished: loss, eval loss, throughput and world size over "
                                     "steps and time, every failure, recovery, resize, suspend and resume marked")
@@ -398,7 +402,8 @@ def cmd_resume(args) -> int:
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
-            "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit}
+            "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit,
+            "quota": cmd_quota}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from trainer.config_load import config_from_dict
 from trainer.parallel.dims import valid_world_sizes
 
 from .config import recovery_from_raw
+from .drain import DrainWatch
 from .membership import Membership
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .pending import PendingRecovery, PendingResize
@@ -90,12 +91,13 @@ class Controller(Membership):
     ``config`` is the run's parsed config (None: parsed from ``spec.config``, for
     a controller built by hand); ``clock`` and ``sleep`` are the controller's
     time (a fake clock in tests); ``observers`` are told what happens, after
-    the run's own (lease, goodput, status).
+    the run's own (lease, goodput, status); ``drains`` reads the cluster's
+    draining nodes (``orchestrator.drain``; none read without it).
     """
 
     def __init__(self, spec: RunSpec, store: RunStore, group: WorkerGroup, opts: ControllerOptions | None = None,
                  *, config: RunConfig | None = None, clock=time.monotonic, controller_id: str | None = None,
-                 sleep=time.sleep, observers: Iterable[ControllerObserver] = ()):
+                 sleep=time.sleep, observers: Iterable[ControllerObserver] = (), drains: DrainWatch | None = None):
         self.spec = spec
         self.run_id = spec.run_id
         self.store = store
@@ -111,6 +113,7 @@ class Controller(Membership):
         self.scaling = ScalingPolicy(min_workers=spec.min_workers, max_workers=spec.max_workers)
         self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
         self.failures = FailureLog()
+        self.drains = drains or DrainWatch()  # draining nodes the run shrinks off (none watched without a source)
         self.state: State = Initializing()
         self.lease = None
         self.fenced: str | None = None  # why this controller may no longer write (another one leads)

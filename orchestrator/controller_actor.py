@@ -23,7 +23,9 @@ import logging
 from trainer.config import RunConfig
 
 from .auth import job_env
+from .autoscale import AutoscaleObserver, DemandBoard
 from .controller import Controller, ControllerOptions
+from .drain import DrainWatch, ray_draining_nodes
 from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
 from .store import RunSpec, open_store
 
@@ -41,8 +43,9 @@ class ControllerActor:
         group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources,
                                env=job_env())
         self.endpoint, observers = start_metrics(spec.run_id, config)
-        observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config)]
-        self.ctl = Controller(spec, store, group, opts, config=config, observers=observers)
+        observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config), AutoscaleObserver(DemandBoard())]
+        self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,
+                              drains=DrainWatch(source=ray_draining_nodes))
 
     def run(self) -> dict:
         try:

@@ -325,6 +325,10 @@ class MetricsObserver(ControllerObserver):
     def on_recovery(self, ctl, seconds, steps_lost):
         self.metrics.observe_recovery(seconds, steps_lost)
 
+    def on_event(self, ctl, event):
+        if event["kind"] == "preempted":
+            self.metrics.observe_preemption(event.get("action", ""), event.get("reason", ""))
+
     def on_resize(self, ctl):
         self.metrics.observe_resize()
 

@@ -259,6 +259,7 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
     import ray
 
     from .progress import Follower
+    from .scheduling.allocator import register as register_with_allocator
 
     cfg, e = parse_spec(spec)
     cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
@@ -268,6 +269,7 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
     restore = _on_sigterm(terminated.set)  # after connect: ray.init installs a SIGTERM handler of its own
     try:
         actor = start_controller(spec, store.url, cfg, e)
+        register_with_allocator(spec, store.url)  # the cluster's allocator sizes the run among the others
         done = actor.run.remote()
         follower = Follower(spec.run_id, cfg.train.steps, live=progress)
         seen, asked = 0, False

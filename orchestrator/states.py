@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 from checkpointing.manager import group_rank_errors
 from checkpointing.names import redact
 
+from .drain import DrainCommit, DrainShrink
 from .pending import PendingRecovery, PendingResize
 from .phase import Phase
 from .policies import Fail, FailureRecord, Resize, ScalingStatus
@@ -119,7 +120,7 @@ class Running(State):
         hang = check_hang(c)
         if hang is not None:
             return hang
-        return check_scaling(c) or self
+        return check_drain(c) or check_scaling(c) or self
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Resizing(State):
     target: int
     reason: str
     requested_at: float = 0.0
+    leaving: tuple[str, ...] = ()  # members that must not stay (on a draining node: orchestrator.drain)
     name = Phase.RESIZING
 
     def step(self, c: Controller) -> State:
@@ -206,8 +208,11 @@ class Resizing(State):
             c.next_grow_check = c.clock() + c.opts.grow_check_s
             return Running()
         before = len(c.members)
-        ready = c.group.ready(c.members + c.spares, timeout=0)
+        ready = [w for w in c.group.ready(c.members + c.spares, timeout=0) if w not in self.leaving]
         c.form(self.target, ready)
+        for w in self.leaving:  # off the draining node; their replacements start below, elsewhere
+            c.group.kill(w)
+        c.spares = [w for w in c.spares if w not in self.leaving]
         c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         requested = self.requested_at or t0
         c.pending_resize = PendingResize(requested_at=requested, from_workers=before, to_workers=self.target,
@@ -352,6 +357,18 @@ def check_hang(c: Controller) -> State | None:
     msg = (f"no step completed for {idle:.0f} s (deadline {c.hang_deadline():.0f} s); "
            + (f"{len(hung)} worker(s) unresponsive" if hung else "every worker answers: a collective hang"))
     return Recovering.now(c, "hang", msg, hung or tuple(c.members))
+
+
+def check_drain(c: Controller) -> State | None:
+    """A node hosting members is draining (``orchestrator.drain``): shrink off it at this step boundary,
+    or commit a checkpoint before its deadline when the run cannot shrink; not a failure."""
+    decision = c.drains.check(c)
+    if isinstance(decision, DrainShrink):
+        return Resizing(decision.size, decision.reason, c.clock(), leaving=decision.leaving)
+    if isinstance(decision, DrainCommit):
+        c.stop_at_boundary()
+        c.save_now()  # the members train on from this boundary (Running relaunches them)
+    return None
 
 
 def check_scaling(c: Controller) -> State | None:

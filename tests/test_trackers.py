@@ -411,5 +411,8 @@ def test_a_tracker_server_that_stops_answering_leaves_etrain_run_responsive(ray_
     before = sorted(g for g, at in gaps if at < stall_unix and rows[0].unix + 5 < at)
     after = sorted(g for g, at in gaps if at > stall_unix + 1)
     assert len(before) >= 20 and len(after) >= 60
+    # A stalled tracker used to hold each step for its client's timeout (120 s a request): the median gap
+    # between steps after the stall stays within noise of the one before. 1.5x, not a tight bound: this
+    # is the machine's noise (other processes on 2 cores moved it 1.0-1.16x), not a benchmark (bench/).
     ratio = after[len(after) // 2] / before[len(before) // 2]
-    assert ratio <= 1.05, (ratio, before[len(before) // 2], after[len(after) // 2])
+    assert ratio <= 1.5, (ratio, before[len(before) // 2], after[len(after) // 2])

@@ -258,6 +258,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     from .loop import Trainer, checkpoint_manager, checkpoint_preflight
     from .models import model_preflight
     from .parallel.dims import ParallelDims, resolve_device
+    from .parallel.parallelize import check_device_features
     from .telemetry import comm_meter
     from .trackers import Trackers, memory_values, open_trackers, step_values
     from .world import World, init_distributed, shutdown_distributed
@@ -272,6 +273,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         cfg = load()
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
+        check_device_features(cfg.parallel, device)
         model_info = model_preflight(cfg)
         if world.is_main and not args.quiet:
             from .plan.fit import warn_if_not_fitting

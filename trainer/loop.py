@@ -33,6 +33,7 @@ import xxhash
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
 from checkpointing.faults import StorageFaults
+from checkpointing.host_copy import fence_writes
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
 from checkpointing.retry import RetryPolicy
@@ -277,6 +278,7 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             clip = cfg.train.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            fence_writes()  # a device-to-host copy of the state still reading it on its side stream (CUDA)
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)

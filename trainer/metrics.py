@@ -102,6 +102,7 @@ class RunMetrics:
         self.last_commit_time: float | None = None
         # recovery and the run
         self.failures: dict[str, int] = {}
+        self.preemptions: dict[tuple[str, str], int] = {}  # (action, reason): a drain's shrink, hold, commit
         self.recoveries_total = 0
         self.resizes_total = 0
         self.steps_lost_total = 0
@@ -236,6 +237,10 @@ class RunMetrics:
             self.steps_lost_per_failure.observe(steps_lost)
             self.time_to_recover.observe(seconds)
 
+    def observe_preemption(self, action: str, reason: str) -> None:
+        with self._lock:
+            self.preemptions[(action, reason)] = self.preemptions.get((action, reason), 0) + 1
+
     def observe_resize(self) -> None:
         with self._lock:
             self.resizes_total += 1
@@ -349,6 +354,11 @@ class RunMetrics:
         for kind, n in sorted(self.failures.items()):
             f.add_metric([rid, kind], n)
         yield f
+        p = CounterMetricFamily("etrain_preemptions", "Preemptions by action and reason",
+                                labels=["run_id", "action", "reason"])
+        for (action, reason), n in sorted(self.preemptions.items()):
+            p.add_metric([rid, action, reason], n)
+        yield p
         yield counter("etrain_recoveries", "Recoveries completed (first step after a failure)", self.recoveries_total)
         yield counter("etrain_resizes", "Resizes completed", self.resizes_total)
         yield counter("etrain_steps_lost", "Steps trained again after recoveries", self.steps_lost_total)

@@ -25,6 +25,9 @@ deprecated all_gather_into_tensor). The object collectives
 tensor collectives they issue (sizes, then data) are counted. gather,
 scatter, reduce, the list form of all_to_all and barrier are not counted.
 
+On NCCL (CUDA tensors) the seconds are GPU time, from CUDA events around the collective
+(:mod:`trainer.gpu_timing`), read once they have fired; on gloo, host time as above.
+
 Cost: one Python wrapper per collective (a few microseconds; FSDP issues two or
 three per block and step) plus, for async work, one future callback.
 ``bench/metrics_overhead.py`` measures it against a run with the hooks off.
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .gpu_timing import EventTimer
 from .models import spec_for
 from .parallel.dims import Axis, Mesh
 
@@ -114,6 +118,7 @@ class CommMeter:
         self._tls = threading.local()
         self._installed = False
         self._originals: list[tuple[Any, str, Any]] = []  # (module, name, original function)
+        self.events = EventTimer()  # NCCL collectives' CUDA event pairs, recorded once they fired
 
     # --- labelling ----------------------------------------------------------------
 
@@ -167,6 +172,7 @@ class CommMeter:
 
     def snapshot(self) -> list[dict]:
         """Cumulative figures: one dict per (kind, axis), JSON-able."""
+        self.events.drain(self.record)
         with self._lock:
             return [{"kind": k, "axis": a, "calls": s[0], "bytes": s[1], "bus_bytes": s[2], "seconds": s[3],
                      "buckets": list(s[4])} for (k, a), s in sorted(self._stats.items())]
@@ -223,6 +229,14 @@ class CommMeter:
         finally:
             self._tls.inside = False
 
+    def _done(self, kind: str, axis: str, nbytes: int, n: int, t0: float, start) -> None:
+        """A collective has completed (on the current stream, for a CUDA one): record its time."""
+        if start is None:
+            self.record(kind, axis, nbytes, n, time.perf_counter() - t0)
+        else:
+            self.events.finish(start, (kind, axis, nbytes, n))
+            self.events.drain(self.record)
+
     def _wrap_c10d(self, orig, kind: str, bi: int, bname: str, gi: int, gname: str):
         meter = self
 
@@ -230,22 +244,27 @@ class CommMeter:
         def metered(*args, **kwargs):
             if not meter._outer():
                 return orig(*args, **kwargs)
+            tensor = _arg(args, kwargs, bi, bname)
+            start = meter.events.start() if meter.events.wants(tensor) else None
             work, t0 = meter._issue(orig, args, kwargs)
             group = _arg(args, kwargs, gi, gname)
-            nbytes = _nbytes(_arg(args, kwargs, bi, bname))
+            nbytes = _nbytes(tensor)
             try:
                 n = dist.get_world_size(group)
             except Exception:
                 n = 1
             axis = meter.axis_of(group)
+
+            def done(_f=None):  # on the current stream (a blocking call) or the future's callback stream
+                meter._done(kind, axis, nbytes, n, t0, start)
+
             if work is None or not hasattr(work, "get_future"):
-                meter.record(kind, axis, nbytes, n, time.perf_counter() - t0)
+                done()
                 return work
             try:
-                fut = work.get_future()
-                fut.add_done_callback(lambda _f: meter.record(kind, axis, nbytes, n, time.perf_counter() - t0))
+                work.get_future().add_done_callback(done)
             except Exception:  # coalesced work without a future: count it at issue
-                meter.record(kind, axis, nbytes, n, time.perf_counter() - t0)
+                done()
             return work
 
         return metered
@@ -257,22 +276,24 @@ class CommMeter:
         def metered(*args, **kwargs):
             if not meter._outer():
                 return orig(*args, **kwargs)
+            inp = _arg(args, kwargs, 0, "self")
+            start = meter.events.start() if meter.events.wants(inp) else None
             out, t0 = meter._issue(orig, args, kwargs)
             try:
                 name = funcol._resolve_group_name(_arg(args, kwargs, gi, "group"))
                 n = dist.distributed_c10d._get_group_size_by_name(name)
             except Exception:
                 name, n = None, 1
-            inp = _arg(args, kwargs, 0, "self")
             nbytes = _nbytes(inp) * (n if kind == "all_gather" else 1)
             elem = getattr(out, "elem", None)
             if elem is None or getattr(out, "completed", True):
-                meter.record(kind, meter.axis_of(name), nbytes, n, time.perf_counter() - t0)
+                meter._done(kind, meter.axis_of(name), nbytes, n, t0, start)
             else:
                 with meter._lock:
                     if len(meter._pending) > 4096:  # never waited for: forget rather than grow
                         meter._pending.clear()
-                    meter._pending[elem.untyped_storage().data_ptr()] = (kind, meter.axis_of(name), nbytes, n, t0)
+                    meter._pending[elem.untyped_storage().data_ptr()] = (kind, meter.axis_of(name), nbytes, n, t0,
+                                                                         start)
             return out
 
         return metered
@@ -291,8 +312,7 @@ class CommMeter:
                 with meter._lock:
                     hit = meter._pending.pop(key, None)
                 if hit is not None:
-                    kind, axis, nbytes, n, t0 = hit
-                    meter.record(kind, axis, nbytes, n, time.perf_counter() - t0)
+                    meter._done(*hit)
             return out
 
         return wait_tensor

@@ -173,7 +173,8 @@ class MemoryTier:
     def take_async(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None = None, *,
                    replicate: bool = True) -> Future:
         """Like :meth:`take`, but training waits only for a copy of this rank's tensors into host buffers
-        kept from one snapshot to the next (what the async durable checkpoint waits for), after the
+        kept from one snapshot to the next (what the async durable checkpoint waits for; CUDA tensors: only
+        for the copy to be queued on a side stream, which the background thread waits for), after the
         previous snapshot's background work if that is still running. Laying the files out, the
         agreement and (``replicate``) the copies to peers run in the tier's background thread, in order.
         Collective: every rank calls it for the same steps in the same order. The future gives the
@@ -181,11 +182,11 @@ class MemoryTier:
         t0 = time.monotonic()
         self.wait()
         waited = time.monotonic() - t0
-        copy = self._host.copy(state_dict)
+        pending = self._host.copy_async(state_dict)  # CUDA: on the side stream, overlapping the next step
         blocking = time.monotonic() - t0
 
         def run() -> SnapshotResult:
-            res = self._take(step, copy, trainer_state)
+            res = self._take(step, pending.wait(), trainer_state)
             res.phases.update(wait_previous=waited, host_copy=blocking - waited)
             res.blocking_s = blocking
             if res.ok and replicate and self.replica_group is not None:

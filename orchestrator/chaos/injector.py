@@ -103,8 +103,11 @@ def is_head(node_id: str) -> bool:
 class Chaos:
     """Drives a plan against a live run and records what it injected."""
 
-    def __init__(self, run_id: str, store: RunStore, plan: ChaosPlan, *, poll_s: float = 0.2):
+    def __init__(self, run_id: str, store: RunStore, plan: ChaosPlan, *, poll_s: float = 0.2,
+                 add_node=None):
         self.run_id, self.store, self.plan, self.poll_s = run_id, store, plan, poll_s
+        # add_node: cpus -> the new node's id; default `ray start` on this machine (tests add a LocalCluster node)
+        self.add_node = add_node or ray_start_node
         self.rng = random.Random(plan.seed)
         self.injections: list[Injection] = []
         self.counts = [0] * len(plan.faults)
@@ -267,6 +270,24 @@ class Chaos:
         netns.set_link(t["link"], up=False)
         self.open_windows.append((inj, spec))
 
+    def _inject_drain_node(self, inj: Injection, spec: FaultSpec) -> None:
+        """Ray drains the rank's node, as a spot notice or `ray drain-node` does (orchestrator/drain.py)."""
+        from ..drain import drain_node
+
+        t = inj.target = self._target(spec)
+        import ray
+
+        if is_head(t["node"]) or t["node"] == ray.get(self._controller().node_id.remote(), timeout=30):
+            raise RuntimeError(f"rank {t['rank']} runs on the node of the head or the run's controller; draining "
+                               "it ends the run, not a member (choose another rank)")
+        accepted, why = drain_node(t["node"], deadline_s=spec.deadline_s, message=f"etrain chaos fault {inj.fault}")
+        if not accepted:
+            raise RuntimeError(f"Ray refused to drain node {t['node'][:8]}: {why}")
+        t["deadline_s"] = spec.deadline_s
+
+    def _inject_add_node(self, inj: Injection, spec: FaultSpec) -> None:
+        inj.target = {"cpus": spec.cpus, "node": self.add_node(spec.cpus)}
+
     def _inject_storage(self, inj: Injection, spec: FaultSpec) -> None:
         import ray
 
@@ -288,6 +309,27 @@ class Chaos:
         if actor is None:
             raise RuntimeError(f"no live controller for run {self.run_id!r} in this Ray cluster")
         return actor
+
+
+def ray_start_node(cpus: int, timeout_s: float = 120.0) -> str:
+    """A node joins the connected cluster from this machine (``ray start --address=GCS --num-cpus=N``);
+    its node id once Ray sees it alive."""
+    import subprocess
+    import sys
+
+    import ray
+
+    before = {n["NodeID"] for n in ray.nodes()}
+    address = ray.get_runtime_context().gcs_address
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
+                    f"--num-cpus={cpus}"], check=True, capture_output=True, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before]
+        if new:
+            return new[0]
+        time.sleep(0.5)
+    raise RuntimeError(f"the node started with `ray start --address={address}` did not join within {timeout_s:.0f} s")
 
 
 def _netns():

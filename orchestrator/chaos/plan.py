@@ -45,6 +45,18 @@ A plan is a list of faults, each with a schedule::
     at_step = 50              # (a node in a network namespace of its own: orchestrator/chaos/netns.py)
     rank = 0
 
+    [[fault]]
+    kind = "drain_node"       # Ray drains the node a rank runs on (a spot notice): the run shrinks off it
+    at_step = 60
+    rank = 1
+    deadline_s = 60           # the drain's deadline (the node's raylet exits once idle)
+
+    [[fault]]
+    kind = "add_node"         # a node joins the cluster: the run grows back to its requested size
+    after_fault = 5
+    delay_s = 10
+    cpus = 1
+
 Invariants: a plan that loads is valid (each fault has exactly one schedule, a known kind, a positive
 window; ``after_fault`` names an earlier fault); every problem is a ConfigError that names the fault and
 the field. Tables are built and type-checked by the run config's own section builder
@@ -59,7 +71,10 @@ from dataclasses import dataclass, fields
 from checkpointing.errors import ConfigError
 from trainer.config_load import build_section, parse_value
 
-KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "partition_node")
+KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "partition_node", "drain_node",
+         "add_node")
+# The cluster changing under the run (orchestrator/drain.py): a resize, never a failure.
+CLUSTER_KINDS = ("drain_node", "add_node")
 # Faults that take a member out of the group: the controller must see a failure and re-form without it.
 PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank", "partition_node")
 WINDOW_S = {"partition_node": 20.0}  # duration_s when the plan leaves it out; 10 s for the other kinds
@@ -83,6 +98,8 @@ class FaultSpec:
     error_rate: float = 0.0
     truncate_rate: float = 0.0
     mode: str = "stop"
+    deadline_s: float = 60.0  # drain_node: the drain's deadline
+    cpus: int = 1  # add_node: the new node's CPUs
 
     def __post_init__(self) -> None:
         where = f"fault kind={self.kind!r}"
@@ -105,6 +122,10 @@ class FaultSpec:
             raise ConfigError(f"{where}: duration_s={self.duration_s:g} must be > 0")
         if self.mode not in ("stop", "restart"):
             raise ConfigError(f"{where}: mode={self.mode!r}; use \"stop\" (SIGSTOP/SIGCONT) or \"restart\"")
+        if self.deadline_s <= 0:
+            raise ConfigError(f"{where}: deadline_s={self.deadline_s:g} must be > 0 (the drain's deadline)")
+        if self.cpus < 1:
+            raise ConfigError(f"{where}: cpus={self.cpus} must be >= 1 (the added node's CPUs)")
         if self.kind == "storage" and not (self.error_rate or self.truncate_rate or self.delay_s):
             raise ConfigError(f"{where}: set at least one of error_rate, truncate_rate, delay_s")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..store import HistoryRow
 from .injector import Injection
-from .plan import PROCESS_KINDS, ChaosPlan
+from .plan import CLUSTER_KINDS, PROCESS_KINDS, ChaosPlan
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -90,7 +90,40 @@ def assess(injections: list[Injection], events: list[dict], history: list) -> li
             if after is not None:
                 row.update(recovered=True, time_to_recover_s=after.unix - inj.time, steps_lost=0,
                            committed_steps_lost=0)
+        elif inj.kind in CLUSTER_KINDS and not inj.error:
+            row.update(cluster_change(inj, events))
         out.append(row)
+    return out
+
+
+def cluster_change(inj: Injection, events: list[dict]) -> dict:
+    """A drained node: detected by the run's ``preempted`` event, recovered by the resize off the node (or, when
+    the node went first, by the recovery from its loss). An added node: recovered by a grow after it."""
+    after = [e for e in events if e["time"] >= inj.time - 0.5]
+    resized = [e for e in after if e.get("kind") == "resized" and e.get("first_step_unix")]
+    if inj.kind == "add_node":
+        grow = next((e for e in resized if e["to_workers"] > e["from_workers"]), None)
+        if grow is None:
+            return {"detected": True, "time_to_detect_s": 0.0, "note": "the run did not grow after the node joined"}
+        return {"detected": True, "time_to_detect_s": 0.0, "recovered": True, "steps_lost": 0,
+                "time_to_recover_s": grow["first_step_unix"] - inj.time, "committed_steps_lost": 0,
+                "grew": [grow["from_workers"], grow["to_workers"]]}
+    notice = next((e for e in after if e.get("kind") == "preempted" and e.get("reason") == "drain"), None)
+    if notice is None:
+        return {}
+    out = {"detected": True, "time_to_detect_s": max(0.0, notice["time"] - inj.time), "action": notice["action"]}
+    off = next((e for e in resized if "draining" in str(e.get("reason", ""))), None)
+    lost = next((e for e in after if e.get("kind") == "recovered"), None)
+    if off is not None and (lost is None or off["time"] <= lost["time"]):
+        deadline = inj.time + inj.target.get("deadline_s", float("inf"))
+        out.update(recovered=True, steps_lost=0, committed_steps_lost=0,
+                   time_to_recover_s=off["first_step_unix"] - inj.time,
+                   before_deadline=off["first_step_unix"] <= deadline)
+    elif lost is not None:
+        out.update(recovered=True, steps_lost=lost.get("steps_lost"),
+                   time_to_recover_s=lost["first_step_unix"] - inj.time,
+                   committed_steps_lost=max(0, (inj.committed or 0) - lost.get("restored_step", 0)),
+                   note="the node went before the run could shrink off it: recovered as a failure")
     return out
 
 

@@ -31,9 +31,11 @@ class ParallelConfig:
     # Pipeline micro-batches per step on one data-parallel rank; 0 = the local
     # batch divided by train.micro_batch.
     pp_microbatches: int = 0
-    activation_checkpoint: Literal["none", "full", "every_k"] = "none"
+    # "selective": every block keeps its matmul outputs and recomputes the rest in backward.
+    activation_checkpoint: Literal["none", "full", "every_k", "selective"] = "none"
     ac_every_k: int = 2
-    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # "float8": bf16, with the blocks' linears in float8 through torchao (CUDA, compute capability >= 8.9).
+    mixed_precision: Literal["auto", "fp32", "bf16", "float8"] = "auto"
     offload: Literal["none", "cpu"] = "none"
     # Context parallelism: each sample's sequence split over cp ranks (load-balanced head-tail), attention by
     # "ring" (K/V blocks passed around the cp ranks), "allgather" (K/V gathered whole) or "ulysses"
@@ -50,6 +52,8 @@ class ParallelConfig:
     # last (less memory for ZeRO-3, more communication).
     reduce_every_microbatch: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch.compile each repeated block (trainer.parallel.compile): faster steps after a first slow one.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank", "ac_every_k"):

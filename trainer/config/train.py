@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from checkpointing.errors import ConfigError
 
@@ -27,6 +28,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # AdamW's kernels: "auto" is fused where the parameters are on a GPU (one kernel for all of them),
+    # foreach (a kernel per operation over all of them) elsewhere; the results agree to rounding.
+    optimizer_impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     seed: int = 1234
     log_every: int = 10
     # A step whose loss or gradient norm is nan/inf stops the run (exit 1 / FAILED, naming the step);

@@ -4,6 +4,7 @@ a user brings.
     named = find_blocks(model, cfg.model)                  # [(path, module)], in order
     ranges = stage_ranges([n for n, _ in named], 4, [])    # the blocks of each of 4 pipeline stages
     apply_block_ac([m for _, m in named], "every_k", 2)    # composable checkpointing: no wrapper, FQNs kept
+    checkpoint(fn, x, context_fn=selective_context)         # "selective": keep matmul outputs, recompute the rest
 
 Blocks are modules whose class is ``model.block_class``, else the model's own ``_no_split_modules``
 (``transformers``), else the children of its first ``nn.ModuleList``.
@@ -12,8 +13,10 @@ Blocks are modules whose class is ``model.block_class``, else the model's own ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
+import torch
 from torch import nn
 
 from checkpointing.errors import ConfigError
@@ -89,5 +92,38 @@ def apply_block_ac(blocks: list[nn.Module], mode: str, every_k: int) -> None:
     from torch.distributed._composable import checkpoint
 
     for i, block in enumerate(blocks):
-        if mode == "full" or (mode == "every_k" and i % every_k == 0):
+        if mode == "selective":
+            checkpoint(block, context_fn=selective_context)
+        elif mode == "full" or (mode == "every_k" and i % every_k == 0):
             checkpoint(block)
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps (torchtitan's op-level policy): the matmuls and
+    attention kernels, the costly part to recompute, and the results of tensor parallelism's reduce-scatters and
+    all-reduces (never communicated again in backward)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("reduce_scatter_tensor", "all_reduce"):  # tensor parallelism's: never communicated twice
+        if c10d is not None and hasattr(c10d, name):
+            ops.add(getattr(c10d, name).default)
+    return frozenset(ops)
+
+
+def _keep_matmuls(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """``context_fn`` of ``torch.utils.checkpoint``: save what :func:`saved_ops` produce, recompute the rest
+    (norms, activations, rotary embeddings, elementwise products) in backward."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_matmuls)

@@ -33,6 +33,10 @@ class DecoderSpec(ModelSpec):
     def draws_random(self) -> bool:
         return self.mcfg.dropout > 0
 
+    @property
+    def compile_fullgraph(self) -> bool:
+        return True
+
     def build(self, device: str | torch.device = "meta", seed: int = 0) -> Transformer:
         with torch.device(device):
             model = Transformer(self.mcfg)
@@ -62,10 +66,12 @@ class DecoderSpec(ModelSpec):
             block.attention.cp = cp
 
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
-        """Recompute every block in backward, or every k-th (by its index in the whole model)."""
+        """Recompute every block in backward, or every k-th (by its index in the whole model), or in every
+        block all but the matmuls ("selective")."""
         for name, block in stage.module.layers.items():
-            if mode == "full":
+            if mode in ("full", "selective"):
                 block.checkpoint_activations = True
+                block.checkpoint_selective = mode == "selective"
             elif mode == "every_k":
                 block.checkpoint_activations = int(name) % every_k == 0
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from .blocks import selective_context
 from .shape import ModelShape, layer_split
 
 
@@ -95,6 +96,8 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
         # Set by DecoderSpec.apply_ac (trainer.models.builtin); recomputes this block in backward.
         self.checkpoint_activations = False
+        # With it, "selective": save only the matmuls' outputs (trainer.models.blocks.selective_context).
+        self.checkpoint_selective = False
         # Set by trainer.models.decoder_tp.apply_tp under sequence parallelism: (tp rank, tp size); the
         # residual stream then holds this rank's tp-th of the sequence.
         self.seq_shard: tuple[int, int] | None = None
@@ -117,6 +120,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            if self.checkpoint_selective:
+                return checkpoint(self._forward, x, rope, use_reentrant=False, context_fn=selective_context)
             return checkpoint(self._forward, x, rope, use_reentrant=False)
         return self._forward(x, rope)
 

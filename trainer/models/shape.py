@@ -126,3 +126,9 @@ class ModelShape:
         gathered = 2 * h  # the normed inputs of the first linears of attention and feed-forward
         inside = (h + 2 * kvd) + (h + kvd) + (2 * h if self.n_kv_heads < self.n_heads else 0) + 2 * h + 4 * f
         return (norms / tp if sp else norms) + gathered + inside / tp
+
+    def block_matmul_elems(self, tp: int) -> float:
+        """Elements per token of one block's matmul and attention outputs: what selective activation
+        checkpointing keeps (q, k, v, SDPA's output, the output projection's; SwiGLU's three)."""
+        h, f, kvd = self.dim, self.ffn_hidden, self.n_kv_heads * self.head_dim
+        return (2 * h + 2 * kvd + 2 * f) / tp + 2 * h

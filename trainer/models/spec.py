@@ -107,6 +107,12 @@ class ModelSpec(ABC):
         """Whether the forward pass may draw random numbers (dropout): the step loop seeds it per sample."""
         return True
 
+    @property
+    def compile_fullgraph(self) -> bool:
+        """Whether one block compiles to a single graph (``parallel.compile``: ``fullgraph=True``); a model a
+        user brings may break the graph (data-dependent branches, hooks), and then runs the breaks eagerly."""
+        return False
+
     def allows(self) -> tuple[str, ...]:
         """What layouts the model can take: "tp", "pp", "sp", "cp" (the planner offers nothing else; "cp": its
         attention can be routed through context parallelism, :meth:`apply_cp`)."""
@@ -144,7 +150,7 @@ class ModelSpec(ABC):
 
     @abstractmethod
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
-        """Activation checkpointing of the stage's blocks ("full" or "every_k")."""
+        """Activation checkpointing of the stage's blocks ("full", "every_k" or "selective")."""
 
     @abstractmethod
     def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:

@@ -358,7 +358,7 @@ def size_rule(cfg: RunConfig) -> str:
 
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
     """Compute dtype: bf16 on GPUs by default, fp32 on CPU by default."""
-    if pcfg.mixed_precision == "bf16":
+    if pcfg.mixed_precision in ("bf16", "float8"):  # float8: the linears' matmuls only (trainer.parallel.float8)
         return torch.bfloat16
     if pcfg.mixed_precision == "fp32":
         return torch.float32

@@ -9,7 +9,9 @@ model family, each step asked of the model's spec (:mod:`trainer.models`).
 The order, and why it matters:
 
 1. Pipeline cut (:mod:`.pipeline`) first: stages are cut from the full model, keeping parameter
-   names (FQNs), so that every later step sees only this rank's stages.
+   names (FQNs), so that every later step sees only this rank's stages. Float8 linears
+   (:mod:`.float8`, ``mixed_precision="float8"``) replace the plain ones right after, so that every
+   later step wraps the modules that will run.
 2. Tensor parallelism (:mod:`.tensor`) next, because it replaces parameters with DTensors sharded
    over the ``tp`` axis, and every later step must see those.
 3. Context parallelism (:mod:`.context`): it routes attention through the cp group (activations are
@@ -20,7 +22,10 @@ The order, and why it matters:
    ``dp_shard``, before FSDP shards what is left over the remaining data-parallel ranks.
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
-6. FSDP (:mod:`.fsdp`) last, because FSDP2 shards whatever parameters it finds (the TP DTensors
+6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
+   computation and the recomputation, and before FSDP, whose hooks stay outside the compiled graph
+   (torchtitan's order).
+7. FSDP (:mod:`.fsdp`) last, because FSDP2 shards whatever parameters it finds (the TP DTensors
    included, as 2-D shards) and must see the final module tree to group its all-gathers per block.
 
 The built-in model goes through all of it on the meta device; only then does each rank allocate and
@@ -40,7 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import RunConfig
 from ..models import spec_for
 from .ac import apply_ac
+from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
+from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
 from .fsdp import shard_blocks
 from .pipeline import Pipeline, cut_stage
@@ -106,6 +113,13 @@ class ModelParts:
             m.train(mode)
 
 
+def check_device_features(pcfg, device: torch.device) -> None:
+    """ConfigError (exit 2) for what ``device`` cannot do: ``parallel.compile`` without a compiler for it,
+    ``mixed_precision="float8"`` without float8 hardware or a working torchao."""
+    check_compile(pcfg, device)
+    check_float8(pcfg, device)
+
+
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
                       device: torch.device) -> ModelParts:
     """Build, parallelize and initialise this rank's part of the model, in the order of the module docstring.
@@ -121,15 +135,18 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     n_stages, stage_ids = dims.stages(rank, p.pp_stages_per_rank)
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
+    check_device_features(p, device)
     modules, local, cp = [], 0, None
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
+        apply_float8(spec, model, p, use_fsdp)
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
         apply_ep(model, dims)
         apply_ac(spec, stage, p)
+        apply_compile(spec, stage, p)
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.

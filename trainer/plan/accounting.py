@@ -166,6 +166,9 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     elif p.activation_checkpoint == "every_k":
         ck = sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0)
         per_mb, recompute = ck * kept + (layers - ck) * full, (full if ck else 0.0)
+    elif p.activation_checkpoint == "selective":
+        saved = kept + m.block_matmul_elems(dims.tp) * tokens * act_bytes
+        per_mb, recompute = layers * min(saved, full), max(0.0, full - saved)
     else:
         per_mb = layers * full
     pp_coord = dims.coords(rank)[Axis.PP]

@@ -94,8 +94,12 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
             per_block += 2 * sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0) / max(1, layers)
         act = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
         calls = round(per_block * layers * mb)
+        # "selective" keeps the all-reduce and reduce-scatter results but gathers the inputs of the first
+        # linears again (trainer.models.blocks.saved_ops): two all-gathers per block under sequence parallelism.
+        regather = 2 * layers * mb if p.activation_checkpoint == "selective" else 0
         if p.sequence_parallel:
-            add("all_gather", Axis.TP, calls / 2 * _ring("all_gather", dims.tp, act), calls // 2)
+            add("all_gather", Axis.TP, (calls / 2 + regather) * _ring("all_gather", dims.tp, act),
+                calls // 2 + regather)
             add("reduce_scatter", Axis.TP, calls / 2 * _ring("reduce_scatter", dims.tp, act), calls // 2)
         else:
             add("all_reduce", Axis.TP, calls * _ring("all_reduce", dims.tp, act), calls)

@@ -1,7 +1,7 @@
 """What every ZeRO stage shares: the optimizer interface, AdamW and its state, local tensors, byte counts.
 
     class MyOptimizer(Optimizer): ...     # the interface trainer.loop drives (see Optimizer)
-    opt = make_adamw(groups, cfg.train)   # torch's AdamW, foreach
+    opt = make_adamw(groups, cfg.train)   # torch's AdamW: fused on GPUs, foreach elsewhere (train.optimizer_impl)
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             st = optimizer.state[p]
             if not st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # The fused kernels read the step count on the parameter's device, as AdamW makes it.
+                on_device = group.get("fused") or group.get("capturable")
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else None)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -94,13 +96,25 @@ def adam_entries(st: dict, wrap) -> dict:
     return {"exp_avg": wrap(st["exp_avg"]), "exp_avg_sq": wrap(st["exp_avg_sq"]), "step": st["step"]}
 
 
+def adamw_impl(ocfg: TrainConfig, params: list[torch.Tensor]) -> str:
+    """``train.optimizer_impl`` resolved for ``params``: "auto" is "fused" when they all live on a GPU, else
+    "foreach" (CPU has fused kernels too, but they gain little there over foreach)."""
+    if ocfg.optimizer_impl != "auto":
+        return ocfg.optimizer_impl
+    on_gpu = bool(params) and all(local_tensor(p).device.type == "cuda" for p in params)
+    return "fused" if on_gpu else "foreach"
+
+
 def make_adamw(groups: list[dict], ocfg: TrainConfig) -> torch.optim.AdamW:
+    live = [g for g in groups if g["params"]]
+    impl = adamw_impl(ocfg, [p for g in live for p in g["params"]])
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        live,
         lr=ocfg.lr,
         betas=(ocfg.beta1, ocfg.beta2),
         eps=ocfg.eps,
-        foreach=True,
+        foreach=impl == "foreach",
+        fused=impl == "fused",
     )
 
 

@@ -66,8 +66,8 @@ class FSDPOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float) -> None:
-        """AdamW on the local shards: torch's own AdamW arithmetic (``torch.optim.adam.adam``, foreach),
-        fed each DTensor's local tensor.
+        """AdamW on the local shards: torch's own AdamW arithmetic (``torch.optim.adam.adam``, foreach or
+        fused as ``train.optimizer_impl`` resolves), fed each DTensor's local tensor.
 
         AdamW is elementwise, so updating the shards is updating the parameters. Stepping the
         DTensors themselves makes DTensor propagate the sharding of every foreach op, and a process
@@ -87,7 +87,8 @@ class FSDPOptimizer:
             states = [self.optimizer.state[p] for p in live]
             adam([local_tensor(p) for p in live], [local_tensor(p.grad) for p in live],
                  [local_tensor(st["exp_avg"]) for st in states], [local_tensor(st["exp_avg_sq"]) for st in states],
-                 [], [st["step"] for st in states], foreach=True, decoupled_weight_decay=True, amsgrad=False,
+                 [], [st["step"] for st in states], foreach=g["foreach"], fused=g["fused"],
+                 decoupled_weight_decay=True, amsgrad=False,
                  beta1=g["betas"][0], beta2=g["betas"][1], lr=lr, weight_decay=g["weight_decay"], eps=g["eps"],
                  maximize=False)
 
