@@ -1,8 +1,9 @@
 """Context parallelism (parallel.cp): each rank holds seq_len / cp positions of every sample, attention over
 the cp group (ring, allgather, ulysses). Every style trains as cp 1 does: the first 5 losses within 1e-4
-and the first step's reduced gradients within 1e-5 (fp32), at cp 2 on 2 processes and cp 4 (and cp 2 x
-dp 2 under ZeRO-3, HSDP, full activation checkpointing) on 4; the cp collectives of a step are counted
-exactly; the layouts that cannot work are refused before anything starts (exit 2).
+and the first step's reduced gradients within 1e-5 (fp32), at cp 2 on 2 processes (with selective
+checkpointing too) and cp 4 (and cp 2 x dp 2 under ZeRO-3, HSDP, full activation checkpointing) on 4; the
+cp collectives of a step are counted exactly; the layouts that cannot work are refused before anything
+starts (exit 2).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def cp(n: int, style: str = "ring", *more: str) -> list[str]:
 WORLD2 = {
     "cp2_ring_zero3": cp(2, "ring"),
     **{f"cp2_{s}_zero0": cp(2, s, "parallel.zero_stage=0") for s in STYLES},
+    # recomputation reruns the routed attention, collectives included
+    "cp2_ulysses_zero0_selective_ac": cp(2, "ulysses", "parallel.zero_stage=0",
+                                         'parallel.activation_checkpoint="selective"'),
 }
 # bf16 against the fp32 cp 1 run, as the parallelism matrix (tests/test_parity.py) compares it: the first two losses
 # within 1e-2 relative (about 2.5 bf16 spacings).
@@ -158,6 +162,7 @@ def test_dims_with_cp():
 REFUSALS = {
     "seq_len": (["data.seq_len=60", *cp(4)], "data.seq_len=56 or 64"),
     "ulysses_heads": (["model.n_heads=4", *cp(8, "ulysses")], 'cp_style="ring"'),
+    "compile": (["parallel.compile=true", *cp(2)], "set parallel.compile=false"),
     "unroutable_model": (['model.source="python"', 'model.factory="tests.custom_model:build"', *cp(2)],
                          "set parallel.cp=1"),
 }

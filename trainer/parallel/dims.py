@@ -265,10 +265,11 @@ class ParallelDims:
         if m.source == "builtin" and m.dropout > 0:
             raise ConfigError(f"parallel.cp={cp} needs model.dropout=0 (got {m.dropout}): attention dropout is not "
                               "split across the cp ranks; set model.dropout=0, or parallel.cp=1")
-        for name, value in (("tp", self.tp), ("pp", self.pp)):
-            if value > 1:
-                raise ConfigError(f"parallel.cp={cp} does not combine with parallel.{name}={value} yet; "
-                                  f"set parallel.{name}=1, or parallel.cp=1")
+        for name, value in (("tp", self.tp), ("pp", self.pp), ("compile", p.compile)):
+            if value is True or value > 1:
+                off = "false" if value is True else "1"
+                raise ConfigError(f"parallel.cp={cp} does not combine with parallel.{name}={str(value).lower()} "
+                                  f"yet; set parallel.{name}={off}, or parallel.cp=1")
         if self.zero_stage in (1, 2):
             raise ConfigError(f"parallel.cp={cp} takes parallel.zero_stage=3 (FSDP shards over dp_shard x cp) "
                               f"or 0, not {self.zero_stage} yet; set parallel.zero_stage=3")
