@@ -150,7 +150,7 @@ def test_zigzag_split_covers_the_sequence_and_balances_causal_work():
 def test_dims_with_cp():
     cfg = load_config(None, BASE + cp(2))
     d = ParallelDims.from_config(cfg, 4)
-    assert (d.dp_shard, d.cp, d.world_size, d.zero_shards, d.grad_ranks, d.grad_mesh) == (2, 2, 4, 4, 4, Mesh.DP_CP)
+    assert (d.dp_shard, d.cp, d.world_size, d.zero_shards, d.grad_ranks, d.loss_mesh) == (2, 2, 4, 4, 4, Mesh.DP_CP)
     assert valid_world_sizes(cfg, 8) == [2, 4]  # multiples of cp whose dp (1, 2) splits the batch of 4 in 2s
     assert "dp_replicate x cp x tp x pp" in size_rule(cfg) and "= 2)" in size_rule(cfg)
     with pytest.raises(ConfigError, match="parallel.cp=2"):

@@ -134,14 +134,8 @@ class ParallelDims:
         return self.zero_requested if self.dp * self.cp > 1 else 0
 
     @property
-    def grad_mesh(self) -> Mesh:
-        """The group gradients are averaged over: the data-parallel ranks, and the cp ranks (each saw its part
-        of every sequence)."""
-        return Mesh.DP_CP if self.cp > 1 else Mesh.DP
-
-    @property
     def grad_ranks(self) -> int:
-        """The size of :attr:`grad_mesh`: what summed gradients (and losses) are divided by."""
+        """The size of :attr:`loss_mesh`: what summed gradients and losses are divided by."""
         return self.dp * self.cp
 
     @property
@@ -156,7 +150,8 @@ class ParallelDims:
 
     @property
     def loss_mesh(self) -> Mesh:
-        """The group the loss and the gradient norm are reduced over."""
+        """The group the loss and the gradients are averaged over: the data-parallel ranks, and the cp ranks
+        (each saw its share of every sequence)."""
         return Mesh.DP_CP if self.cp > 1 else Mesh.DP
 
     def size(self, axis: str) -> int:

@@ -34,7 +34,7 @@ class ZeroOptimizer:
         self.stage = dims.zero_stage
         self.cfg = cfg.train
         self.dims = dims
-        self.dp_group = dims.group(mesh, dims.grad_mesh)  # dp, x cp under context parallelism
+        self.dp_group = dims.group(mesh, dims.loss_mesh)  # dp, x cp under context parallelism
         self.shard_group = dims.group(mesh, Mesh.DP_SHARD_CP) if self.stage > 0 else None
         self.replicate_group = dims.group(mesh, Axis.DP_REPLICATE) if self.stage > 0 else None
         self.n = dims.zero_shards
