@@ -146,6 +146,18 @@ class LiveBytes:
         return self._mode.__exit__(*exc)
 
 
+def micro_batch_bytes(trainer) -> tuple[int, int]:
+    """(bytes the forward of the first micro-batch of sample 0 leaves for backward, the peak over its forward
+    and backward), counted by :class:`LiveBytes`."""
+    inputs, targets = trainer.batcher.tokens(trainer.batcher.local_positions(0))
+    mb = trainer.cfg.train.micro_batch
+    with LiveBytes() as live:
+        loss = trainer.parts.loss(trainer.parts.forward(inputs[:mb]), targets[:mb])
+        held = live.live
+        loss.backward()
+    return held, live.peak
+
+
 def ac_probe(payload: dict) -> dict:
     """Activation checkpointing per mode (world 1): the losses of a few steps, then one micro-batch's
     forward and backward with each block's attention counting its forward calls (a recomputed block
@@ -163,16 +175,11 @@ def ac_probe(payload: dict) -> dict:
                 return lambda *_: calls.__setitem__(name, calls[name] + 1)
 
             hooks = [block.attention.register_forward_hook(count(n)) for n, block in layers.items()]
-            inputs, targets = trainer.batcher.tokens(trainer.batcher.local_positions(0))
-            mb = trainer.cfg.train.micro_batch
-            with LiveBytes() as live:
-                loss = trainer.parts.loss(trainer.parts.forward(inputs[:mb]), targets[:mb])
-                held = live.live
-                loss.backward()
+            held, peak = micro_batch_bytes(trainer)
             for h in hooks:
                 h.remove()
-            out[name] = {"losses": losses, "calls": calls, "held": held, "peak": live.peak}
-            del trainer, loss
+            out[name] = {"losses": losses, "calls": calls, "held": held, "peak": peak}
+            del trainer
         return out
     finally:
         shutdown_distributed()

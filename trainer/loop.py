@@ -185,7 +185,7 @@ class Trainer:
     def layout(self) -> dict:
         d = self.dims
         return {"world_size": self.world.size, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-                "tp": d.tp, "zero_stage": self.cfg.parallel.zero_stage,
+                "tp": d.tp, "cp": d.cp, "zero_stage": self.cfg.parallel.zero_stage,
                 "pp_stages_per_rank": self.cfg.parallel.pp_stages_per_rank}
 
     def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
@@ -363,14 +363,14 @@ class Trainer:
         total = loss_sum if self._counts_loss else torch.zeros((), device=self.device)
         if self.world.size > 1:
             dist.all_reduce(total)
-        value = total.item() / self.dims.dp / n_batches
+        value = total.item() / self.dims.grad_ranks / n_batches
         self.last_eval = (self.step, value)
         return value
 
     @property
     def _counts_loss(self) -> bool:
         """Whether this rank's loss enters the all-reduce: the last pipeline stage's first tensor-parallel
-        rank, so the loss counts once per data-parallel rank."""
+        rank, so the loss counts once per data-parallel and cp rank (each cp rank's share of the sequence)."""
         return self.parts.has_last_stage and self.coords[Axis.TP] == 0
 
     def _seed(self, sample_index: int) -> None:
@@ -392,7 +392,7 @@ class Trainer:
         if self.world.size > 1:
             dist.all_reduce(reduced)
         norm_sq, loss, votes = reduced.tolist()
-        return norm_sq, loss / self.dims.dp, votes
+        return norm_sq, loss / self.dims.grad_ranks, votes
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:

@@ -128,13 +128,16 @@ class CommMeter:
         if mesh is None:
             return
         names = list(mesh.mesh_dim_names or ())
+        flat = [m.value for m in (Mesh.DP_CP, Mesh.DP_SHARD_CP)]  # flattened under context parallelism
         if Axis.DP_REPLICATE in names and Axis.DP_SHARD in names:
             names.append(Mesh.DP.value)  # the flattened axis of the loss/norm reductions (ParallelDims.build_mesh)
-        for name in names:
+        for name in names + flat:
             try:
                 pg = mesh[name].get_group()
             except Exception:
                 continue
+            if name in flat and dist.is_initialized() and pg.group_name == dist.group.WORLD.group_name:
+                continue  # the whole world: left "world"
             self._axes[pg.group_name] = name
 
     def axis_of(self, group) -> str:

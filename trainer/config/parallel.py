@@ -1,4 +1,4 @@
-"""``[parallel]``: the parallel layout (dp_replicate x dp_shard x tp x pp) and its precision."""
+"""``[parallel]``: the parallel layout (dp_replicate x dp_shard x cp x tp x pp) and its precision."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from checkpointing.errors import ConfigError
 
 from .checks import check_finite
 
+CP_STYLES = ("ring", "allgather", "ulysses")
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """The parallel layout: dp_replicate x dp_shard x tp x pp = world size."""
+    """The parallel layout: dp_replicate x dp_shard x cp x tp x pp = world size."""
 
     dp_replicate: int = 1
     # -1: whatever the world size leaves after dp_replicate, tp and pp. This is
@@ -35,6 +37,11 @@ class ParallelConfig:
     # "float8": bf16, with the blocks' linears in float8 through torchao (CUDA, compute capability >= 8.9).
     mixed_precision: Literal["auto", "fp32", "bf16", "float8"] = "auto"
     offload: Literal["none", "cpu"] = "none"
+    # Context parallelism: each sample's sequence split over cp ranks (load-balanced head-tail), attention by
+    # "ring" (K/V blocks passed around the cp ranks), "allgather" (K/V gathered whole) or "ulysses"
+    # (all-to-all from sequence- to head-sharded; needs the heads divisible by cp). docs/parallelism.md.
+    cp: int = 1
+    cp_style: Literal["ring", "allgather", "ulysses"] = "ring"
     # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
     sequence_parallel: bool = False
     # Cross-entropy on vocabulary-sharded logits under tensor parallelism (no logits all-gather).
@@ -49,11 +56,13 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "pp_stages_per_rank", "ac_every_k"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank", "ac_every_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
+        if self.cp_style not in CP_STYLES:
+            raise ConfigError(f"parallel.cp_style={self.cp_style!r} is not one of {', '.join(map(repr, CP_STYLES))}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.pp_microbatches < 0:

@@ -71,4 +71,12 @@ def spec_for(mcfg: ModelConfig) -> ModelSpec:
 def model_preflight(cfg: RunConfig) -> ModelInfo | None:
     """The model's checks against the run before any process group starts (ConfigError, exit 2); what a
     model a user brings turned out to be (None for the built-in one: its config checks itself)."""
-    return spec_for(cfg.model).preflight(cfg)
+    spec = spec_for(cfg.model)
+    info = spec.preflight(cfg)
+    if cfg.parallel.cp > 1 and "cp" not in spec.allows():
+        from checkpointing.errors import ConfigError
+
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} splits sequences across ranks, and model.source="
+                          f"{cfg.model.source!r} has attention etrain cannot route through context parallelism "
+                          '(the built-in decoder, model.source="builtin", has); set parallel.cp=1')
+    return info

@@ -56,6 +56,15 @@ class DecoderSpec(ModelSpec):
 
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
+    def allows(self) -> tuple[str, ...]:
+        return ("tp", "pp", "sp", "cp")
+
+    def apply_cp(self, module: nn.Module, cp) -> None:
+        """Every block's attention over the cp group; rotary positions the global ones."""
+        module.cp = cp
+        for block in module.layers.values():
+            block.attention.cp = cp
+
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
         """Recompute every block in backward, or every k-th (by its index in the whole model), or in every
         block all but the matmuls ("selective")."""

@@ -54,6 +54,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Set by DecoderSpec.apply_cp (trainer.parallel.context.ContextParallel): x holds this rank's positions
+        # of the sequence, and attention over the whole of it goes through the cp group.
+        self.cp = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -61,6 +64,8 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.cp is not None:  # grouped-query K/V as they are (fewer bytes between the cp ranks)
+            return self.wo(self.cp.attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
@@ -132,12 +137,14 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        self.cp = None  # context parallelism (Attention.cp): the rotary table's rows of this rank's positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; logits or hidden states out."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        rope = self.rope if self.cp is None else self.rope[self.cp.positions(x.shape[1]).to(self.rope.device)]
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -114,7 +114,8 @@ class ModelSpec(ABC):
         return False
 
     def allows(self) -> tuple[str, ...]:
-        """What layouts the model can take: "tp", "pp", "sp" (the planner offers nothing else)."""
+        """What layouts the model can take: "tp", "pp", "sp", "cp" (the planner offers nothing else; "cp": its
+        attention can be routed through context parallelism, :meth:`apply_cp`)."""
         return ("tp", "pp", "sp")
 
     def planning_model(self, seq_len: int) -> ModelConfig:
@@ -138,6 +139,14 @@ class ModelSpec(ABC):
     @abstractmethod
     def apply_tp(self, module: nn.Module, tp_mesh, pcfg: ParallelConfig) -> None:
         """Tensor parallelism from the family's plan, in place."""
+
+    def apply_cp(self, module: nn.Module, cp) -> None:
+        """Route the stage's attention through context parallelism (``cp``: a
+        :class:`trainer.parallel.context.ContextParallel`); only for families that allow "cp"."""
+        from checkpointing.errors import ConfigError
+
+        raise ConfigError(f"parallel.cp > 1 needs a model whose attention etrain can route; model.source="
+                          f"{self.family!r} has none: set parallel.cp=1")
 
     @abstractmethod
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:

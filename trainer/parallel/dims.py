@@ -11,11 +11,12 @@ ranks, the fastest links) and pp outermost. ``dp_shard`` is the elastic axis:
 dp_replicate x cp x tp x pp is fixed for a run; resizing changes how many data-parallel
 shards there are, and gradient accumulation keeps the global batch fixed.
 
-Context parallelism (``cp``) and expert parallelism (``ep``) come next: both are axes of
-:class:`Axis` and fields of :class:`ParallelDims` with degree 1, and nothing uses them yet.
-``cp`` multiplies into the world size as ``tp`` does (it splits each sequence, so it is not
-a data-parallel axis, but FSDP shards over ``dp_shard x cp``: :attr:`Mesh.DP_SHARD_CP`);
-``ep`` is carved from ``dp_shard`` (it must divide it) and adds no ranks.
+Context parallelism (``cp``, :mod:`trainer.parallel.context`) multiplies into the world size as
+``tp`` does: it splits each sequence, so it is not a data-parallel axis (every cp rank reads the same
+samples), but the cp ranks hold the same parameters, so ZeRO shards over ``dp_shard x cp``
+(:attr:`Mesh.DP_SHARD_CP`) and gradients and the loss are averaged over ``dp x cp`` (:attr:`Mesh.DP_CP`).
+Expert parallelism (``ep``) comes next: an axis with degree 1; it is carved from ``dp_shard`` (it must
+divide it) and adds no ranks.
 
 Pure arithmetic over the config plus the mesh accessors: it never imports the
 model, so the orchestrator sizes a group without loading model code.
@@ -41,7 +42,7 @@ class Axis(StrEnum):
     PP = "pp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
-    CP = "cp"  # context parallelism: next; degree 1 today
+    CP = "cp"  # context parallelism: each sequence split over cp ranks
     TP = "tp"
     EP = "ep"  # expert parallelism, carved from dp_shard: next; degree 1 today, never a mesh dimension of its own
 
@@ -89,20 +90,23 @@ class ParallelDims:
     def from_config(cls, cfg: RunConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard = -1`` and check the layout against the world and the batch."""
         p = cfg.parallel
-        fixed = fixed_degree(p.dp_replicate, p.tp, p.pp)
+        fixed = fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)
+        cp = f" x parallel.cp={p.cp}" if p.cp > 1 else ""
         if world_size % fixed:
             raise ConfigError(
-                f"world size {world_size} is not a multiple of parallel.dp_replicate={p.dp_replicate} "
+                f"world size {world_size} is not a multiple of parallel.dp_replicate={p.dp_replicate}{cp} "
                 f"x parallel.tp={p.tp} x parallel.pp={p.pp} = {fixed}; "
                 f"run on {fmt_list([fixed * k for k in range(1, 5)])} processes or change the layout"
             )
         dp_shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
         if fixed * dp_shard != world_size:
             raise ConfigError(
-                f"parallel.dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} x pp={p.pp} "
-                f"= {fixed * dp_shard}, but the world size is {world_size}; set parallel.dp_shard=-1 to fill it"
+                f"parallel.dp_replicate={p.dp_replicate} x dp_shard={dp_shard}{cp.replace(' parallel.', ' ')} "
+                f"x tp={p.tp} x pp={p.pp} = {fixed * dp_shard}, but the world size is {world_size}; "
+                "set parallel.dp_shard=-1 to fill it"
             )
-        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, zero_requested=p.zero_stage)
+        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp,
+                   zero_requested=p.zero_stage)
         dims.check_batch(cfg)
         dims.check_features(cfg)
         return dims
@@ -125,8 +129,14 @@ class ParallelDims:
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage in effect: the one configured, or 0 without data parallelism (nothing to shard)."""
-        return self.zero_requested if self.dp > 1 else 0
+        """The ZeRO stage in effect: the one configured, or 0 without data or context parallelism (no copies
+        of the parameters to shard)."""
+        return self.zero_requested if self.dp * self.cp > 1 else 0
+
+    @property
+    def grad_ranks(self) -> int:
+        """The size of :attr:`loss_mesh`: what summed gradients and losses are divided by."""
+        return self.dp * self.cp
 
     @property
     def zero_shards(self) -> int:
@@ -140,7 +150,8 @@ class ParallelDims:
 
     @property
     def loss_mesh(self) -> Mesh:
-        """The group the loss and the gradient norm are reduced over."""
+        """The group the loss and the gradients are averaged over: the data-parallel ranks, and the cp ranks
+        (each saw its share of every sequence)."""
         return Mesh.DP_CP if self.cp > 1 else Mesh.DP
 
     def size(self, axis: str) -> int:
@@ -220,6 +231,8 @@ class ParallelDims:
                 f"parallel.sequence_parallel=true splits every sample's data.seq_len={seq} positions evenly "
                 f"across parallel.tp={self.tp} ranks; use data.seq_len={or_join(near)}, or sequence_parallel=false"
             )
+        if self.cp > 1:
+            self.check_cp(cfg)
         if p.offload == "cpu" and self.dp == 1:
             fixed = fixed_degree(self.dp_replicate, self.tp, self.pp, self.cp)
             raise ConfigError(
@@ -228,22 +241,52 @@ class ParallelDims:
                 f"run on {2 * fixed} processes with parallel.dp_shard=-1, or set parallel.offload=\"none\""
             )
 
+    def check_cp(self, cfg: RunConfig) -> None:
+        """Context parallelism's needs of the run (the model's own, whether its attention can be routed, are
+        asked of its spec: :func:`trainer.models.model_preflight`)."""
+        p, m, seq, cp = cfg.parallel, cfg.model, cfg.data.seq_len, self.cp
+        if seq % (2 * cp):
+            near = [v for v in (seq - seq % (2 * cp), seq - seq % (2 * cp) + 2 * cp) if v >= 2 * cp]
+            raise ConfigError(
+                f"parallel.cp={cp} splits every sample's data.seq_len={seq} positions into 2 x cp = {2 * cp} equal "
+                f"chunks (each rank takes one from the head and one from the tail); use data.seq_len="
+                f"{or_join(near)}, or another parallel.cp")
+        if p.cp_style == "ulysses" and m.source == "builtin" and m.n_heads % cp:
+            good = [d for d in divisors(m.n_heads) if d > 1]
+            raise ConfigError(
+                f'parallel.cp_style="ulysses" splits the attention heads across the cp ranks: model.n_heads='
+                f"{m.n_heads} is not divisible by parallel.cp={cp}; use parallel.cp={or_join(good or [1])}, "
+                'or parallel.cp_style="ring"')
+        if m.source == "builtin" and m.dropout > 0:
+            raise ConfigError(f"parallel.cp={cp} needs model.dropout=0 (got {m.dropout}): attention dropout is not "
+                              "split across the cp ranks; set model.dropout=0, or parallel.cp=1")
+        for name, value in (("tp", self.tp), ("pp", self.pp), ("compile", p.compile)):
+            if value is True or value > 1:
+                off = "false" if value is True else "1"
+                raise ConfigError(f"parallel.cp={cp} does not combine with parallel.{name}={str(value).lower()} "
+                                  f"yet; set parallel.{name}={off}, or parallel.cp=1")
+        if self.zero_stage in (1, 2):
+            raise ConfigError(f"parallel.cp={cp} takes parallel.zero_stage=3 (FSDP shards over dp_shard x cp) "
+                              f"or 0, not {self.zero_stage} yet; set parallel.zero_stage=3")
+
     # --- meshes --------------------------------------------------------------------------
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """A named mesh over the axes of size > 1 (None on a single process), and ``dp_shard`` of size 1
         beside a ``dp_replicate`` > 1 (:meth:`fsdp_mesh`: HSDP replicates across it, shards within 1).
 
-        When both data-parallel axes are > 1 the flattened ``dp`` mesh (:attr:`Mesh.DP`) is
-        created too (for the loss and norm reductions and ZeRO 0/1).
+        Each derived mesh (:class:`Mesh`) over two or more axes of size > 1 is created too, flattened: ``dp``
+        (for the loss and norm reductions and ZeRO 0/1), ``dp_shard_cp`` and ``dp_cp`` under context parallelism.
         """
         names = tuple(a.value for a in AXES
                       if self.size(a) > 1 or (a == Axis.DP_SHARD and self.dp_replicate > 1))
         if not names:
             return None
         mesh = init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            mesh[DATA_NAMES]._flatten(Mesh.DP.value)
+        for derived, axes in DERIVED.items():  # each derived mesh of two or more live axes, flattened
+            live = tuple(a.value for a in axes if self.size(a) > 1)
+            if len(live) > 1:
+                mesh[live]._flatten(derived.value)
         return mesh
 
     def sub_mesh(self, mesh: DeviceMesh | None, *axes: str) -> DeviceMesh | None:
@@ -254,12 +297,16 @@ class ParallelDims:
         return mesh[keep if len(keep) > 1 else keep[0]]
 
     def fsdp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
-        """The mesh ZeRO-3 (FSDP2) shards over: 2-D (dp_replicate, dp_shard) whenever dp_replicate > 1, so
-        that parameters are replicated across ``dp_replicate`` and sharded within ``dp_shard``, even when
-        ``dp_shard`` is 1 (without that axis FSDP2 would shard across the replicas instead)."""
+        """The mesh ZeRO-3 (FSDP2) shards over: ``dp_shard`` (x ``cp``: :attr:`Mesh.DP_SHARD_CP`), and 2-D
+        (dp_replicate, that) whenever dp_replicate > 1, so that parameters are replicated across
+        ``dp_replicate`` and sharded within ``dp_shard``, even when ``dp_shard`` is 1 (without that axis FSDP2
+        would shard across the replicas instead)."""
+        shard = Mesh.DP_SHARD_CP if self.cp > 1 and self.dp_shard > 1 else Axis.CP if self.cp > 1 else Axis.DP_SHARD
         if mesh is not None and self.dp_replicate > 1:
-            return mesh[DATA_NAMES]
-        return self.sub_mesh(mesh, Axis.DP_SHARD)
+            return mesh[(Axis.DP_REPLICATE.value, shard.value)]
+        if shard == Mesh.DP_SHARD_CP:
+            return mesh[shard.value]
+        return self.sub_mesh(mesh, shard)
 
     def group(self, mesh: DeviceMesh | None, name: str):
         """Process group of one axis or derived mesh (:class:`Mesh`); None where it has size 1."""
@@ -282,7 +329,7 @@ def valid_dp_sizes(cfg: RunConfig, max_dp: int) -> list[int]:
 def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
     """World sizes a run can be resized to: multiples of dp_replicate x cp x tp x pp that fit the batch."""
     p = cfg.parallel
-    fixed = fixed_degree(p.dp_replicate, p.tp, p.pp)
+    fixed = fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)
     out = []
     for world in range(fixed, max_world + 1, fixed):
         if p.dp_shard not in (-1, world // fixed):
@@ -298,6 +345,9 @@ def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
 def size_rule(cfg: RunConfig) -> str:
     """:func:`valid_world_sizes`'s first rule in words, for error messages: the degrees that must divide the world."""
     p = cfg.parallel
+    if p.cp > 1:
+        return (f"multiples of dp_replicate x cp x tp x pp (here {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = "
+                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)})")
     return (f"multiples of dp_replicate x tp x pp (here {p.dp_replicate} x {p.tp} x {p.pp} = "
             f"{fixed_degree(p.dp_replicate, p.tp, p.pp)})")
 

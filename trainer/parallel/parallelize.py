@@ -14,8 +14,10 @@ The order, and why it matters:
    later step wraps the modules that will run.
 2. Tensor parallelism (:mod:`.tensor`) next, because it replaces parameters with DTensors sharded
    over the ``tp`` axis, and every later step must see those.
-3. Context parallelism: its slot (none yet: ``cp`` is 1, :mod:`.dims`). It shards activations along
-   the sequence, after TP has placed the parameters and before anything wraps the blocks.
+3. Context parallelism (:mod:`.context`): it routes attention through the cp group (activations are
+   split along the sequence; parameters are untouched), after TP has placed the parameters and before
+   anything wraps the blocks, so activation checkpointing recomputes the routed attention and FSDP sees
+   the modules as routed.
 4. Expert parallelism: its slot (none yet: ``ep`` is 1). It places experts over ``ep``, carved from
    ``dp_shard``, before FSDP shards what is left over the remaining data-parallel ranks.
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
@@ -44,6 +46,7 @@ from ..config import RunConfig
 from ..models import spec_for
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
+from .context import ContextParallel, apply_cp
 from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
 from .fsdp import shard_blocks
@@ -51,10 +54,6 @@ from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
-
-
-def apply_cp(model: nn.Module, dims: ParallelDims) -> None:
-    """Context parallelism's place in the order: nothing yet (``dims.cp`` is 1)."""
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
@@ -78,6 +77,8 @@ class ModelParts:
     local_params: int = 0
     # Whether the forward pass draws random numbers (dropout): the step loop seeds it per sample.
     draws_random: bool = True
+    # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
+    cp: ContextParallel | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -88,13 +89,19 @@ class ModelParts:
         return self.n_stages - 1 in self.stage_ids
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits of the (whole, unpipelined) model for token ids ``inputs``."""
+        """Logits of the (whole, unpipelined) model for token ids ``inputs`` (of this rank's positions
+        under context parallelism)."""
+        if self.cp is not None:
+            inputs = self.cp.shard(inputs)
         if self.forward_fn is not None:
             return self.forward_fn(self.modules[0], inputs)
         return self.modules[0](inputs)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The training loss of one micro-batch (mean over its tokens)."""
+        """The training loss of one micro-batch (mean over its tokens: this rank's positions under context
+        parallelism, whose equal shares average to the whole sequence's over the cp ranks)."""
+        if self.cp is not None:
+            targets = self.cp.shard(targets)
         return (self.loss_fn or lm_loss)(logits, targets)
 
     def named_parameters(self):
@@ -129,14 +136,14 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
     check_device_features(p, device)
-    modules, local = [], 0
+    modules, local, cp = [], 0, None
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
         apply_float8(spec, model, p, use_fsdp)
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
-        apply_cp(model, dims)
+        cp = apply_cp(spec, model, dims, mesh, rank, p)
         apply_ep(model, dims)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
@@ -155,4 +162,4 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
-                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random)
+                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp)

@@ -133,6 +133,9 @@ def _run(args, elastic: Callable) -> int:
             parse_bytes(value, "--" + flag.replace("_", "-"), flag != "device_memory")
     raw = load_raw(args.config, args.set)
     cfg = config_from_dict(raw)
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"the planner does not model context parallelism yet (parallel.cp={cfg.parallel.cp}): "
+                          "plan with parallel.cp=1, then set parallel.cp (docs/parallelism.md#context-parallelism)")
     lo, hi = parse_workers(args.workers) if args.workers else elastic(raw)
     import torch
 

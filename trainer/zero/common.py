@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..parallel.dims import DATA_AXES, Axis, ParallelDims
+from ..parallel.dims import DATA_AXES, DERIVED, Axis, ParallelDims
 
 
 class Optimizer(Protocol):
@@ -63,8 +63,10 @@ def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
     """
     names = t.device_mesh.mesh_dim_names or ()
     reps = 1
-    for axis in (*DATA_AXES, Axis.TP):
-        if dims.size(axis) > 1 and (axis not in names or t.placements[names.index(axis)].is_replicate()):
+    for axis in (*DATA_AXES, Axis.CP, Axis.TP):
+        # a flattened mesh dimension (dp_shard_cp) places each of its axes as it places itself
+        dim = next((i for i, n in enumerate(names) if n == axis or axis in DERIVED.get(n, ())), None)
+        if dims.size(axis) > 1 and (dim is None or t.placements[dim].is_replicate()):
             reps *= dims.size(axis)
     return reps
 

@@ -34,7 +34,7 @@ class ZeroOptimizer:
         self.stage = dims.zero_stage
         self.cfg = cfg.train
         self.dims = dims
-        self.dp_group = dims.group(mesh, Mesh.DP)
+        self.dp_group = dims.group(mesh, dims.loss_mesh)  # dp, x cp under context parallelism
         self.shard_group = dims.group(mesh, Mesh.DP_SHARD_CP) if self.stage > 0 else None
         self.replicate_group = dims.group(mesh, Axis.DP_REPLICATE) if self.stage > 0 else None
         self.n = dims.zero_shards
@@ -55,7 +55,7 @@ class ZeroOptimizer:
             inner = local.numel() // max(1, local.shape[dim])
             width = max(L for _, L in bounds) * inner
             tp_rep = dims.tp if tpd is None else 1
-            dp_rep = dims.dp if self.stage == 0 else dims.dp_replicate
+            dp_rep = dims.grad_ranks if self.stage == 0 else dims.dp_replicate
             self.slots.append(Slot(fqn, p, local, dim, [b[0] for b in bounds], [b[1] for b in bounds], inner,
                                     offset, width, flat, tp_rep * dp_rep, decays(fqn, p)))
             offset += width
@@ -241,7 +241,7 @@ class ZeroOptimizer:
         reduced = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
         if self.dp_group is not None:
             all_reduce(reduced, self.dp_group)
-        reduced.div_(self.dims.dp)
+        reduced.div_(self.dims.grad_ranks)
         self._reduced = reduced
 
     def _reduce_scatter_grads(self) -> None:
