@@ -44,6 +44,10 @@ class ElasticConfig:
     preemptible: bool = True  # may be shrunk toward min_workers, or suspended and requeued, for a higher priority
     team: str = "default"  # the quota (`etrain quota TEAM --max-workers N`) its workers count against
     queue_timeout_s: float = 0.0
+    # Ray node labels ("key=value,key=value") the minimum's gang and the elastic part must be placed on,
+    # e.g. the minimum on "ray.io/market-type=on-demand" and the rest on "ray.io/market-type=spot"; "": anywhere.
+    min_node_labels: str = ""
+    elastic_node_labels: str = ""
 
     def __post_init__(self) -> None:
         if self.max_workers == 0:
@@ -76,9 +80,27 @@ class ElasticConfig:
                               "(higher first; 0 by default)")
         if not isinstance(self.preemptible, bool):
             raise ConfigError(f"elastic.preemptible={self.preemptible!r} must be true or false")
+        for name in ("min_node_labels", "elastic_node_labels"):
+            node_labels(getattr(self, name), f"elastic.{name}")
         if not isinstance(self.team, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.team):
             raise ConfigError(f"elastic.team={self.team!r} must be a name of letters, digits, '_', '.' or '-' "
                               "(at most 63, starting with a letter or digit)")
+
+
+LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_./-]{0,251}[A-Za-z0-9])?")
+
+
+def node_labels(text: str, field: str = "elastic.min_node_labels") -> dict[str, str]:
+    """``"key=value,key=value"`` as Ray's label selector ({} for ""); ConfigError naming ``field`` otherwise."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not LABEL.fullmatch(key) or not LABEL.fullmatch(value):
+            raise ConfigError(f"{field}={text!r}: {part!r} is not key=value with Ray label characters; give e.g. "
+                              "\"ray.io/market-type=on-demand\" (several joined by commas)")
+        out[key] = value
+    return out
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ from trainer.config import RunConfig
 
 from .auth import job_env
 from .autoscale import AutoscaleObserver, DemandBoard
+from .config import elastic_from_raw, node_labels
 from .controller import Controller, ControllerOptions
 from .drain import DrainWatch, ray_draining_nodes
 from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
@@ -40,8 +41,11 @@ class ControllerActor:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
         store = open_store(store_url)
-        group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources,
-                               env=job_env())
+        e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
+                             max_workers=spec.max_workers)
+        group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources, env=job_env(),
+                               gang_labels=node_labels(e.min_node_labels),
+                               elastic_labels=node_labels(e.elastic_node_labels))
         self.endpoint, observers = start_metrics(spec.run_id, config)
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config), AutoscaleObserver(DemandBoard())]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,

@@ -152,7 +152,8 @@ class RayWorkerGroup(WorkerGroup):
     """One ``TrainWorker`` actor per worker, in a bundle of the run's gang or a placement group of its own."""
 
     def __init__(self, config: RunConfig, run_id: str, store_url: str, *, resources: dict | None = None,
-                 pg_timeout_s: float = 120.0, env: dict | None = None):
+                 pg_timeout_s: float = 120.0, env: dict | None = None, gang_labels: Mapping[str, str] | None = None,
+                 elastic_labels: Mapping[str, str] | None = None):
         self.config = config
         self.run_id = run_id
         self.store_url = store_url
@@ -161,6 +162,8 @@ class RayWorkerGroup(WorkerGroup):
         self.env = env or {}
         self.workers: dict[str, _Worker] = {}
         self._counter = itertools.count()
+        # Ray label selectors for the gang's bundles and the elastic part's ({}: any node): [elastic] *_node_labels
+        self.gang_labels, self.elastic_labels = dict(gang_labels or {}), dict(elastic_labels or {})
         self.gang: Any = None  # the gang placement group (reserve_gang), its size and its ready ref
         self.gang_size = 0
         self.gang_ref: Any = None
@@ -171,7 +174,8 @@ class RayWorkerGroup(WorkerGroup):
         if self.gang is None:
             # PACK is a preference: the bundles spread over nodes when no one node holds them all.
             self.gang = placement_group([dict(self.resources)] * n, strategy="PACK",
-                                        name=f"etrain-{self.run_id}-gang-{uuid.uuid4().hex[:4]}")
+                                        name=f"etrain-{self.run_id}-gang-{uuid.uuid4().hex[:4]}",
+                                        **_selector(self.gang_labels, n))
             self.gang_size, self.gang_ref = n, self.gang.ready()
 
     def gang_ready(self, timeout: float) -> bool:
@@ -201,7 +205,8 @@ class RayWorkerGroup(WorkerGroup):
             if bundle is not None:  # a gang member
                 pg, index, pg_ref = self.gang, bundle, self.gang_ref
             else:
-                pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}")
+                pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}",
+                                     **_selector(self.elastic_labels, 1))
                 index, pg_ref = 0, pg.ready()
             opts = {
                 "num_cpus": self.resources.get("CPU", 1), "num_gpus": self.resources.get("GPU", 0),
@@ -300,6 +305,11 @@ class RayWorkerGroup(WorkerGroup):
             except Exception:  # removed already (the job ended)
                 pass
             self.gang, self.gang_size, self.gang_ref = None, 0, None
+
+
+def _selector(labels: dict[str, str], bundles: int) -> dict:
+    """Ray's ``bundle_label_selector`` argument for ``bundles`` bundles on nodes with ``labels`` ({}: none)."""
+    return {"bundle_label_selector": [dict(labels) for _ in range(bundles)]} if labels else {}
 
 
 def remove_orphaned_placement_groups(run_id: str) -> int:

@@ -84,11 +84,11 @@ class LocalCluster:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def add_node(self, cpus: int, wait: bool = True):
+    def add_node(self, cpus: int, wait: bool = True, labels: dict | None = None):
         from tests.harness import free_port
 
         node = self.cluster.add_node(num_cpus=cpus, node_ip_address="127.0.0.1",
-                                     dashboard_agent_listen_port=free_port())
+                                     dashboard_agent_listen_port=free_port(), **({"labels": labels} if labels else {}))
         if wait:
             self.cluster.wait_for_nodes()
         return node

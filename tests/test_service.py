@@ -17,13 +17,23 @@ import pytest
 from orchestrator.chaos.oracle import oracle
 from tests.cluster import GLOBAL_BATCH, STEPS, start_run
 
-pytestmark = pytest.mark.ray
-
 A_STEPS = 150
 
 
-def resizes(run) -> list[tuple[int, int]]:
-    return [(e["from_workers"], e["to_workers"]) for e in run.events("resized")]
+def resizes(store, run_id: str) -> list[tuple[int, int]]:
+    return [(e["from_workers"], e["to_workers"]) for e in store.events(run_id) if e["kind"] == "resized"]
+
+
+def store_event(store, run_id: str, kind: str, timeout: float = 120.0, **match) -> dict:
+    """The first event ``kind`` of the run in its store with the fields ``match`` (the allocator's events are
+    written there, not through the controller)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in store.events(run_id) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no {kind} event {match} of {run_id} within {timeout:.0f} s"
+        time.sleep(0.5)
 
 
 def passes(final: dict, history: list, ref: dict, steps: int) -> None:
@@ -32,6 +42,7 @@ def passes(final: dict, history: list, ref: dict, steps: int) -> None:
     assert not reasons, reasons
 
 
+@pytest.mark.ray
 def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(ray_cluster, reference, tmp_path):
     import ray
 
@@ -41,13 +52,13 @@ def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(r
     a, store = start_run(root, f"train.steps={A_STEPS}", workers=1, min_workers=1, max_workers=3, run_id="svc-a")
     a.wait(lambda s: s["phase"] == "RUNNING" and s["world_size"] == 3, what="A grown into the idle cluster",
            timeout=120)
-    assert (1, 3) in resizes(a) or (1, 2) in resizes(a)
-    grown = [e for e in a.events("allocated") if e["action"] == "grow"]
-    assert grown and grown[0]["cause"] == "idle"
+    up = a.wait_event("resized", 1)  # written at the first step at the new size
+    assert (up["from_workers"], up["to_workers"]) == (1, 3)
+    assert store_event(store, "svc-a", "allocated", action="grow")["cause"] == "idle"
 
     b, _ = start_run(root, "elastic.priority=10", workers=2, min_workers=2, max_workers=2, run_id="svc-b")
-    pre = a.wait_event("preempted", timeout=120)
-    assert (pre["action"], pre["cause"], pre["workers"]) == ("shrink", "preempted", 1) and "svc-b" in pre["reason"]
+    pre = store_event(store, "svc-a", "preempted", action="shrink")
+    assert (pre["cause"], pre["workers"]) == ("preempted", 1) and "svc-b" in pre["reason"], pre
     b.wait_event("admitted", timeout=120)
     a.wait(lambda s: s["world_size"] == 1, what="A at its minimum")
 
@@ -56,13 +67,13 @@ def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(r
 
     final_b = b.join(300)
     deadline = time.monotonic() + 120
-    while resizes(a)[-1] != (1, 3) and a.thread.is_alive():  # the restarted allocator gives A the room back
-        assert time.monotonic() < deadline, f"A did not grow back after B ended: {resizes(a)}"
+    while resizes(store, "svc-a")[-1] != (1, 3) and a.thread.is_alive():  # the restarted allocator gives it back
+        assert time.monotonic() < deadline, f"A did not grow back after B ended: {resizes(store, 'svc-a')}"
         time.sleep(0.5)
     final_a = a.join(600)
-    assert resizes(a)[-1] == (1, 3), resizes(a)
+    assert resizes(store, "svc-a") == [(1, 3), (3, 1), (1, 3)], resizes(store, "svc-a")
     assert final_a["steps_lost"] == 0 and final_a["recoveries"] == 0, final_a
-    assert not [e for e in a.events("allocated") if e["action"] == "suspend"], "A was suspended, not shrunk"
+    assert not [e for e in store.events("svc-a") if e["kind"] == "allocated" and e["action"] == "suspend"]
 
     # B is the session's reference run (RUN_BASE at 2 workers): the same losses step for step.
     passes(final_b, store.get_history("svc-b"), reference, STEPS)
@@ -71,3 +82,33 @@ def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(r
     ref_final = ref_run.join(600)
     passes(final_a, store.get_history("svc-a"), {"status": ref_final, "history": ref_store.get_history("svc-a-ref")},
            A_STEPS)
+
+
+@pytest.mark.ray
+def test_a_runs_minimum_waits_for_nodes_with_its_labels(ray_cluster, tmp_path):
+    """`[elastic] min_node_labels`: the gang is placed only on nodes with those Ray labels (a run's minimum
+    on on-demand nodes, its elastic part on spot ones); none of the session's nodes has them."""
+    root = f"file://{tmp_path}/runs"
+    run, _ = start_run(root, 'elastic.min_node_labels="ray.io/market-type=on-demand"', "train.steps=400", workers=1,
+                       min_workers=1, max_workers=1)
+    queued = run.wait_event("queued", timeout=60)
+    assert queued["workers"] == 1
+    node = ray_cluster.add_node(1, labels={"ray.io/market-type": "on-demand"})
+    try:
+        run.wait_event("admitted", timeout=120)
+        formed = run.wait_event("formed", timeout=120)
+        assert formed["nodes"] == [node.node_id], "the gang was placed on a node without the label"
+        run.wait(lambda s: s["phase"] == "RUNNING" and s["step"] >= 2, what="two steps")
+    finally:
+        run.close()
+        ray_cluster.remove_node(node)
+
+
+@pytest.mark.parametrize("text", ["market", "a=b,=c", "ray.io/market-type=on demand", "k=v;x=y"])
+def test_a_bad_node_label_selector_names_the_field(text):
+    from checkpointing.errors import ConfigError
+    from orchestrator.config import elastic_from_raw, node_labels
+
+    assert node_labels("ray.io/market-type=on-demand, zone=a") == {"ray.io/market-type": "on-demand", "zone": "a"}
+    with pytest.raises(ConfigError, match="elastic.elastic_node_labels"):
+        elastic_from_raw({"elastic": {"elastic_node_labels": text}})
