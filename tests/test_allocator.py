@@ -236,3 +236,15 @@ def test_etrain_queue_says_why_the_allocator_does_not_admit_a_run(store, capsys)
     assert "needs 2 workers together: 0 free" in rows["next"]["allocator"]
     assert "the allocator: needs 2 workers together" in rows["next"]["waits_for"]
     assert "allocator" not in rows["big"]
+
+
+def test_a_run_still_initializing_is_neither_holding_nor_queued(store):
+    """A run registers before its gang is asked for: counted as holding its size then, it made the allocator
+    shrink others for "capacity" before the newcomer had even queued."""
+    make_run(store, "a", workers=3, min_workers=1, max_workers=3)
+    make_run(store, "new", workers=2, min_workers=2, max_workers=2, phase="INITIALIZING", world=0,
+             elastic={"priority": 10})
+    core = allocator(store, capacity=3)
+    core.tick()
+    assert store.get_spec("a").target == 0 and not kinds(store, "a", "preempted")
+    assert core.runs()["new"] == store.url, "an initializing run stays registered"

@@ -151,6 +151,8 @@ class AllocatorCore:
                 st = self._store(url)
                 spec = st.get_spec(run_id)
                 status = st.get_status(run_id)
+                if (status or {}).get("phase", "INITIALIZING") == "INITIALIZING":
+                    continue  # neither holding nor queued yet: its gang is asked for (QUEUED in 2 s if not granted)
                 events = st.events(run_id)
                 sizes, batch, steps, cpw, gpw = self._shape(spec)
                 d = demand_of(spec, status, st.get_history(run_id), events, sizes=sizes, global_batch=batch,
