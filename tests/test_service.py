@@ -4,7 +4,8 @@
 Run A (priority 0, min 1, max 3) grows into the idle cluster; run B (priority 10, 2 workers) arrives and
 waits QUEUED: the allocator shrinks A to its minimum (from memory, no step lost) and B is admitted; the
 allocator is killed meanwhile and Ray restarts it; when B finishes, the restarted allocator (its state
-read back from the store) grows A back. Both pass the chaos oracle against their failure-free references
+read back from the store) grows A back if A's own measurements say that three workers train faster.
+Both pass the chaos oracle against their failure-free references
 (every step once, every sample once, the same loss at every step).
 """
 
@@ -15,9 +16,10 @@ import time
 import pytest
 
 from orchestrator.chaos.oracle import oracle
+from orchestrator.scheduling.demand import throughput
 from tests.cluster import GLOBAL_BATCH, STEPS, start_run
 
-A_STEPS = 150
+A_STEPS = 200
 
 
 def resizes(store, run_id: str) -> list[tuple[int, int]]:
@@ -66,12 +68,20 @@ def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(r
     ray.kill(before, no_restart=False)  # Ray restarts it; it reads its registry back from the store
 
     final_b = b.join(300)
-    deadline = time.monotonic() + 120
-    while resizes(store, "svc-a")[-1] != (1, 3) and a.thread.is_alive():  # the restarted allocator gives it back
-        assert time.monotonic() < deadline, f"A did not grow back after B ended: {resizes(store, 'svc-a')}"
+    # After B: A grows back when its own measurements say 3 workers beat 1 (on a 2-core machine three
+    # processes may train the tiny model slower than one: then no resize is the right decision, and none
+    # is made). The restarted allocator decides from its registry, read back from the store.
+    measured = throughput(store.get_history("svc-a"), GLOBAL_BATCH)
+    r1, r3 = measured.get(1, 0.0), measured.get(3, 0.0)
+    must_grow, may_grow = r3 > 1.05 * r1, r3 > r1  # no gain: never a resize; a clear one: a resize
+    deadline = time.monotonic() + 60
+    while must_grow and resizes(store, "svc-a")[-1] != (1, 3) and a.thread.is_alive():
+        assert time.monotonic() < deadline, f"A did not grow back after B ended: {resizes(store, 'svc-a')}, {measured}"
         time.sleep(0.5)
     final_a = a.join(600)
-    assert resizes(store, "svc-a") == [(1, 3), (3, 1), (1, 3)], resizes(store, "svc-a")
+    grew = resizes(store, "svc-a")[2:]
+    assert resizes(store, "svc-a")[:2] == [(1, 3), (3, 1)] and grew in ([], [(1, 3)]), resizes(store, "svc-a")
+    assert (must_grow and grew) or (not must_grow and (may_grow or not grew)), (grew, measured)
     assert final_a["steps_lost"] == 0 and final_a["recoveries"] == 0, final_a
     assert not [e for e in store.events("svc-a") if e["kind"] == "allocated" and e["action"] == "suspend"]
 
