@@ -86,7 +86,7 @@ def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(r
     assert not [e for e in store.events("svc-a") if e["kind"] == "allocated" and e["action"] == "suspend"]
 
     # B is the session's reference run (RUN_BASE at 2 workers): the same losses step for step.
-    passes(final_b, store.get_history("svc-b"), reference, STEPS)
+    passes(final_b, store.get_history("svc-b"), {"status": reference["final"], "history": reference["history"]}, STEPS)
     # A against a failure-free run of its own config at 2 workers (other sizes reduce in another order).
     ref_run, ref_store = start_run(f"file://{tmp_path}/ref", f"train.steps={A_STEPS}", workers=2, run_id="svc-a-ref")
     ref_final = ref_run.join(600)
