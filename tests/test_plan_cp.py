@@ -125,3 +125,9 @@ def test_cli_plans_a_cp_run_with_explain(capsys):
     assert doc["plan"]["best"]["layout"]["cp"] == 2
     assert any(c["axis"] == "cp" for c in doc["plan"]["best"]["comm"])
     assert any(line.startswith("Context parallelism is forced") for line in doc["explain"])
+
+
+def test_settings_name_cp_fields_only_where_they_change():
+    cfg = cfg_of("parallel.cp=2", 'parallel.cp_style="ulysses"')
+    assert Layout(1, 4, 1, 1, 3, cp=1).settings(cfg, 4) == "parallel.cp=1"
+    assert Layout(1, 1, 1, 1, 3, cp=4, cp_style="ring").settings(cfg, 4) == 'parallel.cp=4 parallel.cp_style="ring"'

@@ -104,7 +104,8 @@ class Layout:
         out = []
         for f, (section, name) in CONFIG_FIELDS.items():
             value = getattr(self, f)
-            if value == getattr(own, f) or (f == "dp_shard" and cfg.parallel.dp_shard == -1):
+            if value == getattr(own, f) or (f == "dp_shard" and cfg.parallel.dp_shard == -1) or (
+                    f == "cp_style" and self.cp == 1):
                 continue
             text = str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else value
             out.append(f"{section}.{name}={text}")
