@@ -265,13 +265,6 @@ def test_block_attention_arithmetic_matches_sdpa():
         assert torch.allclose(got, w, atol=1e-12)
 
 
-def test_plan_says_it_does_not_model_cp_yet(capsys):
-    from trainer.plan.cli import main
-
-    assert main([os.path.join(ROOT, "examples/tiny.toml"), "--set", "parallel.cp=2"]) == 2
-    assert "plan with parallel.cp=1" in capsys.readouterr().err
-
-
 def test_orchestrator_sizes_a_cp_run_by_the_same_rule():
     from orchestrator.config import allowed_sizes, check_sizes, elastic_from_raw
 

@@ -322,7 +322,8 @@ def test_a_layouts_settings_name_every_field_that_differs():
 
 def test_a_transformers_model_is_offered_what_training_accepts(tmp_path):
     """A Llama laid out as etrain cuts pipelines from, with its HF tensor-parallel plan: TP and PP; the same
-    model with tied embeddings: neither (python -m trainer refuses both for it)."""
+    model with tied embeddings: neither (python -m trainer refuses both for it). Both take context
+    parallelism (their attention routes through etrain's, trainer.models.hf_cp)."""
     from transformers import LlamaConfig
 
     from trainer.plan.shape import planning_config
@@ -334,7 +335,7 @@ def test_a_transformers_model_is_offered_what_training_accepts(tmp_path):
                     num_key_value_heads=2, tie_word_embeddings=tied).save_pretrained(path)
         cfg = load_config(None, ['model.source="hf"', f'model.hf_config="{path}"', "data.seq_len=32"])
         allows[tied] = set(planning_config(cfg).plan_allows)
-    assert allows == {False: {"tp", "pp"}, True: set()}
+    assert allows == {False: {"tp", "pp", "cp"}, True: {"cp"}}
 
 
 def test_the_random_search_and_the_enumeration_share_one_canonical_form():

@@ -6,7 +6,8 @@
 The model is built from a local ``config.json`` (never from a hub: ``HF_HUB_OFFLINE`` is set), read
 by :mod:`trainer.hf_dir` first (JSON, an object, its sizes integers). Its own names are transformers'
 names, so an export keeps them and its own ``config.json``; its blocks are its ``_no_split_modules``;
-its tensor-parallel plan is its ``_tp_plan`` (:mod:`.brought`).
+its tensor-parallel plan is its ``_tp_plan`` (:mod:`.brought`); under context parallelism its attention
+is routed through etrain's (:mod:`.hf_cp`) and its positions are the global ones.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from torch import nn
 from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
+from .hf_cp import cp_refusal, global_positions, route_attention
+from .spec import ModelInfo
 
 
 def load_hf_config(mcfg: ModelConfig):
@@ -49,7 +52,7 @@ def load_hf_config(mcfg: ModelConfig):
 
 
 def hf_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=inputs, use_cache=False).logits
+    return model(input_ids=inputs, position_ids=global_positions(model, inputs), use_cache=False).logits
 
 
 class HFSpec(UserModelSpec):
@@ -58,6 +61,35 @@ class HFSpec(UserModelSpec):
     def __init__(self, mcfg: ModelConfig):
         super().__init__(mcfg)
         self._hf = None
+        self._cp_refusals: dict[int, str | None] = {}
+
+    def cp_refusal(self, seq_len: int) -> str | None:
+        """Why this model's attention cannot take context parallelism at ``seq_len`` (:mod:`.hf_cp`), or None."""
+        if seq_len not in self._cp_refusals:
+            self._cp_refusals[seq_len] = cp_refusal(self.build("meta"), seq_len)
+        return self._cp_refusals[seq_len]
+
+    def allows(self) -> tuple[str, ...]:
+        return super().allows() + (() if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
+
+    def preflight(self, cfg: RunConfig) -> ModelInfo:
+        info = super().preflight(cfg)
+        cp = cfg.parallel.cp
+        if cp > 1:
+            reason = self.cp_refusal(cfg.data.seq_len)
+            if reason:
+                raise ConfigError(f"parallel.cp={cp} routes the model's attention through context parallelism, and "
+                                  f"{reason}; set parallel.cp=1")
+            heads = int(self.hf_config().num_attention_heads)
+            if cfg.parallel.cp_style == "ulysses" and heads % cp:
+                raise ConfigError(f'parallel.cp_style="ulysses" splits the attention heads across the cp ranks: the '
+                                  f"model's num_attention_heads={heads} is not divisible by parallel.cp={cp}; "
+                                  'use parallel.cp_style="ring"')
+        return info
+
+    def apply_cp(self, module: nn.Module, cp) -> None:
+        """Every attention layer over the cp group (:mod:`.hf_cp`); position ids the global ones."""
+        route_attention(module, cp)
 
     def hf_config(self):
         """The model's transformers config (read once)."""

@@ -18,7 +18,9 @@ too; full recomputation keeps a block's input alone, plus one block's worth whil
 :func:`block_activation_elems` is the same count for this trainer's Llama block (RMSNorm, rotary
 SDPA with no materialized scores, SwiGLU, no dropout). A pipeline stage holds several micro-batches
 at once (1F1B: pp - stage index; GPipe: all; interleaved: Narayanan et al. 2021's factor
-1 + (p - 1) / (p v)).
+1 + (p - 1) / (p v)). Context parallelism (``cp``) divides every activation by ``cp`` (each rank holds
+``seq_len / cp`` positions end to end) and adds the other ranks' K/V while a block attends: two blocks
+(ring), all of them (allgather), or q, k, v of the whole sequence for ``n_heads / cp`` heads (ulysses).
 
 Checkpoint staging is host memory (the async save's blocking copy), and so is the memory tier of
 recovery (:mod:`checkpointing.recovery.tier`: the host buffers a snapshot is copied into, at most two
@@ -47,7 +49,8 @@ CONFIG_FIELDS = {"dp_replicate": ("parallel", "dp_replicate"), "dp_shard": ("par
                  "micro_batch": ("train", "micro_batch"), "schedule": ("parallel", "pp_schedule"),
                  "stages_per_rank": ("parallel", "pp_stages_per_rank"),
                  "reduce_every": ("parallel", "reduce_every_microbatch"),
-                 "pp_microbatches": ("parallel", "pp_microbatches")}
+                 "pp_microbatches": ("parallel", "pp_microbatches"), "cp": ("parallel", "cp"),
+                 "cp_style": ("parallel", "cp_style")}
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,12 @@ class Layout:
     stages_per_rank: int = 1
     reduce_every: bool = False  # ZeRO-3 with several micro-batches: reduce-scatter after each (sharded accumulation)
     pp_microbatches: int = 0  # parallel.pp_microbatches (0: automatic, what the search proposes)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_style: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
     def dp(self) -> int:
@@ -80,7 +85,7 @@ class Layout:
         """The layout ``cfg`` asks for at ``world`` (dp_shard = -1 resolved)."""
         values = {f: getattr(getattr(cfg, section), name) for f, (section, name) in CONFIG_FIELDS.items()}
         if values["dp_shard"] == -1:
-            values["dp_shard"] = world // (values["dp_replicate"] * values["tp"] * values["pp"])
+            values["dp_shard"] = world // (values["dp_replicate"] * values["tp"] * values["pp"] * values["cp"])
         return cls(**values)
 
     def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:
@@ -99,7 +104,8 @@ class Layout:
         out = []
         for f, (section, name) in CONFIG_FIELDS.items():
             value = getattr(self, f)
-            if value == getattr(own, f) or (f == "dp_shard" and cfg.parallel.dp_shard == -1):
+            if value == getattr(own, f) or (f == "dp_shard" and cfg.parallel.dp_shard == -1) or (
+                    f == "cp_style" and self.cp == 1):
                 continue
             text = str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else value
             out.append(f"{section}.{name}={text}")
@@ -107,6 +113,8 @@ class Layout:
 
     def describe(self) -> str:
         mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"
+        if self.cp > 1:
+            mesh += f" cp {self.cp} {self.cp_style}"
         extra = [f"ZeRO-{self.zero}"] + (["SP"] if self.sp else []) + ([f"AC {self.ac}"] if self.ac != "none" else [])
         extra.append(f"mb {self.micro_batch}")
         if self.reduce_every:
@@ -154,7 +162,7 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     ``workspace`` (backward's largest temporaries) and ``recompute`` (a checkpointed block's
     activations while backward recomputes it) of ``rank``, in bytes."""
     p, m = cfg.parallel, spec_for(cfg.model).shape()
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = cfg.train.micro_batch * cfg.data.seq_len / dims.cp  # context parallelism: seq_len / cp positions
     n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
     split = m.stage_layers(n_stages)
     layers = sum(len(split[s]) for s in stages)
@@ -177,6 +185,9 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     logits = tokens * m.vocab_size / (dims.tp if p.loss_parallel else 1) * (act_bytes + 8) if last else 0
     final = 2 * m.dim * tokens * act_bytes if last else 0
     workspace = tokens * (2 * m.ffn_hidden / dims.tp + 2 * m.dim) * act_bytes
+    if dims.cp > 1:  # attention's K/V from the other cp ranks while a block attends (cp_attention)
+        kv = 2 * tokens * m.dim * m.n_kv_heads // m.n_heads * act_bytes
+        workspace += {"ring": 2 * kv, "allgather": dims.cp * kv, "ulysses": 3 * tokens * m.dim * act_bytes}[p.cp_style]
     return {"activations": acts + final, "logits": logits, "workspace": workspace, "recompute": recompute}
 
 

@@ -7,10 +7,10 @@
     etrain plan run.toml --device cpu --calibrate        # fit this machine's rates first, store, reuse
 
 Sizes: ``--workers N`` or ``MIN..MAX``; without it, ``[elastic]`` min_workers..max_workers. Every size
-in range is checked as a run is (the batch arithmetic, dp_replicate x tp x pp); a size the config
+in range is checked as a run is (the batch arithmetic, dp_replicate x cp x tp x pp); a size the config
 cannot take is listed with the reason. At the largest valid size the whole layout space is searched
 (:mod:`trainer.plan.search`); at every valid size the config's own layout and the best one with its
-tp x pp (what an elastic resize keeps) are costed, with the bytes a resize moves.
+tp, pp and cp (what an elastic resize keeps) are costed, with the bytes a resize moves.
 
 Exit status: 0, also when nothing fits (the output says so); 2 for bad input, naming the flag or
 field. Torch is imported only after the arguments are parsed, so ``--help`` is instant.
@@ -133,9 +133,6 @@ def _run(args, elastic: Callable) -> int:
             parse_bytes(value, "--" + flag.replace("_", "-"), flag != "device_memory")
     raw = load_raw(args.config, args.set)
     cfg = config_from_dict(raw)
-    if cfg.parallel.cp > 1:
-        raise ConfigError(f"the planner does not model context parallelism yet (parallel.cp={cfg.parallel.cp}): "
-                          "plan with parallel.cp=1, then set parallel.cp (docs/parallelism.md#context-parallelism)")
     lo, hi = parse_workers(args.workers) if args.workers else elastic(raw)
     import torch
 
@@ -259,7 +256,7 @@ def print_plan(doc: dict) -> None:
         if own["valid"]:
             print(f"  config:    {_describe(own)}{'' if own['fits'] else ' - DOES NOT FIT'}")
     if len(doc["sizes"]) > 1 or not doc["sizes"][0]["valid"]:
-        print("\nsizes (the config's layout; the best with its tp x pp):")
+        print("\nsizes (the config's layout; the best with its tp, pp and cp):")
         sizes = doc["sizes"]
         for i, s in enumerate(sizes):
             if not s["valid"]:  # a run of invalid sizes: one line, its first reason

@@ -21,7 +21,14 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
   activations per block in forward and two in backward (two more when the block is recomputed);
   sequence parallelism turns each into an all-gather plus a reduce-scatter of the same volume;
 * pipeline parallelism: one send/recv of a micro-batch's boundary activations per micro-batch in
-  forward and one of their gradients in backward.
+  forward and one of their gradients in backward;
+* context parallelism (:mod:`trainer.parallel.cp_attention`), per layer and micro-batch, with ``K`` one
+  rank's K and V (``n_kv_heads`` heads of ``seq / cp`` positions) and ``E`` its q: the ring sends K
+  ``cp - 1`` times forward, ``cp - 1`` times backward and its gradient ``cp`` times (``3 cp - 2``
+  point-to-point sends, overlapped with the block attention); allgather all-gathers K (``cp`` K out)
+  and reduce-scatters its gradient; ulysses makes four all-to-alls of ``3 E + E`` both ways. Full
+  activation checkpointing repeats the forward's. The cp ranks hold the same parameters: ZeRO shards
+  over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``.
 
 ``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
@@ -58,11 +65,13 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     count = local_param_count(cfg, dims, rank)
     grads, params = 4 * count, act_b * count
     stage = dims.zero_stage
-    n, r = dims.dp_shard, dims.dp_replicate
+    n, r = dims.dp_shard * dims.cp, dims.dp_replicate  # the cp ranks hold the same parameters
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
     out: list[dict] = []
 
-    sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2}
+    shard_axis, dp_axis = (Mesh.DP_SHARD_CP, Mesh.DP_CP) if dims.cp > 1 else (Axis.DP_SHARD, Mesh.DP)
+    sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2,
+             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
@@ -71,19 +80,19 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
 
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:
-        add("all_reduce", Mesh.DP, _ring("all_reduce", dims.dp, grads), buckets)
+        add("all_reduce", dp_axis, _ring("all_reduce", dims.dp * dims.cp, grads), buckets)
     elif stage in (1, 2):
-        add("reduce_scatter", Axis.DP_SHARD, _ring("reduce_scatter", n, grads), buckets,
+        add("reduce_scatter", shard_axis, _ring("reduce_scatter", n, grads), buckets,
             "compute" if stage == 2 else "none")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
-        add("all_gather", Axis.DP_SHARD, _ring("all_gather", n, params), buckets)
+        add("all_gather", shard_axis, _ring("all_gather", n, params), buckets)
     else:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
         gathers = 2 if dims.pp > 1 else 2 * mb
-        add("all_gather", Axis.DP_SHARD, gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
+        add("all_gather", shard_axis, gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
         rs = mb if p.reduce_every_microbatch else 1
-        add("reduce_scatter", Axis.DP_SHARD, rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
+        add("reduce_scatter", shard_axis, rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), blocks + 1)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
@@ -107,4 +116,24 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         boundary = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
         hops = 2 * p.pp_stages_per_rank  # every stage this rank runs sends forward and receives backward
         add("send_recv", Axis.PP, hops * mb * boundary, hops * mb)
+    if dims.cp > 1:
+        for kind, size, calls, overlaps in cp_comm(cfg, dims, act_b):
+            add(kind, Axis.CP, size * mb, round(calls * mb), overlaps)
     return sorted(out, key=lambda c: -c["bytes"])
+
+
+def cp_comm(cfg: RunConfig, dims: ParallelDims, act_b: int) -> list[tuple[str, float, float, str]]:
+    """(kind, bytes, calls, overlaps) of context parallelism's attention per micro-batch, all layers (module
+    docstring): what one rank sends."""
+    p, m, n = cfg.parallel, spec_for(cfg.model).shape(), dims.cp
+    e = cfg.train.micro_batch * cfg.data.seq_len // n * m.dim * act_b  # one rank's q
+    kv = 2 * e * m.n_kv_heads // m.n_heads  # its K and V
+    layers, full = m.n_layers, p.activation_checkpoint == "full"
+    if p.cp_style == "ring":
+        fwd = (n - 1) * (2 if full else 1)
+        return [("send_recv", layers * kv * (fwd + 2 * n - 1), layers * (fwd + 2 * n - 1), "compute")]
+    if p.cp_style == "allgather":
+        return [("all_gather", layers * (2 if full else 1) * _ring("all_gather", n, n * kv), layers * (1 + full),
+                 "none"), ("reduce_scatter", layers * _ring("reduce_scatter", n, n * kv), layers, "none")]
+    a2a = (2 if full else 1) * 4 * e + 4 * e  # forward: q, k, v in, the output back; backward the same
+    return [("all_to_all", layers * _ring("all_gather", n, a2a), layers * (4 + 2 * full), "none")]

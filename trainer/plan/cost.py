@@ -8,7 +8,8 @@ step (Kaplan et al. 2020; forward 2, backward 4), ``+ 2 N T`` for the blocks it 
 activation checkpointing, plus attention's ``6 s`` FLOPs per token per layer and width (its
 ``QK^T`` and ``AV``, causal: half of Narayanan et al. 2021's ``12 s h``), at the profile's
 achieved rate (peak x efficiency, or the calibrated rate; on the CPU profile the host's rate, shared
-by the ranks it runs). A pipeline stretches it by the bubble.
+by the ranks it runs). Under context parallelism a rank sees ``seq / cp`` positions of each sample,
+each attending the whole sequence. A pipeline stretches it by the bubble.
 
 Communication: each collective of :func:`trainer.plan.comm.step_comm` takes ``bytes / bandwidth +
 calls x hops x latency`` (a ring's hops: 2 (n - 1) for an all-reduce, n - 1 for an all-gather or a
@@ -84,9 +85,10 @@ def custom(base: Device, **changes) -> Device:
 
 def axis_span(dims: ParallelDims, axis: str) -> int:
     """Consecutive ranks one group of ``axis`` spans ("dp": dp_replicate x dp_shard flattened)."""
-    tp, shard, rep = dims.tp, dims.dp_shard, dims.dp_replicate
-    return {Axis.TP: tp, Axis.DP_SHARD: tp * shard, Axis.DP_REPLICATE: tp * shard * rep, Mesh.DP: tp * shard * rep,
-            Axis.PP: dims.world_size}[axis]
+    tp, cp, shard, rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    return {Axis.TP: tp, Axis.CP: tp * cp, Axis.DP_SHARD: tp * cp * shard, Mesh.DP_SHARD_CP: tp * cp * shard,
+            Axis.DP_REPLICATE: tp * cp * shard * rep, Mesh.DP: tp * cp * shard * rep,
+            Mesh.DP_CP: tp * cp * shard * rep, Axis.PP: dims.world_size}[axis]
 
 
 def link(dims: ParallelDims, axis: str, dev: Device) -> str:
@@ -99,7 +101,7 @@ def link(dims: ParallelDims, axis: str, dev: Device) -> str:
 def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
     """FLOPs ``rank`` computes in one step (module docstring)."""
     p, m = cfg.parallel, spec_for(cfg.model).shape()
-    tokens = dims.local_batch(cfg) * cfg.data.seq_len
+    tokens = dims.local_batch(cfg) * cfg.data.seq_len / dims.cp  # each cp rank: seq_len / cp of every sample
     n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
     split = m.stage_layers(n_stages)
     layers = sum(len(split[s]) for s in stages)

@@ -5,7 +5,9 @@
 When plain data parallelism wins (everything fits replicated: no sharding traffic beyond one
 all-reduce), when ZeRO-2 is enough (gradients and optimizer state sharded, parameters whole),
 when ZeRO-3 or tensor parallelism is forced (the model states, or the activations, do not fit
-otherwise), and what activation checkpointing buys (memory) and costs (recomputation). Each line
+otherwise), when context parallelism is forced (one sample's activations do not fit a rank under any
+layout without it: micro-batch 1, ZeRO-3, full checkpointing, tp with SP, pp), and what activation
+checkpointing buys (memory) and costs (recomputation). Each line
 is computed with the planner's own accounting for layouts at ``world`` ranks.
 """
 
@@ -15,7 +17,7 @@ from ..config import RunConfig
 from ..memory import paper_bytes_per_param
 from .accounting import Layout
 from .cost import Device
-from .search import HEADROOM, evaluate
+from .search import HEADROOM, cp_degrees, cp_styles, evaluate, meshes
 from .shape import Shape
 
 GiB = 2**30
@@ -64,10 +66,13 @@ def explain(cfg: RunConfig, shape: Shape, world: int, dev: Device) -> list[str]:
                      f"{_gib(2 * p)}) and the activations leave no room.")
     if dp[3] is not None and not dp[3].fits:
         lines.append(f"Even ZeRO-3 over all {world} ranks needs {_gib(dp[3].memory['total'])} per rank "
-                     f"(activations {_gib(dp[3].memory['activations'])}): tensor or pipeline parallelism is "
+                     f"(activations {_gib(dp[3].memory['activations'])}): tensor, pipeline or context parallelism is "
                      "forced, to shard the activations and the parameters further.")
     elif dp[3] is not None and not any(dp[z] is not None and dp[z].fits for z in range(3)):
         lines.append(f"ZeRO-3 is forced: only sharding the parameters too fits ({_gib(dp[3].memory['total'])}).")
+    cp_line = context_parallel_line(cfg, world, dev)
+    if cp_line:
+        lines.append(cp_line)
     base = dp[3] or dp[0]
     if base is not None:
         lay = base.layout
@@ -79,3 +84,32 @@ def explain(cfg: RunConfig, shape: Shape, world: int, dev: Device) -> list[str]:
                          f"{(full.time['compute_s'] / none.time['compute_s'] - 1) * 100:.0f}% more compute "
                          "(the forward again in backward).")
     return lines
+
+
+def context_parallel_line(cfg: RunConfig, world: int, dev: Device) -> str | None:
+    """Whether context parallelism is forced at ``world``: the leanest layout of every mesh without it (one
+    sample per micro-batch, ZeRO-3, full checkpointing, SP) against the fastest that fits with it; None when
+    the model or the sequence cannot take cp > 1."""
+    degrees = [c for c in cp_degrees(cfg, world) if c > 1]
+    if not degrees:
+        return None
+    lean = [evaluate(cfg, Layout(rep, shard, tp, pp, 3 if rep * shard > 1 else 0, tp > 1, "full", 1), dev)
+            for rep, shard, tp, pp, cp in meshes(cfg, world) if cp == 1 and (rep == 1 or shard * rep > 1)]
+    lean = [c for c in lean if c.valid]
+    least = min(lean, key=lambda c: c.memory["total"], default=None)
+    if least is None or least.fits:
+        return None if least is None else (
+            f"Context parallelism is not forced: one sample of seq {cfg.data.seq_len} fits without it "
+            f"({least.layout.describe()}: {_gib(least.memory['total'])} per rank); cp trades its attention traffic "
+            "for activation memory / cp when a larger micro-batch or less recomputation pays.")
+    with_cp = [evaluate(cfg, Layout(1, world // c, 1, 1, 3, False, ac, 1, cp=c, cp_style=st), dev)
+               for c in degrees for st in cp_styles(cfg, c) for ac in ("none", "full")]
+    fits = sorted((c for c in with_cp if c.valid and c.fits), key=lambda c: c.step_s)
+    head = (f"Context parallelism is forced: one sample of seq {cfg.data.seq_len} needs "
+            f"{_gib(least.memory['total'])} per rank even at {least.layout.describe()} (activations "
+            f"{_gib(least.memory['activations'])}, logits {_gib(least.memory['logits'])})")
+    if not fits:
+        return head + f", and no cp up to {max(degrees)} fits either: add devices or shorten data.seq_len."
+    b = fits[0]
+    return (head + f"; {b.layout.describe()} fits ({_gib(b.memory['total'])}: each rank holds seq / "
+            f"{b.layout.cp} positions), set parallel.cp={b.layout.cp} parallel.cp_style=\"{b.layout.cp_style}\".")

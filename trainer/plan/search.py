@@ -72,51 +72,66 @@ def evaluate(cfg: RunConfig, layout: Layout, dev: Device) -> Candidate:
 
 def _allowed(cfg: RunConfig) -> dict:
     """What the model allows (its spec's preflight refuses the rest; trainer.models)."""
-    allows = getattr(cfg, "plan_allows", ("tp", "pp", "sp"))  # trainer.plan.shape.planning_config sets it
-    return {k: k in allows for k in ("tp", "pp", "sp")}
+    allows = getattr(cfg, "plan_allows", ("tp", "pp", "sp", "cp"))  # trainer.plan.shape.planning_config sets it
+    return {k: k in allows for k in ("tp", "pp", "sp", "cp")}
 
 
-def _choices(cfg: RunConfig, dp: int, tp: int, pp: int) -> dict:
+def cp_styles(cfg: RunConfig, cp: int) -> list[str]:
+    """The attention styles a cp of ``cp`` can take (ulysses: heads divisible by cp)."""
+    if cp == 1:
+        return ["ring"]
+    return ["ring", "allgather"] + (["ulysses"] if cfg.model.n_heads % cp == 0 else [])
+
+
+def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
     ok = _allowed(cfg)
     local = cfg.train.global_batch // dp if cfg.train.global_batch % dp == 0 else 0
     mbs = sorted({d for d in divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
     scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + (
         [("interleaved_1f1b", 2)] if cfg.model.n_layers >= 2 * pp else [])
-    return {"zero": [0, 1, 2, 3] if dp > 1 else [0], "sp": [False, True] if tp > 1 and ok["sp"] else [False],
-            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds}
+    # Context parallelism takes ZeRO 0 or 3 (the trainer refuses 1 and 2 with it); its ranks shard too.
+    zero = ([0, 3] if cp > 1 else [0, 1, 2, 3]) if dp * cp > 1 else [0]
+    return {"zero": zero, "sp": [False, True] if tp > 1 and ok["sp"] else [False],
+            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp)}
 
 
-def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int]]:
-    """(dp_replicate, dp_shard, tp, pp) with product ``world`` that the model could take."""
+def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
+    """The context-parallel degrees the model and the sequence allow at ``world`` (seq_len splits into 2 x cp)."""
+    if not _allowed(cfg)["cp"] or cfg.model.dropout > 0:
+        return [1]
+    return [c for c in divisors(world) if cfg.data.seq_len % (2 * c) == 0] or [1]
+
+
+def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
+    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take (cp only with tp
+    and pp 1, which the trainer does not combine it with yet)."""
     ok, m = _allowed(cfg), cfg.model
     out = []
-    for tp in divisors(world):
-        if tp > 1 and (not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
-            continue
-        for pp in divisors(world // tp):
-            if pp > 1 and (not ok["pp"] or pp > m.n_layers):
+    for cp in cp_degrees(cfg, world):
+        for tp in divisors(world // cp):
+            if tp > 1 and (cp > 1 or not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
                 continue
-            dp = world // (tp * pp)
-            for rep in divisors(dp):
-                out.append((rep, dp // rep, tp, pp))
+            for pp in divisors(world // (cp * tp)):
+                if pp > 1 and (cp > 1 or not ok["pp"] or pp > m.n_layers):
+                    continue
+                dp = world // (cp * tp * pp)
+                for rep in divisors(dp):
+                    out.append((rep, dp // rep, tp, pp, cp))
     return out
 
 
 def enumerate_layouts(cfg: RunConfig, world: int) -> list[Layout]:
     out = []
-    for rep, shard, tp, pp in meshes(cfg, world):
-        c = _choices(cfg, rep * shard, tp, pp)
-        for z in c["zero"]:
+    for rep, shard, tp, pp, cp in meshes(cfg, world):
+        c = _choices(cfg, rep * shard, tp, pp, cp)
+        for z, sp, ac, mb, (sched, v), style in itertools.product(c["zero"], c["sp"], c["ac"], c["mb"], c["sched"],
+                                                                  c["cp_style"]):
             if rep > 1 and z != 3:
                 continue  # dp_replicate only differs from one flat dp axis as HSDP
-            for sp in c["sp"]:
-                for ac in c["ac"]:
-                    for mb in c["mb"]:
-                        for sched, v in c["sched"]:
-                            # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
-                            many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
-                            for every in (False, True) if many else (False,):
-                                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every))
+            # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
+            many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
+            for every in (False, True) if many else (False,):
+                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every, cp=cp, cp_style=style))
     return out
 
 
@@ -128,16 +143,18 @@ def _cost(c: Candidate, dev: Device) -> float:
 
 
 def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
-    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every"))
+    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every", "cp_style"))
     if what == "mesh":
-        axes = [str(a) for a in (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP)]  # Layout's fields
+        axes = [str(a) for a in (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP)]  # Layout's fields
         src, dst = rng.sample(axes, 2)
         n = getattr(cur, src)
         if n == 1:
             return cur
         f = next(p for p in range(2, n + 1) if n % p == 0)
         return replace(cur, **{src: n // f, dst: getattr(cur, dst) * f})
-    c = _choices(cfg, cur.dp, cur.tp, cur.pp)
+    c = _choices(cfg, cur.dp, cur.tp, cur.pp, cur.cp)
+    if what == "cp_style":
+        return replace(cur, cp_style=rng.choice(c["cp_style"]))
     if what == "zero":
         return replace(cur, zero=rng.choice(c["zero"]))
     if what == "sp":
@@ -161,7 +178,9 @@ def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
         lay = replace(lay, schedule="1f1b", stages_per_rank=1)
     if lay.tp == 1:
         lay = replace(lay, sp=False)
-    if lay.dp == 1:
+    if lay.cp == 1:
+        lay = replace(lay, cp_style="ring")
+    if lay.dp * lay.cp == 1:
         lay = replace(lay, zero=0)
     if lay.zero != 3 or lay.pp > 1 or cfg.train.global_batch // max(1, lay.dp) <= lay.micro_batch:
         lay = replace(lay, reduce_every=False)
@@ -175,7 +194,7 @@ def _anneal(cfg: RunConfig, world: int, dev: Device, seen: dict, budget_s: float
               and cfg.model.n_kv_heads % d == 0) if _allowed(cfg)["tp"] else 1
     # The config's layout as a start, its pipeline micro-batches automatic like every candidate's.
     own = replace(Layout.of(cfg, world), pp_microbatches=0)
-    starts = [own if world % (cfg.parallel.model_parallel * cfg.parallel.dp_replicate) == 0
+    starts = [own if world % (cfg.parallel.model_parallel * cfg.parallel.dp_replicate * cfg.parallel.cp) == 0
               else Layout(1, world, 1, 1), Layout(1, world, 1, 1, 3), Layout(1, world // tp0, tp0, 1, 3, tp0 > 1, "full")]
     deadline = time.monotonic() + budget_s
 
@@ -228,7 +247,7 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
     t0 = time.monotonic()
     layouts = enumerate_layouts(cfg, world)
     if fixed_mp:
-        layouts = [x for x in layouts if x.tp == cfg.parallel.tp and x.pp == cfg.parallel.pp]
+        layouts = [x for x in layouts if (x.tp, x.pp, x.cp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)]
     seen: dict[Layout, Candidate] = {}
     if len(layouts) <= EXHAUSTIVE_LIMIT:
         method = "exhaustive"
@@ -238,7 +257,8 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
         method = "simulator-guided random search (Metropolis)"
         _anneal(cfg, world, dev, seen, budget_s)
         if fixed_mp:
-            seen = {k: v for k, v in seen.items() if k.tp == cfg.parallel.tp and k.pp == cfg.parallel.pp}
+            seen = {k: v for k, v in seen.items() if (k.tp, k.pp, k.cp) == (cfg.parallel.tp, cfg.parallel.pp,
+                                                                            cfg.parallel.cp)}
     fitting = sorted((c for c in seen.values() if c.valid and c.fits), key=lambda c: c.step_s)
     if not fitting:
         least = min((c for c in seen.values() if c.valid), key=lambda c: c.memory["total"], default=None)
@@ -247,12 +267,13 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
                 "seconds": time.monotonic() - t0}
     best = fitting[0]
     runner = next((c for c in fitting[1:] if c.layout.zero != best.layout.zero or c.layout.tp != best.layout.tp
-                   or c.layout.pp != best.layout.pp or c.layout.dp_replicate != best.layout.dp_replicate),
+                   or c.layout.pp != best.layout.pp or c.layout.dp_replicate != best.layout.dp_replicate
+                   or c.layout.cp != best.layout.cp),
                   fitting[1] if len(fitting) > 1 else None)
     # One loser per family (mesh, ZeRO stage): its best member, and why it lost to the plan.
     fam: dict = {}
     for c in sorted(seen.values(), key=lambda c: _cost(c, dev)):
-        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.zero)
+        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.cp_style, c.layout.zero)
         if c is not best and c is not runner and key not in fam and c.valid:
             fam[key] = c
     # The closest families first, then (a third of the list) families that do not fit, so both reasons show.
@@ -278,11 +299,11 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
 
     ca, da = Layout.of(cfg, a).apply(cfg, a)
     _, db = Layout.of(cfg, b).apply(cfg, b)
-    slices = da.tp * da.pp * da.dp_replicate
+    slices = da.tp * da.pp * da.dp_replicate  # the cp ranks are part of the sharding axis
     sa = predict(ca, da, 0, dev.mixed)
     sharded_rank = sa["optimizer"] * (da.zero_stage >= 1) + sa["params"] * da.uses_fsdp
     replicated_rank = sa["optimizer"] + sa["params"] - sharded_rank
-    n1, n2 = da.dp_shard, db.dp_shard
+    n1, n2 = da.dp_shard * da.cp, db.dp_shard * db.cp
     moved = sharded_rank * n1 * (1 - shard_overlap(n1, n2)) * slices
     if db.dp > da.dp:
         moved += replicated_rank * (db.world_size - da.world_size)
