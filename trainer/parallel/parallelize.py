@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
 from ..models import spec_for
+from ..models.moe import aux_loss
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
@@ -102,7 +103,13 @@ class ModelParts:
         parallelism, whose equal shares average to the whole sequence's over the cp ranks)."""
         if self.cp is not None:
             targets = self.cp.shard(targets)
-        return (self.loss_fn or lm_loss)(logits, targets)
+        loss = (self.loss_fn or lm_loss)(logits, targets)
+        aux = self.aux_loss()
+        return loss if aux is None else loss + aux
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Mixture of Experts: the load-balancing loss of the last forward (None for a dense model)."""
+        return aux_loss(self.modules[0]) if self.modules else None
 
     def named_parameters(self):
         for m in self.modules:
