@@ -92,3 +92,55 @@ def test_world1_matches_plain_pytorch_bitwise():
     assert plain["losses"][-1] < plain["losses"][0]
     assert all(0 < a < 0.1 for a in res["aux"]), res["aux"]  # about coef x 2 layers x 1 (balanced)
     assert all(i >= 1.0 for i in res["imbalance"]), res["imbalance"]
+
+
+def test_ep2_world2_matches_world1():
+    """Experts split over 2 ranks (tokens by all-to-all, uneven splits, gradients through it): the first
+    5 losses within 1e-4 of world 1's and the first step's expert and router gradients within 1e-5; the
+    same under ZeRO-3 (FSDP shards the whole-shaped expert weights over the data-parallel ranks)."""
+    layouts = {"world1": ["parallel.zero_stage=0"]}
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
+                                                   "layouts": list(layouts.items())})[0]["world1"]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]), ("ep2_zero3", ["parallel.ep=2"])]})
+    # Gradients first: AdamW's normalization hides a wrong gradient scale from the losses.
+    # The experts did travel: per step and rank, 2 micro-batches x 2 MoE layers x 5 all-to-alls on the ep
+    # group (the counts, the slots and the outputs forward; the outputs' and the slots' gradients backward).
+    assert two[0]["ep2_zero0"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero0"]["comm"]
+    assert "all_to_all/ep" not in one["comm"]
+    grads = two[0]["ep2_zero0"]["grads"]
+    assert grads.keys() == one["grads"].keys() and any(".experts." in n for n in grads)
+    for n, g in one["grads"].items():
+        assert torch.allclose(grads[n], g, rtol=0, atol=1e-5), (n, (grads[n] - g).abs().max())
+        assert torch.equal(grads[n], two[1]["ep2_zero0"]["grads"][n]), n  # every rank steps the same
+    for rank, res in enumerate(two):
+        for name, got in res.items():
+            for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
+                assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
+            assert got["aux"] == pytest.approx(one["aux"], rel=1e-4)
+
+
+def test_ep_refusals_and_valid_sizes():
+    from trainer.parallel.dims import ParallelDims, valid_world_sizes
+
+    with pytest.raises(ConfigError, match=r"parallel\.ep=3 does not divide model\.n_experts=4; use one of 1, 2, 4"):
+        load_config(None, BASE + ["parallel.ep=3"])
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 .* the model has none"):
+        load_config(None, ["parallel.ep=2"])
+    cfg = load_config(None, BASE + ["parallel.ep=4", "train.micro_batch=1"])
+    with pytest.raises(ConfigError, match=r"parallel\.ep=4 is carved from dp_shard=2"):
+        ParallelDims.from_config(cfg, 2)
+    assert valid_world_sizes(cfg, 8) == [4, 8]  # the orchestrator and the planner ask the same rule
+
+
+def test_ep_not_dividing_experts_exits_2():
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "trainer", "--config", "examples/tiny.toml", "--set",
+                        'model.preset="moe-tiny"', "--set", "parallel.ep=3"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr
+    assert "parallel.ep=3 does not divide model.n_experts=8" in r.stderr and "Traceback" not in r.stderr

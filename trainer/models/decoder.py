@@ -177,18 +177,11 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
             else:
                 nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
-            fill_local(p, self.expert_slice(fqn, t))
+            fill_local(p, t)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
                 m.tokens_per_expert.zero_()
-
-    def expert_slice(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's experts of a whole expert weight under expert parallelism (``full`` otherwise)."""
-        if ".experts." not in fqn:
-            return full
-        moe = self.get_submodule(fqn.rsplit(".", 2)[0])
-        return full if moe.ep is None else moe.ep.local_rows(full)
 
 
 def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:

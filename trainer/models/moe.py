@@ -37,10 +37,10 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x``: slots sorted by expert, ``counts[e]`` of them for local expert e."""
+    def forward(self, x: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
+        """``x``: slots sorted by expert, ``counts[i]`` of them for expert ``first + i``."""
         outs = []
-        for e, chunk in enumerate(x.split(counts)):
+        for e, chunk in enumerate(x.split(counts), start=first):
             h = F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())
             outs.append(h @ self.w2[e].t())
         return torch.cat(outs) if outs else x[:0]
@@ -104,7 +104,7 @@ class MoE(nn.Module):
             counts = counts.clamp(max=cap)
         slots = t[order // self.top_k]
         if self.ep is None:
-            out_sorted = self.experts(slots, counts.tolist())
+            out_sorted = self.experts(slots, counts.tolist())  # the loop over experts; nothing for an idle one
         else:
             out_sorted = self.ep.run(self.experts, slots, counts)
         out = t.new_zeros(flat.numel(), shape[-1])
