@@ -144,3 +144,18 @@ def test_ep_not_dividing_experts_exits_2():
                        text=True, timeout=60, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
     assert "parallel.ep=3 does not divide model.n_experts=8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ep_at_world4_matches_world1():
+    """ep 2 under ZeRO-3 and under HSDP (2 x 2), and ep 4 under ZeRO-1, at world 4: the first 5 losses within
+    1e-4 of world 1's."""
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS,
+                                                   "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "layouts": [
+        ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
+        ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
+    for rank, res in enumerate(four):
+        for name, got in res.items():
+            assert got["comm"]["all_to_all/ep"]["calls"] == 2 * 5, (name, got["comm"])
+            for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
+                assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
