@@ -159,3 +159,30 @@ def test_ep_at_world4_matches_world1():
             assert got["comm"]["all_to_all/ep"]["calls"] == 2 * 5, (name, got["comm"])
             for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
+
+
+def test_step_log_figures_reach_the_metrics():
+    from trainer.metrics import RunMetrics
+
+    m = RunMetrics("r")
+    m.observe_step({"step": 1, "loss": 5.0, "aux_loss": 0.02, "moe_imbalance": 1.5, "tokens_per_s": 1.0,
+                    "step_seconds": 1.0})
+    got = {f.name: f.samples[0].value for f in m.collect() if f.samples and f.name.startswith("etrain_moe")}
+    assert got == {"etrain_moe_aux_loss": 0.02, "etrain_moe_imbalance_ratio": 1.5}
+    m.observe_step({"step": 2, "loss": 5.0, "tokens_per_s": 1.0, "step_seconds": 1.0})  # dense: no MoE families
+    assert not [f for f in m.collect() if f.name.startswith("etrain_moe")]
+
+
+def test_router_bias_moves_toward_the_underloaded_experts():
+    from trainer.models.decoder import Transformer
+    from trainer.models.moe import update_router_bias
+
+    model = Transformer(load_config(None, BASE).model)
+    model.init_weights(0)
+    moe = model.layers["1"].feed_forward
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 2.0, 2.0, 2.0]))
+    ratio = update_router_bias(model, 0.1)
+    assert ratio == pytest.approx(10 / 4)
+    assert moe.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    assert moe.tokens_per_expert.sum() == 0  # counters cleared for the next step
+    assert update_router_bias(model, 0.0) >= 0 and moe.expert_bias[0] == pytest.approx(-0.1)
