@@ -43,7 +43,7 @@ from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, Mesh, ParallelDims, resolve_device, resolve_precision
-from .models.moe import update_router_bias
+from .models.moe import load_router_bias, router_bias_state, update_router_bias
 from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
@@ -164,6 +164,7 @@ class Trainer:
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
             **({"weights_from": self.weights_from} if self.weights_from else {}),
+            **({"router_bias": bias} if (bias := router_bias_state(self.parts.modules[0])) else {}),
         }
 
     def load_train_state(self, state: dict) -> None:
@@ -171,6 +172,8 @@ class Trainer:
         self.samples_consumed = int(state["samples_consumed"])
         self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
+        if self.cfg.model.is_moe:
+            load_router_bias(self.parts.modules[0], state.get("router_bias") or {})
 
     def apply_init_from(self) -> None:
         """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the

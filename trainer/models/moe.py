@@ -145,3 +145,17 @@ def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
             m.expert_bias += rate * torch.sign(load.mean() - load)
         m.tokens_per_expert.zero_()
     return ratio
+
+
+def router_bias_state(model: nn.Module) -> dict[str, list[float]]:
+    """The routing biases that auxiliary-loss-free balancing moved, by MoE layer path (for the checkpoint's
+    trainer state: a run resumes with them, at any ep); {} while all are zero."""
+    return {name: m.expert_bias.tolist() for name, m in model.named_modules()
+            if isinstance(m, MoE) and bool(m.expert_bias.any())}
+
+
+@torch.no_grad()
+def load_router_bias(model: nn.Module, state: dict[str, list[float]]) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            m.expert_bias.copy_(torch.tensor(state.get(name, [0.0] * m.n_experts), dtype=m.expert_bias.dtype))
