@@ -406,13 +406,14 @@ class Trainer:
         counts = self._counts_loss and loss_sum is not None
         contrib = loss_sum.float() if counts else torch.zeros((), device=self.device)
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
-        aux = aux_sum.float() if counts and aux_sum is not None else torch.zeros((), device=self.device)
-        reduced = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote,
-                               aux.to(self.device)])
+        parts = [self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote]
+        if aux_sum is not None:  # a Mixture of Experts: its aux loss rides along (a dense model's stays 3 numbers)
+            parts.append((aux_sum.float() if counts else torch.zeros((), device=self.device)).to(self.device))
+        reduced = torch.stack(parts)
         if self.world.size > 1:
             dist.all_reduce(reduced)
-        norm_sq, loss, votes, aux_total = reduced.tolist()
-        return norm_sq, loss / self.dims.grad_ranks, votes, aux_total / self.dims.grad_ranks
+        norm_sq, loss, votes, *aux_total = reduced.tolist()
+        return norm_sq, loss / self.dims.grad_ranks, votes, sum(aux_total) / self.dims.grad_ranks
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
