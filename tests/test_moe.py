@@ -202,3 +202,16 @@ def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
     assert second["loaded_step"] == 3
     got = first["losses"] + second["losses"]
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
+
+
+def test_balancing_lowers_the_load_imbalance():
+    """50 steps on the stdlib text corpus at a high learning rate: without balancing the router collapses
+    onto top_k of the experts (ratio 2 = n_experts / top_k); the aux loss or the bias updates keep the
+    ratio (mean of the last 10 steps) clearly lower. Measured: 2.0, 1.31 (aux 0.1), 1.37 (bias 0.01)."""
+    base = BASE + ["train.steps=50", "train.lr=1e-2", "parallel.zero_stage=0"]
+    res = run_ranks("tests.moe_jobs:train_moe", 1, {"base": base, "steps": 50, "layouts": [
+        ("none", ["model.aux_loss_coef=0"]), ("aux", ["model.aux_loss_coef=0.1"]),
+        ("bias", ["model.aux_loss_coef=0", "model.router_bias_update_rate=0.01"])]})[0]
+    late = {name: sum(r["imbalance"][-10:]) / 10 for name, r in res.items()}
+    assert late["none"] > 1.8, late
+    assert late["aux"] < late["none"] - 0.3 and late["bias"] < late["none"] - 0.3, late
