@@ -102,7 +102,9 @@ def test_ep2_world2_matches_world1():
     one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
                                                    "layouts": list(layouts.items())})[0]["world1"]
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
-        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]), ("ep2_zero3", ["parallel.ep=2"])]})
+        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]), ("ep2_zero3", ["parallel.ep=2"]),
+        # recomputation reruns the dispatch in backward, in the same order on every rank
+        ("ep2_zero2_ac", ["parallel.ep=2", "parallel.zero_stage=2", 'parallel.activation_checkpoint="full"'])]})
     # Gradients first: AdamW's normalization hides a wrong gradient scale from the losses.
     # The experts did travel: per step and rank, 2 micro-batches x 2 MoE layers x 5 all-to-alls on the ep
     # group (the counts, the slots and the outputs forward; the outputs' and the slots' gradients backward).
