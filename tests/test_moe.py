@@ -8,6 +8,7 @@ import torch
 
 from checkpointing.errors import ConfigError
 from tests.harness import run_ranks
+from tests.test_parity import check_memory
 from trainer.config_load import load_config
 
 # moe-tiny made narrow for two CPU cores: 4 experts of 64, top 2, every other block MoE, a shared expert.
@@ -156,6 +157,8 @@ def test_ep_at_world4_matches_world1():
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
         ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
+    for name in four[0]:  # trainer.memory's prediction of the MoE's shards, within 5%
+        check_memory(name, four)
     for rank, res in enumerate(four):
         for name, got in res.items():
             assert got["comm"]["all_to_all/ep"]["calls"] == 2 * 5, (name, got["comm"])

@@ -82,6 +82,10 @@ class DecoderSpec(ModelSpec):
 
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
+    def local_params(self, module: nn.Module) -> int:
+        """The dense decoder: 0 (its shape's formulas); a Mixture of Experts: the stage counted (blocks differ)."""
+        return sum(p.numel() for p in module.parameters()) if self.mcfg.is_moe else 0
+
     def allows(self) -> tuple[str, ...]:
         return () if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
 
