@@ -67,10 +67,12 @@ def test_moe_layer_matches_a_per_token_loop(capacity):
 @pytest.mark.parametrize("override, field", [
     ("model.top_k=5", "model.top_k"), ("model.moe_every=9", "model.moe_every"),
     ("model.capacity_factor=-1", "model.capacity_factor"), ("model.n_experts=-2", "model.n_experts"),
+    ("checkpoint.export_every=10 checkpoint.interval_steps=10 checkpoint.url=\"file:///tmp/x\"",
+     "has no transformers layout yet"),
 ])
 def test_moe_config_refusals_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_config(None, BASE + [override])
+        load_config(None, BASE + override.split())
 
 
 def test_moe_refuses_tensor_parallelism():
@@ -220,3 +222,12 @@ def test_balancing_lowers_the_load_imbalance():
     late = {name: sum(r["imbalance"][-10:]) / 10 for name, r in res.items()}
     assert late["none"] > 1.8, late
     assert late["aux"] < late["none"] - 0.3 and late["bias"] < late["none"] - 0.3, late
+
+
+def test_moe_has_no_transformers_export():
+    from trainer.models import spec_for
+
+    spec = spec_for(load_config(None, BASE).model)
+    assert spec.hf_names() is None
+    with pytest.raises(ConfigError, match="use --format safetensors or torch"):
+        spec.hf_config_json("bytes")

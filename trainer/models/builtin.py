@@ -118,6 +118,8 @@ class DecoderSpec(ModelSpec):
         model.load_state_dict(state)
         return model, self.mcfg.max_seq_len
 
-    def hf_names(self) -> LlamaNames:
-        return LlamaNames(self.mcfg)
+    def hf_names(self) -> LlamaNames | None:
+        # A Mixture of Experts has no transformers layout here yet (a Mixtral/Qwen-MoE mapping would be it):
+        # its exports are safetensors or torch, with etrain's names.
+        return None if self.mcfg.is_moe else LlamaNames(self.mcfg)
 
