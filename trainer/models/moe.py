@@ -119,9 +119,9 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum of the MoE layers' aux losses of ``model``'s last forward (None without MoE layers)."""
-    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+def aux_loss(layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the aux losses of ``layers``' last forward (None without any)."""
+    losses = [m.aux_loss for m in layers if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
 
 

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
 from ..models import spec_for
-from ..models.moe import aux_loss
+from ..models.moe import aux_loss, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
@@ -78,6 +78,7 @@ class ModelParts:
     draws_random: bool = True
     # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
     cp: ContextParallel | None = None
+    _moe: list | None = None  # the Mixture-of-Experts layers of modules[0] (aux_loss)
 
     @property
     def has_first_stage(self) -> bool:
@@ -107,7 +108,9 @@ class ModelParts:
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mixture of Experts: the load-balancing loss of the last forward (None for a dense model)."""
-        return aux_loss(self.modules[0]) if self.modules else None
+        if self._moe is None:  # found once: the loss asks every micro-batch
+            self._moe = moe_layers(self.modules[0]) if self.modules else []
+        return aux_loss(self._moe) if self._moe else None
 
     def named_parameters(self):
         for m in self.modules:
