@@ -231,3 +231,16 @@ def test_moe_has_no_transformers_export():
     assert spec.hf_names() is None
     with pytest.raises(ConfigError, match="use --format safetensors or torch"):
         spec.hf_config_json("bytes")
+
+
+def test_elastic_range_follows_the_ep_rule():
+    """The orchestrator's allowed sizes ask the same rule: at ep 2 only even groups; a range with none of them
+    is refused naming parallel.ep, a size outside them naming the valid ones."""
+    from orchestrator.config import ElasticConfig, allowed_sizes, check_sizes
+
+    cfg = load_config(None, BASE + ["parallel.ep=2"])
+    assert allowed_sizes(cfg, 1, 8) == [2, 4]  # 8 leaves one sample per rank, under train.micro_batch=2
+    with pytest.raises(ConfigError, match=r"with dp_shard a multiple of parallel\.ep=2"):
+        check_sizes(cfg, ElasticConfig(workers=3, min_workers=3, max_workers=3))
+    with pytest.raises(ConfigError, match=r"--workers 3 is not a valid size .*: \[2, 4\]"):
+        check_sizes(cfg, ElasticConfig(workers=3, min_workers=1, max_workers=4))

@@ -347,11 +347,12 @@ def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
 def size_rule(cfg: RunConfig) -> str:
     """:func:`valid_world_sizes`'s first rule in words, for error messages: the degrees that must divide the world."""
     p = cfg.parallel
+    ep = f", with dp_shard a multiple of parallel.ep={p.ep}" if p.ep > 1 else ""
     if p.cp > 1:
         return (f"multiples of dp_replicate x cp x tp x pp (here {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = "
-                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)})")
+                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)}){ep}")
     return (f"multiples of dp_replicate x tp x pp (here {p.dp_replicate} x {p.tp} x {p.pp} = "
-            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)})")
+            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)}){ep}")
 
 
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
