@@ -80,7 +80,8 @@ WORLD8 = {  # on top of tp 2 x pp 2
 
 
 def reference_loop(payload: dict) -> dict:
-    """Plain single-process PyTorch: the built-in decoder initialised from the seed, AdamW from
+    """Plain single-process PyTorch: the built-in decoder (or its Mixture of Experts, with the layers' aux
+    losses added to the loss) initialised from the seed, AdamW from
     torch.optim (weight decay on matrices only), global-norm clipping, warmup + cosine learning rate,
     gradient accumulation over micro-batches; the batches read with trainer.data's Batcher. Run in a
     rank process (one thread) so that its kernels sum in the same order as the trainer's."""
@@ -114,7 +115,11 @@ def reference_loop(payload: dict) -> dict:
         total = torch.zeros(())
         for i in range(n_micro):
             mb = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
-            loss = F.cross_entropy(model(x[mb]).flatten(0, 1).float(), y[mb].flatten()) / n_micro
+            loss = F.cross_entropy(model(x[mb]).flatten(0, 1).float(), y[mb].flatten())
+            aux = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
+            if aux:  # Mixture of Experts (tests/test_moe.py): the layers' balancing losses join the loss
+                loss = loss + torch.stack(aux).sum()
+            loss = loss / n_micro
             loss.backward()
             total += loss.detach()
         norm_sq = torch.zeros(())

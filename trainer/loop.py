@@ -42,7 +42,8 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
+from .parallel.dims import Axis, Mesh, ParallelDims, resolve_device, resolve_precision
+from .models.moe import load_router_bias, router_bias_state, update_router_bias
 from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
@@ -68,6 +69,10 @@ class StepStats:
     # steps whose update this trainer skipped so far because their loss or gradient norm was not finite
     # (train.skip_nonfinite_steps); this step is one of them when the count grew with it
     skipped_nonfinite: int = 0
+    # Mixture of Experts: the load-balancing loss (its coefficient applied; part of ``loss``) and the
+    # largest load-imbalance ratio (max over mean slots per expert, over the MoE layers); None when dense.
+    aux_loss: float | None = None
+    moe_imbalance: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,6 +164,7 @@ class Trainer:
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
             **({"weights_from": self.weights_from} if self.weights_from else {}),
+            **({"router_bias": bias} if (bias := router_bias_state(self.parts.modules[0])) else {}),
         }
 
     def load_train_state(self, state: dict) -> None:
@@ -166,6 +172,8 @@ class Trainer:
         self.samples_consumed = int(state["samples_consumed"])
         self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
+        if self.cfg.model.is_moe:
+            load_router_bias(self.parts.modules[0], state.get("router_bias") or {})
 
     def apply_init_from(self) -> None:
         """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the
@@ -255,6 +263,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         t_data = time.monotonic() - t0
 
+        aux_sum = None
         if self.parts.pipeline is not None:
             self._seed(positions.start)
             self.optimizer.before_backward(final=True)
@@ -264,16 +273,21 @@ class Trainer:
             mb = cfg.train.micro_batch
             n_micro = len(positions) // mb
             loss_sum = torch.zeros((), device=self.device)
+            aux_sum = torch.zeros((), device=self.device)
             for i in range(n_micro):
                 self._seed(positions.start + i * mb)
                 self.optimizer.before_backward(final=i == n_micro - 1)
                 logits = self.parts.forward(inputs[i * mb : (i + 1) * mb])
                 loss = self.parts.loss(logits, targets[i * mb : (i + 1) * mb]) / n_micro
+                aux = self.parts.aux_loss()
+                if aux is not None:
+                    aux_sum += aux.detach().float() / n_micro
                 loss.backward()
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
-        norm_sq, loss, stop_votes = self._reduce_norm_and_loss(loss_sum, stop)
+        moe = self.cfg.model.is_moe and self.parts.pipeline is None
+        norm_sq, loss, stop_votes, aux_mean = self._reduce_norm_and_loss(loss_sum, stop, aux_sum if moe else None)
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(loss) and math.isfinite(grad_norm):
             clip = cfg.train.grad_clip
@@ -282,6 +296,8 @@ class Trainer:
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)
+        imbalance = update_router_bias(self.parts.modules[0], cfg.model.router_bias_update_rate,
+                                       self.dims.group(self.mesh, Mesh.DP)) if moe else None
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()
@@ -294,6 +310,7 @@ class Trainer:
             tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt,
             data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
             stop=stop_votes > 0, skipped_nonfinite=self.skipped_nonfinite,
+            aux_loss=aux_mean if moe else None, moe_imbalance=imbalance,
         )
 
     def _nonfinite(self, loss: float, grad_norm: float) -> None:
@@ -379,7 +396,8 @@ class Trainer:
         if self.parts.draws_random:
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
-    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool]) -> tuple[float, float, float]:
+    def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool],
+                              aux_sum: torch.Tensor | None = None) -> tuple[float, float, float, float]:
         """One all-reduce for the global gradient norm, the mean loss and the stop votes.
 
         The loss is counted once per data-parallel rank: by the last pipeline
@@ -388,11 +406,14 @@ class Trainer:
         counts = self._counts_loss and loss_sum is not None
         contrib = loss_sum.float() if counts else torch.zeros((), device=self.device)
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
-        reduced = torch.stack([self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote])
+        parts = [self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote]
+        if aux_sum is not None:  # a Mixture of Experts: its aux loss rides along (a dense model's stays 3 numbers)
+            parts.append((aux_sum.float() if counts else torch.zeros((), device=self.device)).to(self.device))
+        reduced = torch.stack(parts)
         if self.world.size > 1:
             dist.all_reduce(reduced)
-        norm_sq, loss, votes = reduced.tolist()
-        return norm_sq, loss / self.dims.grad_ranks, votes
+        norm_sq, loss, votes, *aux_total = reduced.tolist()
+        return norm_sq, loss / self.dims.grad_ranks, votes, sum(aux_total) / self.dims.grad_ranks
 
 
 def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:

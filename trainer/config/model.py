@@ -20,6 +20,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # GPU sizes.
     "125m": {"dim": 768, "n_layers": 18, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 2048, "max_seq_len": 2048},
     "1b": {"dim": 2048, "n_layers": 20, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "max_seq_len": 2048},
+    # Mixture of Experts (trainer/models/moe.py): the tiny sizes with 8 experts of ffn_hidden, top 2, every block.
+    "moe-tiny": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 192, "max_seq_len": 256,
+                 "n_experts": 8, "top_k": 2, "moe_every": 1},
 }
 
 
@@ -58,6 +61,18 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dropout: float = 0.0
+    # Mixture of Experts (0 experts: the dense decoder). Every moe_every-th block (index % moe_every ==
+    # moe_every - 1) routes each token to its top_k of n_experts SwiGLU experts of ffn_hidden, plus
+    # n_shared_experts always used; capacity_factor > 0 drops what overflows capacity_factor x the even
+    # share of an expert (0 = dropless); aux_loss_coef x the load-balancing loss joins the loss;
+    # router_bias_update_rate > 0 balances by a routing bias instead (auxiliary-loss-free).
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
+    router_bias_update_rate: float = 0.0
     # Start from these weights (optimizer state fresh): a transformers directory (safetensors) or an etrain
     # checkpoint step URL; any layout. A resumed run keeps its checkpoint's weights.
     init_from: str = ""
@@ -102,6 +117,29 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("n_experts", "n_shared_experts", "capacity_factor", "aux_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0")
+        if not self.n_experts:
+            return
+        if self.source != "builtin":
+            raise ConfigError(f"model.n_experts={self.n_experts} makes the built-in decoder a Mixture of Experts; "
+                              f'model.source={self.source!r} brings its own model: set model.n_experts=0')
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"model.top_k={self.top_k} must be in [1, model.n_experts={self.n_experts}]")
+        if not 1 <= self.moe_every <= self.n_layers:
+            raise ConfigError(f"model.moe_every={self.moe_every} must be in [1, model.n_layers={self.n_layers}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has experts (the last of every ``moe_every``)."""
+        return self.n_experts > 0 and index % self.moe_every == self.moe_every - 1
 
     @property
     def head_dim(self) -> int:

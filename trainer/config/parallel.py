@@ -41,6 +41,10 @@ class ParallelConfig:
     # "ring" (K/V blocks passed around the cp ranks), "allgather" (K/V gathered whole) or "ulysses"
     # (all-to-all from sequence- to head-sharded; needs the heads divisible by cp). docs/parallelism.md.
     cp: int = 1
+    # Expert parallelism (a Mixture of Experts, model.n_experts > 0): each group of ep data-parallel ranks
+    # splits the experts' computation, tokens travelling to their experts by all-to-all; carved from
+    # dp_shard (ep must divide it, and model.n_experts). docs/parallelism.md.
+    ep: int = 1
     cp_style: Literal["ring", "allgather", "ulysses"] = "ring"
     # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
     sequence_parallel: bool = False
@@ -56,7 +60,7 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp", "pp_stages_per_rank", "ac_every_k"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_stages_per_rank", "ac_every_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard < 1 and self.dp_shard != -1:

@@ -48,6 +48,16 @@ class RunConfig:
                 f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                 f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len"
             )
+        if self.checkpoint.export_every and m.n_experts:
+            raise ConfigError(f"checkpoint.export_every writes transformers directories, and model.n_experts="
+                              f"{m.n_experts} (Mixture of Experts) has no transformers layout yet; set it to 0 and "
+                              "use `etrain ckpt export --format safetensors`")
+        if p.ep > 1 and not m.n_experts:
+            raise ConfigError(f"parallel.ep={p.ep} splits the experts of a Mixture of Experts, and the model has none; "
+                              'set parallel.ep=1, or model.n_experts (e.g. model.preset="moe-tiny")')
+        if p.ep > 1 and m.n_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; use one of "
+                              f"{fmt_list(divisors(m.n_experts))}")
         if self.checkpoint.resume and not self.checkpoint.url:
             raise ConfigError("checkpoint.resume=true needs checkpoint.url")
         if self.checkpoint.export_every and m.source == "python":

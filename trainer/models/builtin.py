@@ -13,8 +13,12 @@ parallelism, is :mod:`.decoder_tp`; its transformers names are ``LlamaForCausalL
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+
+from checkpointing.errors import ConfigError
 
 from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
@@ -27,7 +31,29 @@ class DecoderSpec(ModelSpec):
     family = "builtin"
 
     def shape(self) -> ModelShape:
-        return ModelShape.of(self.mcfg)
+        shape = ModelShape.of(self.mcfg)
+        if not self.mcfg.is_moe:
+            return shape
+        # Experts make blocks differ: the counts of the model built on the meta device win over the formulas.
+        model = self.build()
+        params = [p for n, p in model.named_parameters()]
+        block = max(sum(p.numel() for p in b.parameters()) for b in model.layers.values())
+        return dataclasses.replace(shape, name=f"built-in MoE decoder ({self.mcfg.n_experts} experts, "
+                                   f"top {self.mcfg.top_k})", counted="meta device",
+                                   params=sum(p.numel() for p in params), block=block,
+                                   weights=sum(p.numel() for p in params if p.ndim >= 2))
+
+    def preflight(self, cfg: RunConfig) -> None:
+        """The Mixture of Experts trains with data parallelism (ZeRO 0-3, HSDP) and expert parallelism only."""
+        p = cfg.parallel
+        if not self.mcfg.is_moe:
+            return None
+        for name in ("tp", "pp", "cp"):
+            if getattr(p, name) > 1:
+                raise ConfigError(f"parallel.{name}={getattr(p, name)} is not supported with model.n_experts="
+                                  f"{self.mcfg.n_experts} (Mixture of Experts); set parallel.{name}=1 and use "
+                                  "data or expert parallelism (parallel.ep)")
+        return None
 
     @property
     def draws_random(self) -> bool:
@@ -56,8 +82,12 @@ class DecoderSpec(ModelSpec):
 
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
+    def local_params(self, module: nn.Module) -> int:
+        """The dense decoder: 0 (its shape's formulas); a Mixture of Experts: the stage counted (blocks differ)."""
+        return sum(p.numel() for p in module.parameters()) if self.mcfg.is_moe else 0
+
     def allows(self) -> tuple[str, ...]:
-        return ("tp", "pp", "sp", "cp")
+        return () if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every block's attention over the cp group; rotary positions the global ones."""
@@ -88,6 +118,8 @@ class DecoderSpec(ModelSpec):
         model.load_state_dict(state)
         return model, self.mcfg.max_seq_len
 
-    def hf_names(self) -> LlamaNames:
-        return LlamaNames(self.mcfg)
+    def hf_names(self) -> LlamaNames | None:
+        # A Mixture of Experts has no transformers layout here yet (a Mixtral/Qwen-MoE mapping would be it):
+        # its exports are safetensors or torch, with etrain's names.
+        return None if self.mcfg.is_moe else LlamaNames(self.mcfg)
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .blocks import selective_context
+from .moe import MoE
 from .shape import ModelShape, layer_split
 
 
@@ -87,12 +88,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg)
         self.dropout = cfg.dropout
         # Set by DecoderSpec.apply_ac (trainer.models.builtin); recomputes this block in backward.
         self.checkpoint_activations = False
@@ -133,7 +134,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
@@ -172,11 +173,15 @@ class Transformer(nn.Module):
             elif fqn == "output.weight":
                 std = self.cfg.dim**-0.5
                 nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
-            elif leaf[-2] in ("wo", "w2"):
+            elif leaf[-2] in ("wo", "w2") or fqn.endswith("experts.w2"):
                 nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
             else:
                 nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
             fill_local(p, t)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.expert_bias.zero_()
+                m.tokens_per_expert.zero_()
 
 
 def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:

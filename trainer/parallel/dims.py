@@ -15,8 +15,9 @@ Context parallelism (``cp``, :mod:`trainer.parallel.context`) multiplies into th
 ``tp`` does: it splits each sequence, so it is not a data-parallel axis (every cp rank reads the same
 samples), but the cp ranks hold the same parameters, so ZeRO shards over ``dp_shard x cp``
 (:attr:`Mesh.DP_SHARD_CP`) and gradients and the loss are averaged over ``dp x cp`` (:attr:`Mesh.DP_CP`).
-Expert parallelism (``ep``) comes next: an axis with degree 1; it is carved from ``dp_shard`` (it must
-divide it) and adds no ranks.
+Expert parallelism (``ep``, :mod:`trainer.parallel.expert`) is carved from ``dp_shard`` (it must divide
+it, at every size the run takes) and adds no ranks: groups of ``ep`` consecutive data-parallel ranks split
+the experts of a Mixture of Experts; gradients and the loss are still averaged over ``dp``.
 
 Pure arithmetic over the config plus the mesh accessors: it never imports the
 model, so the orchestrator sizes a group without loading model code.
@@ -44,7 +45,7 @@ class Axis(StrEnum):
     DP_SHARD = "dp_shard"
     CP = "cp"  # context parallelism: each sequence split over cp ranks
     TP = "tp"
-    EP = "ep"  # expert parallelism, carved from dp_shard: next; degree 1 today, never a mesh dimension of its own
+    EP = "ep"  # expert parallelism, carved from dp_shard: never a mesh dimension of its own (its own groups)
 
 
 # The mesh's dimensions, outermost first (ranks are numbered row-major over them).
@@ -105,7 +106,7 @@ class ParallelDims:
                 f"x tp={p.tp} x pp={p.pp} = {fixed * dp_shard}, but the world size is {world_size}; "
                 "set parallel.dp_shard=-1 to fill it"
             )
-        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp,
+        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp, ep=p.ep,
                    zero_requested=p.zero_stage)
         dims.check_batch(cfg)
         dims.check_features(cfg)
@@ -113,8 +114,9 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.dp_shard % self.ep:
-            raise ConfigError(f"expert parallelism ep={self.ep} is carved from dp_shard={self.dp_shard} and "
-                              f"must divide it")
+            raise ConfigError(f"parallel.ep={self.ep} is carved from dp_shard={self.dp_shard} and must divide it; "
+                              f"use a world size whose dp_shard is a multiple of {self.ep}, or parallel.ep in "
+                              f"{fmt_list(divisors(self.dp_shard))}")
 
     # --- derived quantities: asked here, never re-derived ----------------------------------
 
@@ -345,11 +347,12 @@ def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
 def size_rule(cfg: RunConfig) -> str:
     """:func:`valid_world_sizes`'s first rule in words, for error messages: the degrees that must divide the world."""
     p = cfg.parallel
+    ep = f", with dp_shard a multiple of parallel.ep={p.ep}" if p.ep > 1 else ""
     if p.cp > 1:
         return (f"multiples of dp_replicate x cp x tp x pp (here {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = "
-                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)})")
+                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)}){ep}")
     return (f"multiples of dp_replicate x tp x pp (here {p.dp_replicate} x {p.tp} x {p.pp} = "
-            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)})")
+            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)}){ep}")
 
 
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:

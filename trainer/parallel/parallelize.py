@@ -18,8 +18,9 @@ The order, and why it matters:
    split along the sequence; parameters are untouched), after TP has placed the parameters and before
    anything wraps the blocks, so activation checkpointing recomputes the routed attention and FSDP sees
    the modules as routed.
-4. Expert parallelism: its slot (none yet: ``ep`` is 1). It places experts over ``ep``, carved from
-   ``dp_shard``, before FSDP shards what is left over the remaining data-parallel ranks.
+4. Expert parallelism (:mod:`.expert`): it gives every MoE layer its ep group (experts split over
+   ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all), before activation
+   checkpointing recomputes the routed layers and FSDP shards the (whole-shaped) expert weights.
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
 6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
@@ -44,20 +45,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
 from ..models import spec_for
+from ..models.moe import aux_loss, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
 from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
+from .expert import apply_ep
 from .fsdp import shard_blocks
 from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
 
 log = logging.getLogger("etrain")
-
-
-def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
-    """Expert parallelism's place in the order: nothing yet (``dims.ep`` is 1)."""
 
 
 @dataclass
@@ -79,6 +78,7 @@ class ModelParts:
     draws_random: bool = True
     # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
     cp: ContextParallel | None = None
+    _moe: list | None = None  # the Mixture-of-Experts layers of modules[0] (aux_loss)
 
     @property
     def has_first_stage(self) -> bool:
@@ -102,7 +102,15 @@ class ModelParts:
         parallelism, whose equal shares average to the whole sequence's over the cp ranks)."""
         if self.cp is not None:
             targets = self.cp.shard(targets)
-        return (self.loss_fn or lm_loss)(logits, targets)
+        loss = (self.loss_fn or lm_loss)(logits, targets)
+        aux = self.aux_loss()
+        return loss if aux is None else loss + aux
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Mixture of Experts: the load-balancing loss of the last forward (None for a dense model)."""
+        if self._moe is None:  # found once: the loss asks every micro-batch
+            self._moe = moe_layers(self.modules[0]) if self.modules else []
+        return aux_loss(self._moe) if self._moe else None
 
     def named_parameters(self):
         for m in self.modules:
@@ -144,7 +152,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
-        apply_ep(model, dims)
+        apply_ep(model, dims, rank)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
         if use_fsdp:

@@ -1,0 +1,53 @@
+"""Mixture-of-Experts functions run inside real process groups (tests.harness.run_ranks)."""
+
+from __future__ import annotations
+
+from tests.jobs import CPU, comm_per_step, trainers
+from trainer.world import World, init_distributed, shutdown_distributed
+
+
+def train_moe(payload: dict) -> dict:
+    """Each layout of ``payload["layouts"]`` for ``payload["steps"]`` steps: its losses, aux losses,
+    imbalance ratios and (``payload["params"]``, world 1) the trained parameters."""
+    from trainer.telemetry import comm_meter
+
+    meter = comm_meter()
+    meter.enabled = True
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        out = {}
+        for name, _, trainer in trainers(world, payload["base"], payload["layouts"]):
+            grads = capture_first_grads(trainer) if payload.get("grads") else {}
+            meter.name_axes(trainer.mesh)
+            before = meter.snapshot()
+            stats = [trainer.train_step() for _ in range(payload["steps"])]
+            out[name] = {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats],
+                         "imbalance": [s.moe_imbalance for s in stats],
+                         "comm": comm_per_step(meter, before, payload["steps"]),
+                         "memory": trainer.memory_measured, "predicted": trainer.memory_predicted()}
+            if grads:
+                out[name]["grads"] = grads
+            if payload.get("params"):
+                out[name]["params"] = {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}
+            del trainer
+        return out
+    finally:
+        shutdown_distributed()
+
+
+def capture_first_grads(trainer) -> dict:
+    """Filled at the first optimizer step: the averaged gradient of every router and expert weight, as the
+    optimizer receives it (whole tensors: ZeRO 0)."""
+    grads: dict = {}
+    step = trainer.optimizer.step
+
+    def first(lr, coef):
+        if not grads:
+            for n, p in trainer.parts.named_parameters():
+                if (".experts." in n or ".router." in n) and p.grad is not None:
+                    grads[n] = p.grad.detach().clone()
+        return step(lr, coef)
+
+    trainer.optimizer.step = first
+    return grads

@@ -1,0 +1,161 @@
+"""Mixture of Experts for the built-in decoder (``[model] n_experts > 0``, ``preset = "moe-tiny"``).
+
+    moe = MoE(cfg.model)          # replaces a block's feed-forward (ModelConfig.is_moe_layer)
+    y = moe(x)                    # (batch, seq, dim) in and out; moe.aux_loss: this forward's balancing loss
+
+Token-choice top-k routing in fp32: each token's router logits (``router``, no bias) go through a softmax;
+the top ``top_k`` experts by score plus ``expert_bias`` (a buffer, moved by auxiliary-loss-free balancing:
+:func:`update_router_bias`) are chosen, and their scores, renormalized over the chosen ones, weight the
+experts' outputs. ``n_shared_experts`` SwiGLUs of ``ffn_hidden`` see every token. The auxiliary loss is
+the Switch Transformer's, ``n_experts * sum_e f_e * P_e`` (f_e: the share of routed slots that expert e
+got, P_e: its mean router probability), times ``aux_loss_coef``. With ``capacity_factor > 0`` an expert
+takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, first come first served in
+token order; the rest are dropped (their share of the output is zero).
+
+Experts are computed by a loop over experts on the slots sorted by expert. Under expert parallelism
+(``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them, and the sorted slots
+travel to their experts' ranks and back by all-to-all with uneven splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class Experts(nn.Module):
+    """``n`` SwiGLU experts as stacked weights: w1, w3 (n, hidden, dim), w2 (n, dim, hidden)."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
+        """``x``: slots sorted by expert, ``counts[i]`` of them for expert ``first + i``."""
+        outs = []
+        for e, chunk in enumerate(x.split(counts), start=first):
+            h = F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())
+            outs.append(h @ self.w2[e].t())
+        return torch.cat(outs) if outs else x[:0]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.ffn_hidden)
+        self.shared = SwiGLU(cfg.dim, cfg.ffn_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
+        # Slots each expert got since the last update_router_bias (fp32, for balancing and the step log).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+        self.dropped = 0  # slots dropped by capacity since the last read
+        self.ep = None  # set by trainer.parallel.expert.apply_ep: the group this layer's experts are split over
+
+    def route(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen experts (T, k), their weights (T, k), the aux loss) of tokens ``t`` (T, dim); fp32."""
+        logits = F.linear(t.float(), self.router.weight.float())
+        scores = logits.softmax(dim=-1)
+        with torch.no_grad():
+            idx = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / w.sum(dim=-1, keepdim=True)
+        load = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
+        aux = self.n_experts * (load / idx.numel() * scores.mean(dim=0)).sum()
+        return idx, w, aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        t = x.reshape(-1, shape[-1])
+        idx, w, aux = self.route(t)
+        self.aux_loss = aux * self.aux_loss_coef
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)  # slots sorted by expert, token order within one
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts.float()
+        if self.capacity_factor > 0:
+            cap = math.ceil(self.capacity_factor * flat.numel() / self.n_experts)
+            starts = counts.cumsum(0) - counts
+            rank_in_expert = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
+            keep = rank_in_expert < cap
+            self.dropped += int((~keep).sum())
+            order = order[keep]
+            counts = counts.clamp(max=cap)
+        slots = t[order // self.top_k]
+        if self.ep is None:
+            out_sorted = self.experts(slots, counts.tolist())  # the loop over experts; nothing for an idle one
+        else:
+            out_sorted = self.ep.run(self.experts, slots, counts)
+        out = t.new_zeros(flat.numel(), shape[-1])
+        out = out.index_copy(0, order, out_sorted)
+        y = (out.view(-1, self.top_k, shape[-1]) * w.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        if self.shared is not None:
+            y = y + self.shared(t)
+        return y.view(shape)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the aux losses of ``layers``' last forward (None without any)."""
+    losses = [m.aux_loss for m in layers if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
+    """After a step: the load of every MoE layer summed over ``group`` (the data-parallel ranks), each
+    expert's routing bias moved by ``rate`` toward the mean load (DeepSeek-V3's auxiliary-loss-free
+    balancing; a no-op at rate 0), the counters cleared. Returns the load-imbalance ratio (the largest
+    max / mean load over the layers; 0 without MoE layers)."""
+    import torch.distributed as dist
+
+    layers = moe_layers(model)
+    if not layers:
+        return 0.0
+    loads = torch.stack([m.tokens_per_expert for m in layers])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    ratio = float((loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).max())
+    for m, load in zip(layers, loads):
+        if rate > 0:
+            m.expert_bias += rate * torch.sign(load.mean() - load)
+        m.tokens_per_expert.zero_()
+    return ratio
+
+
+def router_bias_state(model: nn.Module) -> dict[str, list[float]]:
+    """The routing biases that auxiliary-loss-free balancing moved, by MoE layer path (for the checkpoint's
+    trainer state: a run resumes with them, at any ep); {} while all are zero."""
+    return {name: m.expert_bias.tolist() for name, m in model.named_modules()
+            if isinstance(m, MoE) and bool(m.expert_bias.any())}
+
+
+@torch.no_grad()
+def load_router_bias(model: nn.Module, state: dict[str, list[float]]) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            m.expert_bias.copy_(torch.tensor(state.get(name, [0.0] * m.n_experts), dtype=m.expert_bias.dtype))
