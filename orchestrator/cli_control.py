@@ -171,22 +171,21 @@ def wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> i
 
 
 def cmd_suspend(args) -> int:
-    from .auth import change_run
-
-    store = open_store_of(args)
-    live_status(store, args.run, args.command)
-    change_run(store, args.run, {"suspended": True}, args.token)
-    print(f"etrain: suspend of run {args.run!r} requested; it stops at the next step boundary")
-    return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
+    return _request(args, "suspended", "suspend", "stops")
 
 
 def cmd_stop(args) -> int:
+    return _request(args, "stop", "stop", "ends")
+
+
+def _request(args, field: str, what: str, verb: str) -> int:
+    """Set the spec's ``field`` (authorized, compare-and-swap) and, unless --no-wait, wait for a terminal phase."""
     from .auth import change_run
 
     store = open_store_of(args)
     live_status(store, args.run, args.command)
-    change_run(store, args.run, {"stop": True}, args.token)
-    print(f"etrain: stop of run {args.run!r} requested; it ends at the next step boundary")
+    change_run(store, args.run, {field: True}, args.token)
+    print(f"etrain: {what} of run {args.run!r} requested; it {verb} at the next step boundary")
     return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
