@@ -296,7 +296,8 @@ class TrackerThread:
         except queue.Full:  # make room for the close: the newest record goes
             try:
                 self.queue.get_nowait()
-                self.dropped += 1
+                with self.lock:
+                    self.dropped += 1
             except queue.Empty:
                 pass
             self.queue.put_nowait(_CLOSE)
