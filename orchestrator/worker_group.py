@@ -13,12 +13,11 @@ in memory, so the controller is tested without Ray.
 
 The run's ``min_workers`` are reserved together first, as one *gang*
 placement group (one bundle per worker, ``reserve_gang``): a run is admitted
-when the whole gang is, so two runs never each hold part of their minimum and
-block each other. The first workers started take the gang's free bundles (a
-replacement for a dead gang member takes its freed bundle); the others, the
-elastic part above the minimum and the standbys, get a one-bundle placement
-group each ({"CPU": 1}, or one GPU on GPU clusters) reserved before the actor
-starts, so a worker that cannot be placed stays *pending* instead of failing:
+when the whole gang is, so two runs never each hold part of their minimum
+while they wait. Once admitted, the gang hands its resources over to the
+workers: each worker, the minimum, the elastic part above it and the
+standbys alike, gets a one-bundle placement group ({"CPU": 1}, or one GPU
+on GPU clusters) reserved before the actor starts, so a worker that cannot be placed stays *pending* instead of failing:
 when a node joins, pending workers come up by themselves, and the controller
 grows the group. Every worker is
 built from the run's parsed config (``trainer.config.RunConfig``), which the
@@ -186,6 +185,21 @@ class RayWorkerGroup(WorkerGroup):
         done, _ = ray.wait([self.gang_ref], timeout=timeout)
         return bool(done)
 
+    def _hand_over_gang(self) -> None:
+        """The gang admitted the run; its resources go to the workers' own placement groups, made at once.
+        A worker in a gang bundle would pin its replacement to that bundle's node, draining or not (Ray
+        places a bundle again only once its node is dead): one placement group per worker lets a drain or
+        a failure move a worker anywhere. Between the removal and the new groups another pending gang may
+        take the resources: the run's workers then wait (SCHEDULING, then QUEUED again), holding nothing."""
+        from ray.util.placement_group import remove_placement_group
+
+        if self.gang is not None:
+            try:
+                remove_placement_group(self.gang)
+            except Exception:  # removed already
+                pass
+            self.gang, self.gang_size, self.gang_ref = None, 0, None
+
     def _free_bundle(self) -> int | None:
         held = {w.bundle for w in self.workers.values()}
         return next((b for b in range(self.gang_size) if b not in held), None) if self.gang is not None else None
@@ -198,6 +212,7 @@ class RayWorkerGroup(WorkerGroup):
         from .worker import CONCURRENCY, TrainWorker
 
         actor_cls = ray.remote(**CONCURRENCY)(TrainWorker)
+        self._hand_over_gang()
         out = []
         for _ in range(n):
             wid = f"w{next(self._counter)}-{uuid.uuid4().hex[:4]}"

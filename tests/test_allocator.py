@@ -248,3 +248,23 @@ def test_a_run_still_initializing_is_neither_holding_nor_queued(store):
     core.tick()
     assert store.get_spec("a").target == 0 and not kinds(store, "a", "preempted")
     assert core.runs()["new"] == store.url, "an initializing run stays registered"
+
+
+def test_a_run_shrunk_for_lost_capacity_gets_its_size_back_when_the_capacity_returns(store):
+    make_run(store, "r", workers=3, min_workers=1, max_workers=3)
+    allocator(store, capacity=2).tick()  # a node lost
+    assert store.get_spec("r").target == 2 and kinds(store, "r", "allocated")[0]["cause"] == "capacity"
+    # The node is back: the user's size again. A run with measurements that show no gain from a grow
+    # would not be grown into idle capacity; it is restored all the same (the size it asked for).
+    flat = {2: 10.0, 3: 10.0}  # no gain from a third worker
+    lease = store.acquire("r", "ctl-r")
+    store.put_history("r", [HistoryRow(i, 1.0, n, 12 * i, time.time(), 1.2) for n in (2, 3) for i in range(1, 5)])
+    store.release(lease)
+    assert throughput(store.get_history("r"), 12) == flat
+    core = allocator(store, capacity=3)
+    core.tick()
+    r = store.get_spec("r")
+    assert r.target == 0 and r.workers == 3
+    assert kinds(store, "r", "allocated")[-1]["cause"] == "restored"
+    core.tick()
+    assert len(kinds(store, "r", "allocated")) == 2, "restored twice"

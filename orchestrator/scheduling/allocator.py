@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from checkpointing.errors import ConfigError, EtrainError
 
+from .. import liveness
 from ..documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun
 from ..store import RunStore, open_store
 from .demand import demand_of, desired
@@ -150,7 +151,8 @@ class AllocatorCore:
             try:
                 st = self._store(url)
                 spec = st.get_spec(run_id)
-                status = st.get_status(run_id)
+                # A run whose controller is gone holds nothing: marked INTERRUPTED here if no one did yet.
+                status = liveness.notice(st, run_id, st.get_status(run_id), by="the cluster's allocator")
                 if (status or {}).get("phase", "INITIALIZING") == "INITIALIZING":
                     continue  # neither holding nor queued yet: its gang is asked for (QUEUED in 2 s if not granted)
                 events = st.events(run_id)
@@ -185,6 +187,7 @@ class AllocatorCore:
             now = self.clock()
             plan = decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state)), now)
             applied = [a for d in plan.decisions if (a := self._apply(d, *specs[d.run_id]))]
+            applied += self._restore(demands, specs, plan, cap)
             self.metrics.observe(demands, plan, self.phases, applied, time.perf_counter() - started, cap, now)
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
@@ -192,6 +195,31 @@ class AllocatorCore:
                          "applied": applied}
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
+
+    def _restore(self, demands, specs, plan: Plan, cap: int) -> list[dict]:
+        """Runs shrunk below the size their user asked for (``workers``) while the cluster had lost capacity
+        get it back once it is free again, before any growth into idle capacity is weighed: a lost node is
+        not a decision to keep the run small."""
+        out = []
+        free = cap - sum(plan.targets.values())
+        for d in sorted(demands, key=lambda d: (-d.priority, d.queued_since)):
+            store, spec = specs[d.run_id]
+            want = spec.workers - plan.targets.get(d.run_id, 0)
+            if spec.requeue or not 0 < spec.target < spec.workers or want > free or d.allocated != spec.target:
+                continue
+            if not any(e.get("kind") == "allocated" and e.get("cause") == "capacity" for e in store.events(d.run_id)):
+                continue
+            try:
+                store.update_spec(spec.run_id, expected=spec.generation, target=0)
+            except (SpecConflict, StoreUnavailable, UnknownRun):
+                continue
+            free -= want
+            plan.targets[d.run_id] = spec.workers
+            event = {"action": "grow", "workers": spec.workers, "cause": "restored", "from_workers": spec.target,
+                     "reason": "the cluster has room again for the size the run asked for"}
+            store.add_event(spec.run_id, {"kind": "allocated", **event})
+            out.append({"run_id": spec.run_id, **event})
+        return out
 
     def _apply(self, d, store: RunStore, spec: RunSpec) -> dict | None:
         if isinstance(d, Suspend):
