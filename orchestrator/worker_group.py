@@ -61,6 +61,7 @@ class _Worker:
     pg_ref: Any  # ready when the placement group holds its resources
     info: dict | None = None
     bundle: int | None = None  # its bundle in the run's gang; None: a placement group of its own
+    labeled: bool = False  # placed by the minimum's label selector ([elastic] min_node_labels)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class RayWorkerGroup(WorkerGroup):
         self._counter = itertools.count()
         # Ray label selectors for the gang's bundles and the elastic part's ({}: any node): [elastic] *_node_labels
         self.gang_labels, self.elastic_labels = dict(gang_labels or {}), dict(elastic_labels or {})
+        self._labeled_slots = 0  # workers placed by the minimum's labels (the gang's size, once handed over)
         self.gang: Any = None  # the gang placement group (reserve_gang), its size and its ready ref
         self.gang_size = 0
         self.gang_ref: Any = None
@@ -198,7 +200,12 @@ class RayWorkerGroup(WorkerGroup):
                 remove_placement_group(self.gang)
             except Exception:  # removed already
                 pass
-            self.gang, self.gang_size, self.gang_ref = None, 0, None
+            self._labeled_slots, self.gang, self.gang_size, self.gang_ref = self.gang_size, None, 0, None
+
+    def _labels_for_next(self) -> dict[str, str]:
+        """The minimum's label selector for as many live workers as the gang held, the elastic part's after."""
+        labeled = sum(1 for w in self.workers.values() if w.labeled)
+        return self.gang_labels if labeled < self._labeled_slots else self.elastic_labels
 
     def _free_bundle(self) -> int | None:
         held = {w.bundle for w in self.workers.values()}
@@ -220,8 +227,9 @@ class RayWorkerGroup(WorkerGroup):
             if bundle is not None:  # a gang member
                 pg, index, pg_ref = self.gang, bundle, self.gang_ref
             else:
+                labels = self._labels_for_next()
                 pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}",
-                                     **_selector(self.elastic_labels, 1))
+                                     **_selector(labels, 1))
                 index, pg_ref = 0, pg.ready()
             opts = {
                 "num_cpus": self.resources.get("CPU", 1), "num_gpus": self.resources.get("GPU", 0),
@@ -231,7 +239,8 @@ class RayWorkerGroup(WorkerGroup):
             if self.env:
                 opts["runtime_env"] = {"env_vars": dict(self.env)}
             actor = actor_cls.options(**opts).remote(self.config, wid, self.store_url, self.pg_timeout_s)
-            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg_ref, bundle=bundle)
+            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg_ref, bundle=bundle,
+                                        labeled=bundle is None and bool(labels) and labels == self.gang_labels)
             out.append(wid)
         return out
 

@@ -250,9 +250,18 @@ def test_a_run_still_initializing_is_neither_holding_nor_queued(store):
     assert core.runs()["new"] == store.url, "an initializing run stays registered"
 
 
+def test_a_lost_node_alone_writes_no_target(store):
+    """The controller already runs at what it can form and keeps its replacements pending: a target would
+    only keep it small once a node joins."""
+    make_run(store, "r", workers=3, min_workers=1, max_workers=3)
+    allocator(store, capacity=2).tick()
+    assert store.get_spec("r").target == 0 and not kinds(store, "r", "allocated")
+
+
 def test_a_run_shrunk_for_lost_capacity_gets_its_size_back_when_the_capacity_returns(store):
     make_run(store, "r", workers=3, min_workers=1, max_workers=3)
-    allocator(store, capacity=2).tick()  # a node lost
+    make_run(store, "q", workers=3, min_workers=3, max_workers=3, phase="QUEUED", world=0)  # waits for room
+    allocator(store, capacity=2).tick()  # a node lost while a run waits: the run gives back
     assert store.get_spec("r").target == 2 and kinds(store, "r", "allocated")[0]["cause"] == "capacity"
     # The node is back: the user's size again. A run with measurements that show no gain from a grow
     # would not be grown into idle capacity; it is restored all the same (the size it asked for).

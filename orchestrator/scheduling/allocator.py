@@ -222,6 +222,10 @@ class AllocatorCore:
         return out
 
     def _apply(self, d, store: RunStore, spec: RunSpec) -> dict | None:
+        if isinstance(d, Resize) and d.cause in ("capacity", "valid") and "QUEUED" not in self.phases.values():
+            # The cluster lost nodes and no run waits for them: the run's controller already runs at what it
+            # can form and keeps its replacements pending, which a joining node places at once.
+            return None
         if isinstance(d, Suspend):
             changes, action, workers, cause = {"requeue": True, "target": 0}, "suspend", 0, d.cause
         else:
