@@ -2,9 +2,10 @@
 
 A node hosting a worker is drained through Ray's own drain call (what ``ray drain-node`` and a node's
 SIGTERM handler make): the run shrinks off it at a step boundary before the deadline, with a
-``preempted`` event (reason ``drain``) and no failure; a node is added and the run grows back to its
-size; it finishes and passes the chaos oracle against the session's failure-free reference (every step
-once, the same loss at every step). The chaos kinds ``drain_node`` and ``add_node`` inject both.
+``preempted`` event (reason ``drain``) and no failure; a node added just before (so that the
+replacement starts while the 40-step run still trains) lets it grow back to its size; it finishes and
+passes the chaos oracle against the session's failure-free reference (every step once, the same loss
+at every step). The chaos kinds ``drain_node`` and ``add_node`` inject both.
 
 The drained node's raylet exits once the run has left it (Ray ends an idle draining node); the test
 leaves the cluster as it found it: three live 1-CPU worker nodes, none draining.
@@ -38,8 +39,7 @@ deadline_s = 60
 
 [[fault]]
 kind = "add_node"
-after_fault = 0
-delay_s = 2
+at_step = 2
 """
 
 
