@@ -265,7 +265,7 @@ def ray_capacity(cpus_per_worker: float, gpus_per_worker: float,
         except Exception:  # the drain state unreadable this round: count every alive node
             draining = frozenset()
     key, per = ("GPU", gpus_per_worker) if gpus_per_worker > 0 else ("CPU", max(cpus_per_worker, 1e-6))
-    total = free = 0
+    total = 0
     for n in ray.nodes():
         if not n.get("Alive") or n.get("NodeID") in draining:
             continue
