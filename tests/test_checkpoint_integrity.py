@@ -105,7 +105,8 @@ def test_a_restarted_run_that_does_not_resume_is_refused_and_leaves_its_checkpoi
 
 def test_a_second_writer_of_the_same_run_is_refused_while_the_first_holds_it(tmp_path):
     url = f"file://{tmp_path}/ck"
-    first = trainer(url, steps=400, interval=50, background=True)
+    # The first run is killed below, never finishes: it must hold the lock however fast this machine is.
+    first = trainer(url, steps=1_000_000, interval=50, background=True)
     try:
         lock_dir = tmp_path / "ck" / "tiny" / "LOCK"
         deadline = time.monotonic() + 120
