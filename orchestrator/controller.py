@@ -312,12 +312,11 @@ class Controller(Membership):
             self.group.submit(w, "request_stop")
         results = self._collect(list(self.train_calls.values()), "train")
         self.train_calls = {}
-        failed = {w: r for w, r in results.items() if r["status"] == "failed"}
+        failed = [r for r in results.values() if r.failed]
         if failed:
-            r = next(iter(failed.values()))
-            raise GroupFailure(r["error"], r.get("kind", "error"))
+            raise GroupFailure(failed[0].error, failed[0].kind)
         self.poll_progress()
-        self.progress["step"] = max(r["step"] for r in results.values())
+        self.progress["step"] = max(r.step for r in results.values())
 
     def save_now(self) -> bool:
         """A checkpoint of the current step, committed before this returns (collective)."""

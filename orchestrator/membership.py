@@ -129,25 +129,26 @@ class Membership:
         restored = self._group_call(chosen, "restore", plan)
         self.form_phases = {"form_s": t1 - t0, "plan_s": t_plan - t1, "restore_s": self.clock() - t_plan}
         for r in formed.values():  # the slowest rank's time in each part of forming
-            for k, v in r.get("phases", {}).items():
+            for k, v in r.phases.items():
                 self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))
-        step = restored[rank0]["step"]
-        tier = self.restored_tier = restored[rank0].get("tier", "durable")
-        why, tier_events, budget = restore_outcome({rank0: restored[rank0], **restored}, why,
+        first = restored[rank0]
+        step = first.step
+        tier = self.restored_tier = first.tier
+        why, tier_events, budget = restore_outcome([first, *(r for w, r in restored.items() if w != rank0)], why,
                                                    self.pending_recovery is not None)
-        row = restored[rank0].get("history_row")
+        row = first.history_row
         if tier == "memory" and step > self.last_completed_step() and isinstance(row, list):
             self.observers.on_history(self, [HistoryRow.of(row)])  # trained, never reported: its rank 0 died
         self.progress = {"step": step}
         self.progress_at = self.clock()
         if tier != "memory":  # a restore from memory leaves the newest commit where it was
-            self.committed_step = restored[rank0]["from_step"]
+            self.committed_step = first.from_step
         self.observers.on_formed(self)
         if self.pending_recovery is not None and not self.pending_recovery.formed_yet:
             r = self.pending_recovery
             r.formed(step=step, world=size, tier=tier, tier_reason=why, phases=self.form_phases,
                      waited_s=t0 - r.settled_at)
-        self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=restored[rank0]["from_step"],
+        self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=first.from_step,
                    tier=tier, tier_reason=why, memory_tier=budget,
                    rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],

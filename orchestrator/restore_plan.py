@@ -26,6 +26,7 @@ from __future__ import annotations
 from checkpointing.recovery.restore import SnapshotKey, plan_restore
 
 from .worker_group import WorkerGroup
+from .worker_results import Restored
 
 
 def group_restore_plan(group: WorkerGroup, holders: list[str], committed_step: int | None = None,
@@ -58,19 +59,18 @@ def group_restore_plan(group: WorkerGroup, holders: list[str], committed_step: i
     return {"key": plan.key, "where": plan.where, "handles": handles}, plan.reason
 
 
-def restore_outcome(restored: dict, why: str, recovering: bool) -> tuple[str, list[dict], dict | None]:
-    """From every member's ``restore`` result (by worker id, rank 0 first): why the group restored where it
+def restore_outcome(restored: list[Restored], why: str, recovering: bool) -> tuple[str, list[dict], dict | None]:
+    """From every member's ``restore`` result (rank 0's first): why the group restored where it
     did, the ``memory_tier`` events to tell (a fallback to the durable checkpoint in a ``recovering``
     group or after a failed restore from memory; a tier without a bound it could derive), and the
     tier's budget for the ``formed`` event (rank 0's, with the smallest of any rank's; None when off)."""
-    results = list(restored.values())
-    first = results[0]
+    first = restored[0]
     events = []
-    if first.get("fallback"):
-        why = f"the restore from memory failed ({first['fallback']})"
-    tiers = [r["memory_tier"] for r in results if r.get("memory_tier")]
-    if tiers and (first.get("fallback") or (recovering and first.get("tier") != "memory")):
-        events.append({"action": "fallback", "step": first.get("step"), "reason": why})
+    if first.fallback:
+        why = f"the restore from memory failed ({first.fallback})"
+    tiers = [r.memory_tier for r in restored if r.memory_tier]
+    if tiers and (first.fallback or (recovering and first.tier != "memory")):
+        events.append({"action": "fallback", "step": first.step, "reason": why})
     unknown = [t for t in tiers if t.get("budget") == "unknown"]
     if unknown:
         events.append({"action": "unbounded", "rank": unknown[0].get("rank"), "reason": unknown[0].get("describe")})

@@ -384,17 +384,17 @@ def check_training(c: Controller) -> State | None:
         ranks = ",".join(str(c.members.index(w)) for w, _ in lost if w in c.members)
         log.warning("workers lost: %s", "; ".join(m for _, m in lost))
         return Recovering.now(c, "actor_died", f"worker died: rank {ranks}", tuple(w for w, _ in lost))
-    failed = {w: r for w, r in results.items() if r["status"] == "failed"}
+    failed = {w: r for w, r in results.items() if r.failed}
     if failed:
         # The cause before its echoes: peers of a failing rank only see their collective fail.
         # The message groups the culprits by error ("ranks 1,3: X"), named by rank.
-        culprits = {w: r for w, r in failed.items() if r.get("kind") != "collective_failed"} or failed
-        kind = next(iter(culprits.values())).get("kind", "error")
-        message = group_rank_errors({c.members.index(w): r["error"] for w, r in culprits.items()})
+        culprits = {w: r for w, r in failed.items() if r.kind != "collective_failed"} or failed
+        kind = next(iter(culprits.values())).kind
+        message = group_rank_errors({c.members.index(w): r.error for w, r in culprits.items()})
         return Recovering.now(c, kind, message)
-    if len(results) == len(c.train_calls) and all(r["status"] == "done" for r in results.values()):
+    if len(results) == len(c.train_calls) and all(r.status == "done" for r in results.values()):
         c.poll_progress()  # the last steps' figures (loss), which the final status reports
-        c.progress["step"] = max(r["step"] for r in results.values())
+        c.progress["step"] = max(r.step for r in results.values())
         return Finishing("all steps done")
     return None  # "stopped" results are collected by stop_at_boundary
 

@@ -88,7 +88,8 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
             steps_rate = (a - b) / (ca - cb)
     total = st.get("total_steps")
     step = _get(cur, "etrain_step")
-    head.add_row(phase, f"{_fmt(step, '.0f')}" + (f"/{total}" if total else ""), _fmt(_get(cur, "etrain_world_size"), ".0f"),
+    head.add_row(phase, f"{_fmt(step, '.0f')}" + (f"/{total}" if total else ""),
+                 _fmt(_get(cur, "etrain_world_size"), ".0f"),
                  _fmt(_get(cur, "etrain_epoch"), ".0f"), _fmt(_get(cur, "etrain_loss")),
                  _si(_get(cur, "etrain_tokens_per_second")), _fmt(_get(cur, "etrain_learning_rate"), ".2e"),
                  _fmt(_get(cur, "etrain_grad_norm")), _fmt(steps_rate, ".3f"),
@@ -97,8 +98,10 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
     comm = Table(title=f"communication (all ranks, last {dt:.1f} s)", expand=False)
     for col in ("kind", "axis", "calls/s", "bytes/s", "busbw/rank", "mean latency", "bytes total"):
         comm.add_column(col, justify="right")
-    calls, nbytes = _by(cur, "etrain_comm_calls_total", "kind", "axis"), _by(cur, "etrain_comm_bytes_total", "kind", "axis")
-    secs, cnt = _by(cur, "etrain_comm_seconds_sum", "kind", "axis"), _by(cur, "etrain_comm_seconds_count", "kind", "axis")
+    calls = _by(cur, "etrain_comm_calls_total", "kind", "axis")
+    nbytes = _by(cur, "etrain_comm_bytes_total", "kind", "axis")
+    secs = _by(cur, "etrain_comm_seconds_sum", "kind", "axis")
+    cnt = _by(cur, "etrain_comm_seconds_count", "kind", "axis")
     bw_sum = _by(cur, "etrain_comm_bus_bandwidth_bytes_per_second", "kind", "axis")
     bw_n = defaultdict(int)
     for (n, ls) in cur:

@@ -57,6 +57,7 @@ from trainer.world import World, init_distributed, listening_store, shutdown_dis
 from .config import GroupTier
 from .store import HistoryRow
 from .tier_restore import everyone, restore_from_memory
+from .worker_results import Formed, Restored, TrainResult
 
 log = logging.getLogger("etrain")
 
@@ -169,7 +170,7 @@ class TrainWorker:
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: GroupTier | None = None, key: str = "") -> dict:
+             recovery: GroupTier | None = None, key: str = "") -> Formed:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
         memory tier's settings (``[recovery]`` as the controller parsed it, and each rank's node), None for
         none.
@@ -211,8 +212,8 @@ class TrainWorker:
             if rank != 0:  # only rank 0's history is collected
                 self._history = []
         t3 = time.monotonic()
-        return {"rank": rank, "seconds": t3 - t0, "phases": {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
-                                                              "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s}}
+        return Formed(rank, t3 - t0, {"teardown_s": t1 - t0, "process_group_s": t2 - t1,
+                                      "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s})
 
     def _start_tier(self, recovery: GroupTier | None, rank: int, world_size: int) -> None:
         """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
@@ -241,7 +242,7 @@ class TrainWorker:
         return lambda: store.current_epoch(run_id)
 
     @on_torch_thread
-    def restore(self, plan: dict | None = None) -> dict:
+    def restore(self, plan: dict | None = None) -> Restored:
         """Load the step ``plan`` names from the memory tier (see :func:`restore_from_memory`), else (no
         plan, or it failed on some rank: every rank falls back together) the newest valid checkpoint,
         resharded to this layout (collective). Step 0 if there is none. ``tier`` says which."""
@@ -250,15 +251,13 @@ class TrainWorker:
         if plan is not None:
             fallback, state = restore_from_memory(self, plan)
             if not fallback:  # with the restored step's history row: a rank 0 that died may never have sent it
-                return {"step": self.trainer.step, "from_step": None, "tier": "memory",
-                        "history_row": state.get("history_row"), "world_size_at_save": None,
-                        "seconds": time.monotonic() - t0, "memory_tier": self._tier_state()}
+                return Restored(self.trainer.step, "memory", time.monotonic() - t0,
+                                history_row=state.get("history_row"), memory_tier=self._tier_state())
             log.warning("restore from memory failed, restoring from the durable checkpoint: %s", fallback)
         manifest = self.trainer.load_checkpoint(self.ckpt) if self.ckpt is not None else None
-        return {"step": self.trainer.step, "from_step": manifest.step if manifest else None,
-                "tier": "durable" if manifest else "none", "fallback": fallback,
-                "world_size_at_save": manifest.world_size if manifest else None, "seconds": time.monotonic() - t0,
-                "memory_tier": self._tier_state()}
+        return Restored(self.trainer.step, "durable" if manifest else "none", time.monotonic() - t0,
+                        from_step=manifest.step if manifest else None, fallback=fallback,
+                        world_size_at_save=manifest.world_size if manifest else None, memory_tier=self._tier_state())
 
     # --- the memory tier ----------------------------------------------------------------
 
@@ -355,7 +354,7 @@ class TrainWorker:
     # --- training -----------------------------------------------------------------------
 
     @on_torch_thread
-    def train(self, until_step: int) -> dict:
+    def train(self, until_step: int) -> TrainResult:
         """Train until ``until_step``, a stop vote, or a failure (returned, never raised). Checkpoints
         every ``checkpoint.interval_steps`` before ``until_step``; the controller saves that one."""
         tr = self.trainer
@@ -366,11 +365,11 @@ class TrainWorker:
                 self._collect_saves()
                 if stats.stop:
                     self._stop.clear()
-                    return {"status": "stopped", "step": tr.step}
-            return {"status": "done", "step": tr.step}
+                    return TrainResult("stopped", tr.step)
+            return TrainResult("done", tr.step)
         except Exception as e:  # a vanished peer, a timeout, a bug: the controller decides
             log.debug("train failed: %s", traceback.format_exc())
-            failed = {"status": "failed", "step": tr.step, "error": describe(e), "kind": _failure_kind(e)}
+            failed = TrainResult("failed", tr.step, describe(e), _failure_kind(e))
             # Leave the group now: closing this rank's connections fails the peers still blocked on
             # it at once, instead of at the collective timeout. The process stays for the next epoch.
             self._teardown()

@@ -23,7 +23,7 @@ like ``orchestrator.worker.TrainWorker``:
 * Every ``interval`` steps (and on ``save()``) a checkpoint is committed to
   the shared :class:`FakeStorage`; ``restore()`` returns its newest step.
 * ``request_stop`` is a vote: the step in flight completes, then every rank's
-  ``train`` returns ``{"status": "stopped"}`` at that step boundary.
+  ``train`` returns ``TrainResult("stopped", step)`` at that step boundary.
 * Faults are addressed by (rank, step), see :class:`Fault`: a rank dies (its
   calls raise ``WorkerLost``, peers' ``train`` returns a failed collective),
   hangs (its calls never return, ping times out, peers block), or raises an
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.worker_group import Call, WorkerGroup, WorkerLost
+from orchestrator.worker_results import Formed, Restored, TrainResult
 
 
 class FakeClock:
@@ -332,7 +333,7 @@ class FakeGroup(WorkerGroup):
             epoch, rank, world, _addr, _port, *_recovery = args
             w.epoch, w.rank, w.world = int(epoch), int(rank), int(world)
             w.stop, w.train, w.last, w.step = False, None, {}, 0
-            call.ref.set({"rank": rank, "seconds": 0.0})
+            call.ref.set(Formed(rank, 0.0))
         elif method == "memory_holdings":  # the fake keeps no memory tier: every restore is from storage
             call.ref.set({"holdings": {}, "needed": {}})
         elif method == "memory_flush":
@@ -344,8 +345,8 @@ class FakeGroup(WorkerGroup):
                 return
             w.step = latest or 0
             saved = self.storage.committed.get(latest, {}) if latest is not None else {}
-            call.ref.set({"step": w.step, "from_step": latest, "world_size_at_save": saved.get("world_size"),
-                          "seconds": 0.0})
+            call.ref.set(Restored(w.step, "durable" if latest is not None else "none", 0.0, from_step=latest,
+                                  world_size_at_save=saved.get("world_size")))
         elif method == "save":
             fault = self._fault(w.rank, w.step, "save")
             if fault is not None and self._apply_outside_train(w, fault, call):
@@ -403,9 +404,9 @@ class FakeGroup(WorkerGroup):
     def _fail_peers(self, culprit: FakeWorker, kind: str, error: str) -> None:
         for p in self.workers.values():
             if p is not culprit and p.epoch == culprit.epoch and p.train is not None and not p.hung:
-                self._finish(p, {"status": "failed", "step": p.step, "error": error, "kind": kind})
+                self._finish(p, TrainResult("failed", p.step, error, kind))
 
-    def _finish(self, w: FakeWorker, result: dict) -> None:
+    def _finish(self, w: FakeWorker, result: TrainResult) -> None:
         w.train.ref.set(result)
         w.train = None
         w.stop = False
@@ -427,7 +428,7 @@ class FakeGroup(WorkerGroup):
         step, until = ranks[0].step, ranks[0].until
         if step >= until:
             for w in ranks:
-                self._finish(w, {"status": "done", "step": step})
+                self._finish(w, TrainResult("done", step))
             return
         for w in ranks:
             fault = self._fault(w.rank, step, "train")
@@ -438,7 +439,7 @@ class FakeGroup(WorkerGroup):
             elif fault.kind == "hang":
                 w.hung = True  # its train never returns; peers block in the collective
             else:
-                self._finish(w, {"status": "failed", "step": step, "error": fault.message, "kind": "error"})
+                self._finish(w, TrainResult("failed", step, fault.message, "error"))
                 self._fail_peers(w, "collective_failed",
                                  f"DistBackendError: [gloo] connection closed by peer (rank {w.rank})")
             return
@@ -457,7 +458,7 @@ class FakeGroup(WorkerGroup):
                                 "blocking_s": 0.0, "persist_s": 0.0})
         if stop:
             for w in ranks:
-                self._finish(w, {"status": "stopped", "step": step})
+                self._finish(w, TrainResult("stopped", step))
         elif step >= until:
             for w in ranks:
-                self._finish(w, {"status": "done", "step": step})
+                self._finish(w, TrainResult("done", step))
