@@ -236,6 +236,41 @@ class Controller(Membership):
         """Seconds waited in QUEUED, the current wait included."""
         return self.queue_wait_s + (self.clock() - self.queued_at if self.queued_at is not None else 0.0)
 
+    def take_lease(self) -> None:
+        """Lead the run: its lease in the store, and the epoch the store is at."""
+        self.lease = self.store.acquire(self.run_id, self.controller_id, ttl_s=self.opts.lease_ttl_s)
+        self.epoch = self.store.current_epoch(self.run_id)
+
+    def begin_recovery(self, record: PendingRecovery) -> None:
+        """A recovery is under way; it is reported at the first step after it (``recovered``)."""
+        self.pending_recovery = record
+
+    def begin_resize(self, record: PendingResize, leaving: tuple[str, ...] = ()) -> None:
+        """A resize re-formed the group (``leaving``: members that are gone, never spares); it is reported at
+        the first step at the new size (``resized``)."""
+        self.spares = [w for w in self.spares if w not in leaving]
+        self.pending_resize = record
+
+    def grow_check_in(self, seconds: float) -> None:
+        """Look at starting missing workers again in ``seconds``."""
+        self.next_grow_check = self.clock() + seconds
+
+    def boot_wait(self, now: float) -> float:
+        """Seconds the group has waited for booting spares (growth waits for them up to ``boot_timeout_s``)."""
+        self.booting_since = self.booting_since if self.booting_since is not None else now
+        return now - self.booting_since
+
+    def boot_done(self) -> None:
+        self.booting_since = None
+
+    def count_standbys(self) -> None:
+        """How many started workers outside the group are up (the status shows it)."""
+        self.standby_ready = len(self.group.ready(self.spares, timeout=0)) if self.spares else 0
+
+    def reached(self, step: int) -> None:
+        """Every member trained to ``step`` (the step the status reports)."""
+        self.progress["step"] = step
+
     def request_suspend(self, cause: str) -> None:
         """Suspend at the next step boundary, as a spec asking it would, naming ``cause`` (e.g. "SIGTERM")."""
         self.suspend_cause = cause
@@ -316,7 +351,7 @@ class Controller(Membership):
         if failed:
             raise GroupFailure(failed[0].error, failed[0].kind)
         self.poll_progress()
-        self.progress["step"] = max(r.step for r in results.values())
+        self.reached(max(r.step for r in results.values()))
 
     def save_now(self) -> bool:
         """A checkpoint of the current step, committed before this returns (collective)."""

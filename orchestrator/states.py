@@ -59,8 +59,7 @@ class Initializing(State):
     name = Phase.INITIALIZING
 
     def step(self, c: Controller) -> State:
-        c.lease = c.store.acquire(c.run_id, c.controller_id, ttl_s=c.opts.lease_ttl_s)
-        c.epoch = c.store.current_epoch(c.run_id)
+        c.take_lease()
         c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
                 controller_id=c.controller_id)
         c.observers.on_start(c)  # the lease renewed from now on, a resumed run's history, the metrics endpoint
@@ -176,7 +175,7 @@ class Running(State):
         if undurable is not None:
             return undurable
         c.observers.on_poll(c)
-        c.standby_ready = len(c.group.ready(c.spares, timeout=0)) if c.spares else 0
+        c.count_standbys()
         c.refresh_spec_throttled()
         if c.spec.suspended or c.suspend_cause:
             return suspending(c)
@@ -241,10 +240,10 @@ class Recovering(State):
             size = c.formable(ready, candidates, c.desired(), waited, wait_booting=False)
             if size is not None or waited >= c.opts.replace_wait_s:
                 break
-        c.pending_recovery = PendingRecovery(detected_at=self.detected_at or t0, last_step=last_step,
-                                             world_before=world_before, failure_kind=self.failure.kind,
-                                             failure_time_unix=time.time() - (c.clock() - self.failure.time),
-                                             settled_at=t_settled, phases={"settle_s": t_settled - t0})
+        c.begin_recovery(PendingRecovery(detected_at=self.detected_at or t0, last_step=last_step,
+                                         world_before=world_before, failure_kind=self.failure.kind,
+                                         failure_time_unix=time.time() - (c.clock() - self.failure.time),
+                                         settled_at=t_settled, phases={"settle_s": t_settled - t0}))
         if size is None:  # below min_workers: wait for capacity; the recovery completes when a group forms
             return Scheduling(c.desired(), "waiting for capacity after a failure")
         try:
@@ -272,21 +271,20 @@ class Resizing(State):
         t2 = c.clock()
         if not saved:
             log.warning("resize to %d postponed: the boundary checkpoint did not commit", self.target)
-            c.next_grow_check = c.clock() + c.opts.grow_check_s
+            c.grow_check_in(c.opts.grow_check_s)
             return Running()
         before = len(c.members)
         ready = [w for w in c.group.ready(c.members + c.spares, timeout=0) if w not in self.leaving]
         c.form(self.target, ready)
         for w in self.leaving:  # off the draining node; their replacements start below, elsewhere
             c.group.kill(w)
-        c.spares = [w for w in c.spares if w not in self.leaving]
-        c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         requested = self.requested_at or t0
-        c.pending_resize = PendingResize(requested_at=requested, from_workers=before, to_workers=self.target,
-                                         reason=self.reason, tier=c.restored_tier,
-                                         phases={"notice_s": t0 - requested, "stop_s": t1 - t0,
-                                                 ("memory_flush_s" if in_memory else "save_s"): t2 - t1,
-                                                 **c.form_phases})
+        c.begin_resize(PendingResize(requested_at=requested, from_workers=before, to_workers=self.target,
+                                     reason=self.reason, tier=c.restored_tier,
+                                     phases={"notice_s": t0 - requested, "stop_s": t1 - t0,
+                                             ("memory_flush_s" if in_memory else "save_s"): t2 - t1,
+                                             **c.form_phases}), leaving=self.leaving)
+        c.ensure_workers(c.desired(), standby=False)  # a shrink leaves old members as spares: stop the surplus
         return Running()
 
 
@@ -394,7 +392,7 @@ def check_training(c: Controller) -> State | None:
         return Recovering.now(c, kind, message)
     if len(results) == len(c.train_calls) and all(r.status == "done" for r in results.values()):
         c.poll_progress()  # the last steps' figures (loss), which the final status reports
-        c.progress["step"] = max(r.step for r in results.values())
+        c.reached(max(r.step for r in results.values()))
         return Finishing("all steps done")
     return None  # "stopped" results are collected by stop_at_boundary
 
@@ -450,7 +448,7 @@ def check_scaling(c: Controller) -> State | None:
     requested_at = c.resize_requested_at or c.clock()
     if (want == current and c.opts.standby and c.pending_recovery is None and c.pending_resize is None
             and c.clock() >= c.next_grow_check):  # top the standbys up once the group trains again
-        c.next_grow_check = c.clock() + min(c.opts.grow_check_s, 5.0)
+        c.grow_check_in(min(c.opts.grow_check_s, 5.0))
         c.ensure_workers(want)
     if want < current:
         size = c.scaling.target(ScalingStatus(current, want, current, c.valid_sizes))
@@ -460,17 +458,15 @@ def check_scaling(c: Controller) -> State | None:
     if want > current:
         now = c.clock()
         if now >= c.next_grow_check:
-            c.next_grow_check = now + min(c.opts.grow_check_s, 5.0)
+            c.grow_check_in(min(c.opts.grow_check_s, 5.0))
             c.ensure_workers(want)
         if not c.spares:
             return None
         ready = c.group.ready(c.spares, timeout=0)
         booting = [w for w in c.group.placed(c.spares) if w not in ready]
-        if booting and len(ready) < want - current:
-            c.booting_since = c.booting_since if c.booting_since is not None else now
-            if now - c.booting_since < c.opts.boot_timeout_s:
-                return None
-        c.booting_since = None
+        if booting and len(ready) < want - current and c.boot_wait(now) < c.opts.boot_timeout_s:
+            return None
+        c.boot_done()
         decision = c.scaling.decide(ScalingStatus(current, want, current + len(ready), c.valid_sizes), now)
         if isinstance(decision, Resize) and decision.workers > current:
             return Resizing(decision.workers, decision.reason, requested_at)
