@@ -110,6 +110,7 @@ class AllocatorCore:
         self.last: dict = {}
         self.metrics = ClusterMetrics()
         self.phases: dict[str, str] = {}
+        self.shrunk_for_capacity: set[str] = set()
 
     def runs(self) -> dict[str, str]:
         return dict(read_doc(self.state, STATE_DOC)[0].get("runs", {}))
@@ -146,6 +147,7 @@ class AllocatorCore:
     def gather(self) -> tuple[list, dict[str, tuple[RunStore, RunSpec]], set[str], dict]:
         demands, specs, gone = [], {}, set()
         self.phases = {}
+        self.shrunk_for_capacity = set()  # runs an ``allocated`` event shrank for lost capacity (see _restore)
         per_worker = {"cpus": 0.0, "gpus": 0.0}
         for run_id, url in sorted(self.runs().items()):
             try:
@@ -170,6 +172,8 @@ class AllocatorCore:
                 continue
             demands.append(d)
             specs[run_id] = (st, spec)
+            if any(e.get("kind") == "allocated" and e.get("cause") == "capacity" for e in events):
+                self.shrunk_for_capacity.add(run_id)
             self.phases[run_id] = (status or {}).get("phase", "INITIALIZING")
             per_worker["cpus"] = max(per_worker["cpus"], cpw)
             per_worker["gpus"] = max(per_worker["gpus"], gpw)
@@ -207,7 +211,7 @@ class AllocatorCore:
             want = spec.workers - plan.targets.get(d.run_id, 0)
             if spec.requeue or not 0 < spec.target < spec.workers or want > free or d.allocated != spec.target:
                 continue
-            if not any(e.get("kind") == "allocated" and e.get("cause") == "capacity" for e in store.events(d.run_id)):
+            if d.run_id not in self.shrunk_for_capacity:
                 continue
             try:
                 store.update_spec(spec.run_id, expected=spec.generation, target=0)
