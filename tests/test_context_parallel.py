@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp): each rank holds seq_len / cp positions of every sample, attention over
 the cp group (ring, allgather, ulysses). Every style trains as cp 1 does: the first 5 losses within 1e-4
 and the first step's reduced gradients within 1e-5 (fp32), at cp 2 on 2 processes (with selective
-checkpointing too) and cp 4 (and cp 2 x dp 2 under ZeRO-3, HSDP, full activation checkpointing) on 4; the
+checkpointing too; ZeRO 1 and 2 by their losses) and cp 4 (and cp 2 x dp 2 under ZeRO-2 and -3, HSDP, full
+activation checkpointing) on 4; the
 cp collectives of a step are counted exactly; the layouts that cannot work are refused before anything
 starts (exit 2).
 """
@@ -40,7 +41,12 @@ WORLD2 = {
     # recomputation reruns the routed attention, collectives included
     "cp2_ulysses_zero0_selective_ac": cp(2, "ulysses", "parallel.zero_stage=0",
                                          'parallel.activation_checkpoint="selective"'),
+    # ZeRO 1-2 shard over dp_shard x cp too; their parameters' .grad is not the reduced gradient (each rank
+    # reduces only its chunk), so these rows compare the losses, which the update of every chunk decides.
+    "cp2_ring_zero1": cp(2, "ring", "parallel.zero_stage=1"),
+    "cp2_ulysses_zero2": cp(2, "ulysses", "parallel.zero_stage=2"),
 }
+LOSSES_ONLY = {"cp2_ring_zero1", "cp2_ulysses_zero2", "cp2_dp2_allgather_zero2"}
 # bf16 against the fp32 cp 1 run, as the parallelism matrix (tests/test_parity.py) compares it: the first two losses
 # within 1e-2 relative (about 2.5 bf16 spacings).
 BF16 = {f"cp2_{s}_bf16": cp(2, s, 'parallel.mixed_precision="bf16"') for s in ("ring", "ulysses")}
@@ -51,6 +57,7 @@ WORLD4 = {
     "cp2_dp2_allgather_zero3": cp(2, "allgather"),
     "cp2_hsdp2_ring_zero3": cp(2, "ring", "parallel.dp_replicate=2"),
     "cp2_dp2_ring_zero0_ac": cp(2, "ring", "parallel.zero_stage=0", 'parallel.activation_checkpoint="full"'),
+    "cp2_dp2_allgather_zero2": cp(2, "allgather", "parallel.zero_stage=2"),
 }
 
 
@@ -74,10 +81,12 @@ def world4():
     return run(4, WORLD4)
 
 
-def check(got: dict, ref: dict) -> None:
+def check(got: dict, ref: dict, grads: bool = True) -> None:
     assert len(got["losses"]) == STEPS
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a - b) <= LOSS_TOL, (got["losses"], ref["losses"])
+    if not grads:
+        return
     assert set(got["grads"]) == set(ref["grads"])
     for name, g in ref["grads"].items():
         err = (got["grads"][name] - g).abs().max().item()
@@ -86,7 +95,7 @@ def check(got: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_cp2_trains_as_cp1(name, world2, reference):
-    check(world2[name], reference)
+    check(world2[name], reference, grads=name not in LOSSES_ONLY)
 
 
 @pytest.mark.parametrize("name", list(BF16))
@@ -97,7 +106,7 @@ def test_cp2_bf16_within_the_matrix_tolerance(name, world2, reference):
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_layouts_train_as_cp1(name, world4, reference):
-    check(world4[name], reference)
+    check(world4[name], reference, grads=name not in LOSSES_ONLY)
 
 
 def cp_traffic(res: dict) -> dict:

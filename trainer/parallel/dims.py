@@ -267,9 +267,6 @@ class ParallelDims:
                 off = "false" if value is True else "1"
                 raise ConfigError(f"parallel.cp={cp} does not combine with parallel.{name}={str(value).lower()} "
                                   f"yet; set parallel.{name}={off}, or parallel.cp=1")
-        if self.zero_stage in (1, 2):
-            raise ConfigError(f"parallel.cp={cp} takes parallel.zero_stage=3 (FSDP shards over dp_shard x cp) "
-                              f"or 0, not {self.zero_stage} yet; set parallel.zero_stage=3")
 
     # --- meshes --------------------------------------------------------------------------
 

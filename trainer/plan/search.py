@@ -89,8 +89,8 @@ def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
     mbs = sorted({d for d in divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
     scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + (
         [("interleaved_1f1b", 2)] if cfg.model.n_layers >= 2 * pp else [])
-    # Context parallelism takes ZeRO 0 or 3 (the trainer refuses 1 and 2 with it); its ranks shard too.
-    zero = ([0, 3] if cp > 1 else [0, 1, 2, 3]) if dp * cp > 1 else [0]
+    # Context parallelism's ranks hold copies of the parameters: every stage shards over dp_shard x cp.
+    zero = [0, 1, 2, 3] if dp * cp > 1 else [0]
     return {"zero": zero, "sp": [False, True] if tp > 1 and ok["sp"] else [False],
             "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp)}
 

@@ -38,7 +38,8 @@ class ZeroOptimizer:
         self.shard_group = dims.group(mesh, Mesh.DP_SHARD_CP) if self.stage > 0 else None
         self.replicate_group = dims.group(mesh, Axis.DP_REPLICATE) if self.stage > 0 else None
         self.n = dims.zero_shards
-        self.r = dims.coords(rank)[Axis.DP_SHARD] if self.stage > 0 else 0
+        # This rank's row in the shard group's collectives: its rank there (dp_shard x cp under context parallelism).
+        self.r = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
         if cfg.parallel.reduce_every_microbatch and dims.dp > 1 and rank == 0:
             log.warning("parallel.reduce_every_microbatch has no effect with zero_stage=%d: stages 0 and 1 keep "
                         "whole gradients and reduce them once per step, stage 2 reduce-scatters every "
@@ -172,7 +173,7 @@ class ZeroOptimizer:
             if final and self.grad_shard is not None:
                 if self.replicate_group is not None:
                     dist.all_reduce(self.grad_shard, group=self.replicate_group)
-                self.grad_shard.div_(self.dims.dp)
+                self.grad_shard.div_(self.dims.grad_ranks)
         elif final:
             self._adopt_stray_grads()
             if self.stage == 0:
@@ -256,7 +257,7 @@ class ZeroOptimizer:
             self._reduce_scatter(out, packed)
             if self.replicate_group is not None:
                 dist.all_reduce(out, group=self.replicate_group)
-            out.div_(self.dims.dp)
+            out.div_(self.dims.grad_ranks)
             for s in b.slots if in_place else []:
                 if s.lengths[self.r]:
                     self._my_chunk(self.flat_grad, s).copy_(b.region(out, s, self.r))
