@@ -2,7 +2,7 @@
 the cp group (ring, allgather, ulysses). Every style trains as cp 1 does: the first 5 losses within 1e-4
 and the first step's reduced gradients within 1e-5 (fp32), at cp 2 on 2 processes (with selective
 checkpointing too; ZeRO 1 and 2 by their losses) and cp 4 (and cp 2 x dp 2 under ZeRO-2 and -3, HSDP, full
-activation checkpointing) on 4; the
+activation checkpointing; cp 2 x tp 2, with sequence parallelism too) on 4; the
 cp collectives of a step are counted exactly; the layouts that cannot work are refused before anything
 starts (exit 2).
 """
@@ -46,7 +46,7 @@ WORLD2 = {
     "cp2_ring_zero1": cp(2, "ring", "parallel.zero_stage=1"),
     "cp2_ulysses_zero2": cp(2, "ulysses", "parallel.zero_stage=2"),
 }
-LOSSES_ONLY = {"cp2_ring_zero1", "cp2_ulysses_zero2", "cp2_dp2_allgather_zero2"}
+LOSSES_ONLY = {"cp2_ring_zero1", "cp2_ulysses_zero2", "cp2_dp2_allgather_zero2", "cp2_tp2_ulysses_zero2"}
 # bf16 against the fp32 cp 1 run, as the parallelism matrix (tests/test_parity.py) compares it: the first two losses
 # within 1e-2 relative (about 2.5 bf16 spacings).
 BF16 = {f"cp2_{s}_bf16": cp(2, s, 'parallel.mixed_precision="bf16"') for s in ("ring", "ulysses")}
@@ -58,6 +58,11 @@ WORLD4 = {
     "cp2_hsdp2_ring_zero3": cp(2, "ring", "parallel.dp_replicate=2"),
     "cp2_dp2_ring_zero0_ac": cp(2, "ring", "parallel.zero_stage=0", 'parallel.activation_checkpoint="full"'),
     "cp2_dp2_allgather_zero2": cp(2, "allgather", "parallel.zero_stage=2"),
+    # cp x tp: attention over this rank's heads (n_heads / tp) of the cp group's whole sequence
+    "cp2_tp2_ring_zero3": cp(2, "ring", "parallel.tp=2"),
+    "cp2_tp2_sp_ring_zero0": cp(2, "ring", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                "parallel.zero_stage=0"),
+    "cp2_tp2_ulysses_zero2": cp(2, "ulysses", "parallel.tp=2", "parallel.zero_stage=2"),
 }
 
 
@@ -140,6 +145,18 @@ def test_cp_collectives_per_step(style, world2):
     assert {k: (v["calls"], v["bytes"]) for k, v in got.items()} == expected
 
 
+def test_cp_with_tp_sends_only_this_ranks_heads(world4):
+    """cp 2 x tp 2 (sequence parallel, ZeRO 0): the ring carries the K/V of this rank's n_kv_heads / tp heads,
+    as many exchanges as at tp 1 (same formula as test_cp_collectives_per_step, half the bytes)."""
+    n, m, tp = 2, 4 // MB, 2
+    kv = MB * (KV_HEADS // tp) * (SEQ // n) * HEAD_DIM * 4
+    per = LAYERS * m
+    got = cp_traffic(world4["cp2_tp2_sp_ring_zero0"])
+    got.pop("all_reduce", None)
+    expected = (per * (3 * n - 2), per * kv * (2 * (n - 1) + 2 * (n - 1) + 2 * n))
+    assert {k: (v["calls"], v["bytes"]) for k, v in got.items()} == {"send": expected, "recv": expected}
+
+
 def test_cp4_ring_exchanges_grow_with_the_ring(world4):
     """At cp 4 the ring makes cp - 1 = 3 exchanges forward, and 3 of K/V and 4 of their gradients backward, per
     layer and micro-batch (two per rank and step at dp 1 and global batch 4)."""
@@ -171,6 +188,7 @@ def test_dims_with_cp():
 REFUSALS = {
     "seq_len": (["data.seq_len=60", *cp(4)], "data.seq_len=56 or 64"),
     "ulysses_heads": (["model.n_heads=4", *cp(8, "ulysses")], 'cp_style="ring"'),
+    "ulysses_heads_per_tp_rank": (["parallel.tp=2", *cp(4, "ulysses")], "model.n_heads=4 / parallel.tp=2"),
     "compile": (["parallel.compile=true", *cp(2)], "set parallel.compile=false"),
     "unroutable_model": (['model.source="python"', 'model.factory="tests.custom_model:build"', *cp(2)],
                          "set parallel.cp=1"),
@@ -182,7 +200,7 @@ def test_refused_before_anything_starts(case):
     over, fix = REFUSALS[case]
     cfg = load_config(None, BASE + over)
     with pytest.raises(ConfigError, match="parallel.cp") as e:
-        ParallelDims.from_config(cfg, cfg.parallel.cp)
+        ParallelDims.from_config(cfg, cfg.parallel.cp * cfg.parallel.tp)
         model_preflight(cfg)
     assert fix in str(e.value)
 

@@ -253,16 +253,18 @@ class ParallelDims:
                 f"parallel.cp={cp} splits every sample's data.seq_len={seq} positions into 2 x cp = {2 * cp} equal "
                 f"chunks (each rank takes one from the head and one from the tail); use data.seq_len="
                 f"{or_join(near)}, or another parallel.cp")
-        if p.cp_style == "ulysses" and m.source == "builtin" and m.n_heads % cp:
-            good = [d for d in divisors(m.n_heads) if d > 1]
+        heads = m.n_heads // self.tp  # a rank's heads under tensor parallelism
+        if p.cp_style == "ulysses" and m.source == "builtin" and heads % cp:
+            good = [d for d in divisors(heads) if d > 1]
+            tp = f" / parallel.tp={self.tp}" if self.tp > 1 else ""
             raise ConfigError(
                 f'parallel.cp_style="ulysses" splits the attention heads across the cp ranks: model.n_heads='
-                f"{m.n_heads} is not divisible by parallel.cp={cp}; use parallel.cp={or_join(good or [1])}, "
+                f"{m.n_heads}{tp} is not divisible by parallel.cp={cp}; use parallel.cp={or_join(good or [1])}, "
                 'or parallel.cp_style="ring"')
         if m.source == "builtin" and m.dropout > 0:
             raise ConfigError(f"parallel.cp={cp} needs model.dropout=0 (got {m.dropout}): attention dropout is not "
                               "split across the cp ranks; set model.dropout=0, or parallel.cp=1")
-        for name, value in (("tp", self.tp), ("pp", self.pp), ("compile", p.compile)):
+        for name, value in (("pp", self.pp), ("compile", p.compile)):
             if value is True or value > 1:
                 off = "false" if value is True else "1"
                 raise ConfigError(f"parallel.cp={cp} does not combine with parallel.{name}={str(value).lower()} "

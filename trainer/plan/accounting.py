@@ -186,8 +186,10 @@ def activation_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, act_bytes: i
     final = 2 * m.dim * tokens * act_bytes if last else 0
     workspace = tokens * (2 * m.ffn_hidden / dims.tp + 2 * m.dim) * act_bytes
     if dims.cp > 1:  # attention's K/V from the other cp ranks while a block attends (cp_attention)
-        kv = 2 * tokens * m.dim * m.n_kv_heads // m.n_heads * act_bytes
-        workspace += {"ring": 2 * kv, "allgather": dims.cp * kv, "ulysses": 3 * tokens * m.dim * act_bytes}[p.cp_style]
+        local_dim = m.dim / dims.tp  # a tp rank's heads
+        kv = 2 * tokens * local_dim * m.n_kv_heads // m.n_heads * act_bytes
+        workspace += {"ring": 2 * kv, "allgather": dims.cp * kv, "ulysses": 3 * tokens * local_dim * act_bytes}[
+            p.cp_style]
     return {"activations": acts + final, "logits": logits, "workspace": workspace, "recompute": recompute}
 
 

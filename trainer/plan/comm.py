@@ -101,7 +101,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         per_block = 4 + (2 if p.activation_checkpoint == "full" else 0)
         if p.activation_checkpoint == "every_k":
             per_block += 2 * sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0) / max(1, layers)
-        act = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
+        act = cfg.train.micro_batch * cfg.data.seq_len // dims.cp * m.dim * act_b  # a cp rank's positions
         calls = round(per_block * layers * mb)
         # "selective" keeps the all-reduce and reduce-scatter results but gathers the inputs of the first
         # linears again (trainer.models.blocks.saved_ops): two all-gathers per block under sequence parallelism.
@@ -126,7 +126,7 @@ def cp_comm(cfg: RunConfig, dims: ParallelDims, act_b: int) -> list[tuple[str, f
     """(kind, bytes, calls, overlaps) of context parallelism's attention per micro-batch, all layers (module
     docstring): what one rank sends."""
     p, m, n = cfg.parallel, spec_for(cfg.model).shape(), dims.cp
-    e = cfg.train.micro_batch * cfg.data.seq_len // n * m.dim * act_b  # one rank's q
+    e = cfg.train.micro_batch * cfg.data.seq_len // n * m.dim // dims.tp * act_b  # one rank's q (its tp heads)
     kv = 2 * e * m.n_kv_heads // m.n_heads  # its K and V
     layers, full = m.n_layers, p.activation_checkpoint == "full"
     if p.cp_style == "ring":

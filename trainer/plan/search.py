@@ -76,11 +76,11 @@ def _allowed(cfg: RunConfig) -> dict:
     return {k: k in allows for k in ("tp", "pp", "sp", "cp")}
 
 
-def cp_styles(cfg: RunConfig, cp: int) -> list[str]:
-    """The attention styles a cp of ``cp`` can take (ulysses: heads divisible by cp)."""
+def cp_styles(cfg: RunConfig, cp: int, tp: int = 1) -> list[str]:
+    """The attention styles a cp of ``cp`` can take (ulysses: a tp rank's heads divisible by cp)."""
     if cp == 1:
         return ["ring"]
-    return ["ring", "allgather"] + (["ulysses"] if cfg.model.n_heads % cp == 0 else [])
+    return ["ring", "allgather"] + (["ulysses"] if (cfg.model.n_heads // tp) % cp == 0 else [])
 
 
 def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
@@ -92,7 +92,7 @@ def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
     # Context parallelism's ranks hold copies of the parameters: every stage shards over dp_shard x cp.
     zero = [0, 1, 2, 3] if dp * cp > 1 else [0]
     return {"zero": zero, "sp": [False, True] if tp > 1 and ok["sp"] else [False],
-            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp)}
+            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp, tp)}
 
 
 def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
@@ -103,13 +103,13 @@ def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
 
 
 def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
-    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take (cp only with tp
-    and pp 1, which the trainer does not combine it with yet)."""
+    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take (cp only with pp
+    1, which the trainer does not combine it with yet)."""
     ok, m = _allowed(cfg), cfg.model
     out = []
     for cp in cp_degrees(cfg, world):
         for tp in divisors(world // cp):
-            if tp > 1 and (cp > 1 or not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
+            if tp > 1 and (not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
                 continue
             for pp in divisors(world // (cp * tp)):
                 if pp > 1 and (cp > 1 or not ok["pp"] or pp > m.n_layers):
