@@ -267,7 +267,7 @@ class Trainer:
         if self.parts.pipeline is not None:
             self._seed(positions.start)
             self.optimizer.before_backward(final=True)
-            loss_sum = self.parts.pipeline.step(inputs, targets)
+            loss_sum = self.parts.pipeline_step(inputs, targets)
             self.optimizer.after_backward(final=True)
         else:
             mb = cfg.train.micro_batch
@@ -366,7 +366,7 @@ class Trainer:
                 inputs, targets = vb.tokens(vb.local_positions(b * cfg.train.global_batch))
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 if self.parts.pipeline is not None:
-                    stage_loss = self.parts.pipeline.step(inputs, targets, backward=False)
+                    stage_loss = self.parts.pipeline_step(inputs, targets, backward=False)
                     if stage_loss is not None:
                         loss_sum += stage_loss
                     continue

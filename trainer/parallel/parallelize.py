@@ -97,6 +97,13 @@ class ModelParts:
             return self.forward_fn(self.modules[0], inputs)
         return self.modules[0](inputs)
 
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, backward: bool = True):
+        """One pass of the pipeline schedule over a rank's batch (:meth:`Pipeline.step`), of this rank's
+        positions under context parallelism."""
+        if self.cp is not None:
+            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
+        return self.pipeline.step(inputs, targets, backward=backward)
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of one micro-batch (mean over its tokens: this rank's positions under context
         parallelism, whose equal shares average to the whole sequence's over the cp ranks)."""

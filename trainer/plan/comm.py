@@ -113,7 +113,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         else:
             add("all_reduce", Axis.TP, calls * _ring("all_reduce", dims.tp, act), calls)
     if dims.pp > 1:
-        boundary = cfg.train.micro_batch * cfg.data.seq_len * m.dim * act_b
+        boundary = cfg.train.micro_batch * cfg.data.seq_len // dims.cp * m.dim * act_b
         hops = 2 * p.pp_stages_per_rank  # every stage this rank runs sends forward and receives backward
         add("send_recv", Axis.PP, hops * mb * boundary, hops * mb)
     if dims.cp > 1:

@@ -103,8 +103,7 @@ def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
 
 
 def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
-    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take (cp only with pp
-    1, which the trainer does not combine it with yet)."""
+    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take."""
     ok, m = _allowed(cfg), cfg.model
     out = []
     for cp in cp_degrees(cfg, world):
@@ -112,7 +111,7 @@ def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
             if tp > 1 and (not ok["tp"] or m.n_heads % tp or m.n_kv_heads % tp):
                 continue
             for pp in divisors(world // (cp * tp)):
-                if pp > 1 and (cp > 1 or not ok["pp"] or pp > m.n_layers):
+                if pp > 1 and (not ok["pp"] or pp > m.n_layers):
                     continue
                 dp = world // (cp * tp * pp)
                 for rep in divisors(dp):
