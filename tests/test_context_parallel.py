@@ -54,6 +54,7 @@ BF16_RTOL = 1e-2
 WORLD4 = {
     "cp4_ring_zero3": cp(4, "ring"),
     "cp4_ulysses_zero3": cp(4, "ulysses"),
+    "cp4_allgather_zero3": cp(4, "allgather"),
     "cp2_dp2_allgather_zero3": cp(2, "allgather"),
     "cp2_hsdp2_ring_zero3": cp(2, "ring", "parallel.dp_replicate=2"),
     "cp2_dp2_ring_zero0_ac": cp(2, "ring", "parallel.zero_stage=0", 'parallel.activation_checkpoint="full"'),
@@ -307,3 +308,24 @@ def test_orchestrator_sizes_a_cp_run_by_the_same_rule():
         check_sizes(cfg, elastic_from_raw({}, workers=3, min_workers=1, max_workers=8))
     with pytest.raises(ConfigError, match=r"multiples of dp_replicate x cp x tp x pp \(here 1 x 2 x 1 x 1 = 2\)"):
         check_sizes(cfg, elastic_from_raw({}, workers=1, min_workers=1, max_workers=1))
+
+
+WORLD8 = {  # seq 256, a global batch of 8: dp_shard 2 inside each layout
+    "cp2_hsdp2_shard2_ring_zero3": cp(2, "ring", "parallel.dp_replicate=2"),
+    "cp2_tp2_dp2_sp_allgather_zero3": cp(2, "allgather", "parallel.tp=2", "parallel.sequence_parallel=true"),
+    "cp2_pp2_dp2_ulysses_zero3_full_ac": cp(2, "ulysses", "parallel.pp=2", 'parallel.activation_checkpoint="full"'),
+}
+
+
+@pytest.mark.slow  # 8 processes on this machine's 2 cores
+def test_world8_layouts_train_as_cp1():
+    """At world 8, cp 2 beside HSDP (dp_shard 2 x dp_replicate 2), tp 2 with sequence parallelism, and pp 2
+    with full activation checkpointing, at seq_len 256: the first 5 losses as cp 1's within 1e-4, and rank
+    0's gradients (its stage's under pp) within 1e-5."""
+    base = BASE + ["data.seq_len=256", "train.global_batch=8"]
+    ref = run_ranks("tests.cp_jobs:train_with_grads", 1, {"base": base, "layouts": [("cp1", [], STEPS)]},
+                    timeout=600)[0]["cp1"]
+    got = run_ranks("tests.cp_jobs:train_with_grads", 8,
+                    {"base": base, "layouts": [(k, v, STEPS) for k, v in WORLD8.items()]}, timeout=900)[0]
+    for name in WORLD8:
+        check(got[name], ref, name=name)

@@ -1,6 +1,6 @@
 """Context parallelism for a transformers Llama (model.source="hf"): its attention routed through etrain's
 (trainer.models.hf_cp, transformers' attention interface) with global position ids for its rotary embedding.
-Each cp_style at cp 2 trains as cp 1 does: the first 5 losses within 1e-4 and the first step's reduced
+Each cp_style at cp 2 (and, in the slow tier, cp 4) trains as cp 1 does: the first 5 losses within 1e-4 and the first step's reduced
 gradients within 1e-5 (fp32); models whose attention cannot be routed are refused with the reason (exit 2).
 """
 
@@ -55,6 +55,16 @@ def test_hf_llama_at_cp2_trains_as_cp1(name, runs):
     check(got[name], ref)
     # its attention went through etrain's: the cp axis carried its exchanges
     assert any(k.endswith("/cp") and not k.startswith("all_reduce") for k in got[name]["comm"]), got[name]["comm"]
+
+
+@pytest.mark.slow  # 4 processes, 3 layouts
+def test_hf_llama_at_cp4_trains_as_cp1(hf_dir, runs):
+    """cp 4 in each style (ulysses: one head per rank of the 4), seq 256: as cp 1, as at cp 2."""
+    ref, _ = runs
+    layouts = [(f"cp4_{s}", cp(4, s), 5) for s in STYLES]
+    got = run_ranks("tests.cp_jobs:train_with_grads", 4, {"base": base(hf_dir), "layouts": layouts}, timeout=900)[0]
+    for name, _, _ in layouts:
+        check(got[name], ref)
 
 
 REFUSED = {
