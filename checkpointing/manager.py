@@ -276,8 +276,8 @@ class CheckpointManager(SaveTransaction):
         if not self.async_save:
             return self._save_now(job, state_dict, self.process_group)
         group = self._checkpoint_group()
-        try:
-            snapshot = self._host.copy(state_dict)
+        try:  # CUDA state: queued on a side stream, the save thread waits for it (forward/backward overlap it)
+            pending = self._host.copy_async(state_dict)
         except Exception as e:
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}", blocking_s=time.monotonic() - t0)
             log.warning("checkpoint at step %d failed: %s", step, res.error)
@@ -285,10 +285,19 @@ class CheckpointManager(SaveTransaction):
             return res
         job["blocking"] = time.monotonic() - t0
         self._inflight_step = step
-        self._thread = threading.Thread(target=self._save_now, args=(job, snapshot, group),
+        self._thread = threading.Thread(target=self._save_when_copied, args=(job, pending, group),
                                         name=f"etrain-ckpt-{step}", daemon=True)
         self._thread.start()
         return None
+
+    def _save_when_copied(self, job: dict, pending, group) -> SaveResult:
+        """The save thread: once the host buffers hold the state, the save; a copy that failed on the device
+        fails this save on every rank (they agree on it in the save's first collective)."""
+        try:
+            snapshot = pending.wait()
+        except Exception as e:
+            snapshot, job["staging_error"] = None, f"staging failed: {describe(e)}"
+        return self._save_now(job, snapshot, group)
 
     def _any_rank_busy(self, mine: bool) -> bool:
         """Whether any rank still uploads a save: one small collective on a group of its own."""

@@ -208,8 +208,8 @@ class SaveTransaction:
         # this step or any other, writes a file of the same name.
         token = uuid.uuid4().hex[:8]
         try:
-            refusal = self._refusal(step)
-            layout = layout_fingerprint(state_dict)
+            refusal = ("failed", job["staging_error"]) if job.get("staging_error") else self._refusal(step)
+            layout = layout_fingerprint(state_dict) if state_dict is not None else ""
             writer, plan_id = (None, None) if refusal[0] else self._lay_out_as_planned(step, state_dict, layout,
                                                                                         token)
             t1 = time.monotonic()

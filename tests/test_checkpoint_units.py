@@ -188,3 +188,31 @@ def test_a_fenced_writer_never_touches_the_files_of_a_committed_checkpoint(tmp_p
     assert new.verify(5) == []
     into = {"model": {"w": torch.zeros(1000)}}
     assert new.load(into).epoch == 2 and torch.equal(into["model"]["w"], torch.full((1000,), 1.0))
+
+
+def test_a_device_copy_that_fails_in_the_save_thread_fails_that_save_only(tmp_path):
+    """Async saves of CUDA state wait for their side-stream copy in the save thread (the trainer goes on). A
+    copy that fails there (simulated: no GPU here) fails that save, commits nothing, and the next save
+    commits as usual."""
+    import torch
+
+    from checkpointing.manager import CheckpointManager
+
+    class FailedCopy:
+        def wait(self):
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+
+    mgr = CheckpointManager(f"file://{tmp_path}/ckpt", "r", async_save=True)
+    real = mgr._host.copy_async
+    mgr._host.copy_async = lambda state: FailedCopy()
+    state = {"model": {"w": torch.full((64,), 1.0)}}
+    assert mgr.save(3, state, layout={"world_size": 1}, config_hash="h",
+                    trainer_state={"step": 3, "samples_consumed": 6}) is None  # the caller did not wait
+    mgr.wait()
+    (res,) = mgr.poll()
+    assert res.status == "failed" and "staging failed: RuntimeError: CUDA error" in res.error, res
+    assert mgr.committed_steps() == []
+    mgr._host.copy_async = real
+    mgr.save(4, state, layout={"world_size": 1}, config_hash="h", trainer_state={"step": 4, "samples_consumed": 8})
+    mgr.wait()
+    assert [r.status for r in mgr.poll()] == ["committed"] and mgr.committed_steps() == [4]
