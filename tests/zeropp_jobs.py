@@ -14,12 +14,13 @@ from tests.jobs import comm_per_step, metered_world, trainers
 
 class GatherLog:
     """Every all-gather of this process while on: (ranks of its group, bytes of its output). It wraps
-    ``torch.distributed.all_gather_single`` (looked up at each call by FSDP2 and trainer.compat) around the
-    comm meter's own wrapper: the real collective runs either way."""
+    ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13; looked up at each
+    call by FSDP2 and trainer.compat) around the comm meter's own wrapper: the real collective runs either way."""
 
     def __init__(self):
         self.calls: list[tuple[tuple[int, ...], int]] = []
-        self.orig = dist.all_gather_single
+        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self.orig = getattr(dist, self.name)
 
         @functools.wraps(self.orig)
         def logged(output_tensor, input_tensor, group=None, async_op=False):
@@ -31,11 +32,11 @@ class GatherLog:
         self.logged = logged
 
     def __enter__(self):
-        dist.all_gather_single = self.logged
+        setattr(dist, self.name, self.logged)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single = self.orig
+        setattr(dist, self.name, self.orig)
 
 
 def param_digest(trainer) -> str:
