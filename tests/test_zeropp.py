@@ -203,3 +203,35 @@ def test_200_steps_end_within_1_percent_of_unquantized():
     for base, q in (("z3", "z3_all"), ("z2", "z2_qw")):
         assert abs(res[q]["losses"][-1] - res[base]["losses"][-1]) <= RTOL * res[base]["losses"][-1], (
             base, res[base]["losses"][-1], res[q]["losses"][-1])
+
+
+# --- the planner ---------------------------------------------------------------------------------------------
+
+
+def test_plan_counts_int8_rows_hpz_groups_and_the_secondary_shard():
+    from trainer.plan.accounting import Layout, hpz_secondary_bytes
+    from trainer.plan.comm import step_comm, zeropp_savings
+    from trainer.plan.cost import DEVICES
+    from trainer.plan.search import evaluate
+
+    batch = ["train.global_batch=16", "train.micro_batch=1", 'model.preset="small"']
+    plain = load_config(None, batch)
+    zpp = load_config(None, [*batch, QW, QG, "parallel.hpz_partition_size=4"])
+    dims = ParallelDims.from_config(zpp, 16)
+
+    def by(cfg):
+        return {(c["kind"], c["axis"]): c["bytes"] for c in step_comm(cfg, dims, 0, mixed=True)}
+
+    before, after = by(plain), by(zpp)
+    wire = 1 + 4 / 256
+    # The forward's gathers go int8 across the 16 ranks, the backward's bf16 within groups of 4.
+    assert after[("all_gather", "dp_shard")] == pytest.approx(before[("all_gather", "dp_shard")] / 2 * wire / 2, 1e-6)
+    assert after[("all_gather", "hpz")] == pytest.approx(before[("all_gather", "dp_shard")] / 2 * (3 / 4) / (15 / 16),
+                                                         1e-6)
+    assert after[("all_to_all", "dp_shard")] == pytest.approx(before[("reduce_scatter", "dp_shard")] * wire / 4, 1e-6)
+    saved = zeropp_savings(zpp, dims, 0, mixed=True)
+    assert saved["qwZ"]["shard_axis_bytes_saved"] > 0 and saved["qgZ"]["shard_axis_bytes_saved"] > 0
+    assert saved["hpZ"]["shard_axis_bytes_saved"] > 0
+    assert hpz_secondary_bytes(zpp, dims, 0, mixed=True) > 0 == hpz_secondary_bytes(plain, dims, 0, mixed=True)
+    # A ZeRO-2 candidate of the search drops hpZ (it has no sharded parameters) rather than being refused.
+    assert evaluate(zpp, Layout(1, 16, 1, 1, 2), DEVICES["h100"]).valid
