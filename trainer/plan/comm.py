@@ -32,10 +32,10 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
 
 * ZeRO++ (``parallel.quantized_weights`` / ``quantized_gradients`` / ``hpz_partition_size``,
   :mod:`trainer.zero.quantize`): a quantized all-gather moves ``1 + 4 / quantization_block`` bytes per
-  parameter (int8 and one fp32 scale per block) instead of 2 (bf16) or 4 (fp32); qgZ's reduce-scatter becomes an all-to-all of
-  the same ``1 + 4 / block`` bytes per gradient element instead of 4 (fp32). hpZ moves ZeRO-3's backward
-  all-gathers to the ``hpz`` groups (``hpz_partition_size`` consecutive shard ranks; unquantized:
-  they gather the dequantized forward weights).
+  parameter (int8 and one fp32 scale per block) instead of 2 (bf16) or 4 (fp32); qgZ's reduce-scatter
+  becomes an all-to-all of the same ``1 + 4 / block`` bytes per gradient element instead of 4 (fp32).
+  hpZ moves ZeRO-3's backward all-gathers to the ``hpz`` groups (``hpz_partition_size`` consecutive
+  shard ranks; unquantized: they gather the dequantized forward weights).
 
 ``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
