@@ -235,3 +235,24 @@ def test_plan_counts_int8_rows_hpz_groups_and_the_secondary_shard():
     assert hpz_secondary_bytes(zpp, dims, 0, mixed=True) > 0 == hpz_secondary_bytes(plain, dims, 0, mixed=True)
     # A ZeRO-2 candidate of the search drops hpZ (it has no sharded parameters) rather than being refused.
     assert evaluate(zpp, Layout(1, 16, 1, 1, 2), DEVICES["h100"]).valid
+
+
+@pytest.mark.slow  # three runs at world 4: about 25 s here
+def test_qwz_resumes_from_a_checkpoint_exactly(world4, tmp_path):
+    """The checkpoint holds the full-precision masters; a resumed ZeRO-2 qwZ run gathers them quantized again
+    and trains on exactly as the uninterrupted run (fp32 losses bit for bit)."""
+    over = ["parallel.zero_stage=2", QW, QG, "data.max_bytes=300000", 'parallel.mixed_precision="fp32"',
+            "train.global_batch=8", "train.micro_batch=1", "train.warmup_steps=0",
+            "train.min_lr_ratio=1.0"]  # a constant lr: the 2-step run's schedule is the 4-step run's
+    ckpt = [f'checkpoint.url="file://{tmp_path}/ckpt"', "checkpoint.interval_steps=2"]
+
+    def run(name: str, *extra: str) -> list[float]:
+        log = tmp_path / f"{name}.jsonl"
+        codes = run_ranks("tests.zeropp_jobs:logged_run", 4, {"config": "examples/tiny.toml",
+                                                              "overrides": [*over, *extra], "log": str(log)})
+        assert codes == [0] * 4
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    whole = run("whole", "train.steps=4")
+    assert len(run("first", "train.steps=2", *ckpt)) == 2
+    assert run("resumed", "train.steps=4", "checkpoint.resume=true", *ckpt) == whole[2:]
