@@ -46,6 +46,7 @@ def comm_classes():
 
         def __init__(self, block: int, shard_size: int):
             self.block, self.shard_size = block, shard_size
+            self.warned = False
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
@@ -53,6 +54,10 @@ def comm_classes():
         def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
             # hpZ's secondary group (smaller), or float8's uint8 inputs: not quantized here.
             if group.size() != self.shard_size or not output_tensor.is_floating_point():
+                if not output_tensor.is_floating_point() and not self.warned:
+                    log.warning("parallel.quantized_weights has no effect on float8 weights (already 1 byte each): "
+                                "their all-gather goes as is")
+                    self.warned = True
                 return compat.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             quantized_all_gather(output_tensor, input_tensor, group, self.block)
             return None  # done: FSDP2 reads a None work as a finished all-gather
