@@ -31,7 +31,7 @@ class FSDPOptimizer:
                         "schedule reduce-scatters once, after the last micro-batch")
         # ZeRO++'s quantized all-gather / reduce-scatter, on every FSDP2 module (each block, then the root).
         install_fsdp_comms([s for m in parts.modules for s in m.modules() if isinstance(s, FSDPModule)],
-                           cfg.parallel, dims.zero_shards)
+                           cfg.parallel, dims.zero_shards, rank)
         self.params = [p for _, p in parts.named_parameters()]
         self.fqns = [fqn for fqn, _ in parts.named_parameters()]
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]

@@ -89,9 +89,14 @@ def comm_classes():
     return QuantizedAllGather, QuantizedReduceScatter
 
 
-def install_fsdp_comms(modules, pcfg: ParallelConfig, shard_size: int) -> None:
+def install_fsdp_comms(modules, pcfg: ParallelConfig, shard_size: int, rank: int = 0) -> None:
     """Give each FSDP2 module ZeRO++'s collectives as ``pcfg`` asks (nothing when neither is on)."""
-    if not (pcfg.quantized_weights or pcfg.quantized_gradients) or shard_size < 2:
+    if not (pcfg.quantized_weights or pcfg.quantized_gradients):
+        return
+    if shard_size < 2:
+        if rank == 0:
+            log.warning("parallel.quantized_weights / quantized_gradients have no effect: the ZeRO-3 shard group "
+                        "has one rank (dp_shard=1), so nothing is all-gathered or reduce-scattered")
         return
     all_gather_cls, reduce_scatter_cls = comm_classes()
     for m in modules:

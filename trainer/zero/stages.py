@@ -43,6 +43,9 @@ class ZeroOptimizer:
         pc = cfg.parallel
         self.qw_block = pc.quantization_block if pc.quantized_weights and self.stage > 0 else 0
         self.qg_block = pc.quantization_block if pc.quantized_gradients and self.stage > 0 else 0
+        if (self.qw_block or self.qg_block) and self.n == 1 and rank == 0:
+            log.warning("parallel.quantized_weights / quantized_gradients have no effect: the ZeRO shard group has "
+                        "one rank (dp_shard=1)")
         if cfg.parallel.reduce_every_microbatch and dims.dp > 1 and rank == 0:
             log.warning("parallel.reduce_every_microbatch has no effect with zero_stage=%d: stages 0 and 1 keep "
                         "whole gradients and reduce them once per step, stage 2 reduce-scatters every "
