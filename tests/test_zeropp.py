@@ -256,3 +256,18 @@ def test_qwz_resumes_from_a_checkpoint_exactly(world4, tmp_path):
     whole = run("whole", "train.steps=4")
     assert len(run("first", "train.steps=2", *ckpt)) == 2
     assert run("resumed", "train.steps=4", "checkpoint.resume=true", *ckpt) == whole[2:]
+
+
+def test_a_torch_without_fsdp2_comm_hooks_is_refused_by_name(monkeypatch):
+    """Where FSDP2 lacks set_custom_all_gather / set_custom_reduce_scatter (trainer.compat finds none),
+    ZeRO-3 with quantized collectives is refused before any process group, naming the keys and the fix."""
+    from trainer import compat
+    from trainer.parallel.parallelize import check_device_features
+
+    pcfg = load_config(None, [QW]).parallel
+    check_device_features(pcfg, torch.device("cpu"))  # 2.11 and 2.13 both have the hooks
+    monkeypatch.setattr(compat, "fsdp_comm_bases", lambda: None)
+    with pytest.raises(ConfigError, match=r"quantized_weights / quantized_gradients at zero_stage=3 need FSDP2's "
+                                          r"custom all-gather and reduce-scatter hooks.*or zero_stage=2"):
+        check_device_features(pcfg, torch.device("cpu"))
+    check_device_features(load_config(None, [QW, "parallel.zero_stage=2"]).parallel, torch.device("cpu"))
