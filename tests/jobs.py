@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -24,6 +25,22 @@ def trainers(world: World, base: list[str], layouts: list):
         forget_meshes()
         yield name, rest, Trainer(load_config(None, base + overrides), world, corpus=corpus, device=CPU)
         gc.collect()
+
+
+@contextlib.contextmanager
+def metered_world():
+    """This process's group formed (CPU, gloo) with the comm meter on; (world, meter) inside, the group shut
+    down after."""
+    from trainer.telemetry import comm_meter
+
+    meter = comm_meter()
+    meter.enabled = True  # a python -m trainer run earlier in this pooled process may have turned it off
+    world = World.from_env()
+    init_distributed(world, CPU)
+    try:
+        yield world, meter
+    finally:
+        shutdown_distributed()
 
 
 def train_layouts(payload: dict) -> dict:

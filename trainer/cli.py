@@ -331,6 +331,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         limit = cfg.checkpoint.max_consecutive_failures
         undurable = (lambda: ckpt.failed_in_a_row >= limit) if ckpt is not None else False
         first = last = None
+        comm_totals = meter.bytes_since(None)[1]  # the first step's comm_bytes leaves set-up traffic out
         final_save = None
         t0 = time.monotonic()
         t_first = t0
@@ -339,7 +340,10 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
                 first, t_first = s, time.monotonic()  # the rate leaves the first step's warm-up out
             last = s
             if log:
-                log.write(json.dumps({**s.to_dict(), "time": time.time()}) + "\n")
+                # This step's bytes per collective kind, from the comm meter (absent when it is off).
+                comm, comm_totals = meter.bytes_since(comm_totals)
+                extra = {"comm_bytes": comm} if meter.enabled else {}
+                log.write(json.dumps({**s.to_dict(), **extra, "time": time.time()}) + "\n")
                 log.flush()
             if trackers:
                 trackers.log_step(s.step, step_values(s) | (memory_values(trainer.memory_measured) if first is s

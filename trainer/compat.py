@@ -21,6 +21,10 @@ The function is looked up on ``torch.distributed`` at every call, so the
 communication meter's wrappers (trainer.telemetry, which meters both names)
 see it.
 
+* :func:`fsdp_comm_bases`: FSDP2's custom collectives (``FSDPModule.set_custom_all_gather`` /
+  ``set_custom_reduce_scatter`` and their ``AllGather`` / ``ReduceScatter`` bases, which ZeRO++ under
+  ZeRO-3 plugs into) exist in 2.11 and 2.13 alike; a torch without them is refused by name.
+
 Differences met by code that suits every release, so without a shim:
 
 * ``torch.distributed.pipelining`` in 2.11 checks a stage's input strides
@@ -55,3 +59,17 @@ def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async
     ``reduce_scatter_single``; older: ``reduce_scatter_tensor``)."""
     return _collective("reduce_scatter_single", "reduce_scatter_tensor")(output, input, op=op, group=group,
                                                                          async_op=async_op)
+
+
+def fsdp_comm_bases():
+    """FSDP2's ``(AllGather, ReduceScatter)`` interfaces for ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``, or None where this torch has no such hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")):
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:
+        return None
+    return AllGather, ReduceScatter

@@ -87,7 +87,10 @@ def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) 
     """Predicted bytes on ``rank`` for parameters, gradients and optimizer state."""
     stage, n = dims.zero_stage, dims.zero_shards
     count = local_param_count(cfg, dims, rank)
-    return {k: round(v * count) for k, v in bytes_per_param(stage, n, mixed).items()}
+    per = bytes_per_param(stage, n, mixed)
+    if not mixed and stage in (1, 2) and cfg.parallel.quantized_weights:
+        per["optimizer"] += 4 / n  # qwZ: the fp32 master is a copy (the parameter holds the dequantized values)
+    return {k: round(v * count) for k, v in per.items()}
 
 
 def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, float]:

@@ -182,6 +182,15 @@ class CommMeter:
             return [{"kind": k, "axis": a, "calls": s[0], "bytes": s[1], "bus_bytes": s[2], "seconds": s[3],
                      "buckets": list(s[4])} for (k, a), s in sorted(self._stats.items())]
 
+    def bytes_since(self, before: dict[str, int] | None) -> tuple[dict[str, int], dict[str, int]]:
+        """(bytes per collective kind since the totals ``before``, the totals now): the step log's
+        ``comm_bytes``, one step at a time (``before`` None: since the meter started)."""
+        now: dict[str, int] = {}
+        for c in self.snapshot():
+            now[c["kind"]] = now.get(c["kind"], 0) + c["bytes"]
+        prior = before or {}
+        return {k: v - prior.get(k, 0) for k, v in now.items() if v != prior.get(k, 0)}, now
+
     def reset(self) -> None:
         with self._lock:
             self._stats.clear()

@@ -58,6 +58,13 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch.compile each repeated block (trainer.parallel.compile): faster steps after a first slow one.
     compile: bool = False
+    # ZeRO++ (docs/parallelism.md): int8 weights in the parameter all-gather (qwZ), int8 gradients in an
+    # all-to-all reduce-scatter (qgZ), one scale per quantization_block elements; a secondary shard of
+    # the weights within groups of hpz_partition_size ranks for ZeRO-3's backward all-gather (hpZ; 0 = off).
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantization_block: int = 256
+    hpz_partition_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_stages_per_rank", "ac_every_k"):
@@ -98,6 +105,26 @@ class ParallelConfig:
                 f'parallel.offload="cpu" needs parallel.zero_stage=3 (got {self.zero_stage}); '
                 "offload moves the FSDP-sharded parameters and optimizer state to host memory"
             )
+
+        self.check_zeropp()
+
+    def check_zeropp(self) -> None:
+        """ZeRO++'s keys: each needs a ZeRO stage that has the collective it changes."""
+        if self.quantization_block < 4 or self.quantization_block % 4:
+            raise ConfigError(f"parallel.quantization_block={self.quantization_block} must be a multiple of 4 "
+                              "(elements per int8 scale block); use 256")
+        for key in ("quantized_weights", "quantized_gradients"):
+            if getattr(self, key) and self.zero_stage == 0:
+                raise ConfigError(f"parallel.{key}=true quantizes a ZeRO collective, and parallel.zero_stage=0 "
+                                  f"has none (it all-reduces whole gradients); set parallel.zero_stage to 1, 2 or "
+                                  f"3, or {key}=false")
+        if self.hpz_partition_size < 0 or self.hpz_partition_size == 1:
+            raise ConfigError(f"parallel.hpz_partition_size={self.hpz_partition_size} must be 0 (off) or the ranks "
+                              "of one group (>= 2, dividing the data-parallel shard size)")
+        if self.hpz_partition_size and self.zero_stage != 3:
+            raise ConfigError(f"parallel.hpz_partition_size={self.hpz_partition_size} keeps a secondary shard of "
+                              f"ZeRO-3's parameters, and parallel.zero_stage={self.zero_stage} does not shard them; "
+                              "set parallel.zero_stage=3, or hpz_partition_size=0")
 
     @property
     def model_parallel(self) -> int:

@@ -243,6 +243,24 @@ class ParallelDims:
                 f"run on {2 * fixed} processes with parallel.dp_shard=-1, or set parallel.offload=\"none\""
             )
 
+        if p.hpz_partition_size:
+            self.check_hpz(p.hpz_partition_size)
+
+    def check_hpz(self, hpz: int) -> None:
+        """ZeRO++'s hpZ: the secondary shard's groups must tile the ZeRO-3 shard group."""
+        shard = self.dp_shard * self.cp
+        if shard % hpz or hpz > shard:
+            good = [d for d in divisors(shard) if d > 1]
+            axes = "dp_shard x cp" if self.cp > 1 else "dp_shard"
+            raise ConfigError(
+                f"parallel.hpz_partition_size={hpz} must divide the ZeRO-3 shard group ({axes} = {shard} ranks "
+                f"at world size {self.world_size}); use hpz_partition_size={or_join(good) if good else '0'}, "
+                "or 0 to turn hpZ off")
+        if self.pp > 1:
+            raise ConfigError(f"parallel.hpz_partition_size={hpz} has no effect with parallel.pp={self.pp}: pipeline "
+                              "stages keep their parameters whole between forward and backward; set "
+                              "hpz_partition_size=0")
+
     def check_cp(self, cfg: RunConfig) -> None:
         """Context parallelism's needs of the run (the model's own, whether its attention can be routed, are
         asked of its spec: :func:`trainer.models.model_preflight`)."""

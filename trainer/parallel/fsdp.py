@@ -33,9 +33,11 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
         # On a CPU device the "host" copies are the same memory, but FSDP2 runs its offload path all the
         # same (copies in and out around each use), so the path is exercised without a GPU.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    reshard = not pipelined
+    # ZeRO++'s hpZ: after forward keep a secondary shard within groups of hpz_partition_size ranks (FSDP2's
+    # reshard_after_forward=<int>), so backward all-gathers inside a group (a node) rather than across all.
+    reshard: bool | int = (pcfg.hpz_partition_size or True) if not pipelined else False
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard and i < len(blocks) - 1)
+                    reshard_after_forward=reshard if i < len(blocks) - 1 else False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)

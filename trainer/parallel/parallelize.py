@@ -133,6 +133,10 @@ def check_device_features(pcfg, device: torch.device) -> None:
     ``mixed_precision="float8"`` without float8 hardware or a working torchao."""
     check_compile(pcfg, device)
     check_float8(pcfg, device)
+    if (pcfg.quantized_weights or pcfg.quantized_gradients) and pcfg.zero_stage == 3:
+        from ..zero.fsdp_comm import comm_classes
+
+        comm_classes()  # ConfigError where this torch's FSDP2 has no custom collectives
 
 
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,

@@ -93,9 +93,18 @@ class Layout:
         changes: dict[str, dict] = {"parallel": {}, "train": {}}
         for f, (section, name) in CONFIG_FIELDS.items():
             changes[section][name] = getattr(self, f)
+        changes["parallel"].update(self.zeropp(cfg))
         new = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes["parallel"]),
                                   train=dataclasses.replace(cfg.train, **changes["train"]))
         return new, ParallelDims.from_config(new, world or self.world)
+
+    def zeropp(self, cfg: RunConfig) -> dict:
+        """The config's ZeRO++ keys (docs/parallelism.md) where this layout can hold them, off where not."""
+        p, hpz = cfg.parallel, cfg.parallel.hpz_partition_size
+        shard = self.dp_shard * self.cp
+        return {"quantized_weights": p.quantized_weights and self.zero > 0,
+                "quantized_gradients": p.quantized_gradients and self.zero > 0,
+                "hpz_partition_size": hpz if hpz and self.zero == 3 and self.pp == 1 and not shard % hpz else 0}
 
     def settings(self, cfg: RunConfig, world: int) -> str:
         """The config fields to set for this layout, as ``--set`` would take them: those that differ from
@@ -248,6 +257,20 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
 MEMORY_TIER_COPIES = 5
 
 
+def hpz_secondary_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> int:
+    """ZeRO++'s hpZ: from forward to backward every block but the last (kept whole anyway) holds a shard of
+    1 / hpz_partition_size of its parameters (compute dtype) instead of 1 / dp_shard: the extra bytes at
+    backward's start."""
+    hpz = cfg.parallel.hpz_partition_size
+    shard = dims.dp_shard * dims.cp
+    if not hpz or not dims.uses_fsdp or dims.pp > 1 or hpz >= shard:
+        return 0
+    from ..memory import local_counts
+
+    block, total = local_counts(cfg, dims, rank)
+    return round((2 if mixed else 4) * max(0, total - block) * (1 / hpz - 1 / shard))
+
+
 def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, int]:
     """Device bytes of ``rank`` at the step's peak, by part, and ``total``; ``host_staging`` (the async
     checkpoint's host copy of this rank's state) and ``host_recovery_tier`` (the memory tier's copies,
@@ -270,7 +293,9 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
            **{k: round(v) for k, v in act.items()}, "optimizer_step": 4 * count // shard,
            "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
     out["with_activations"] = _alongside_activations(cfg, dims, rank, mixed, out["transient"])
-    backward = out["activations"] + out["logits"] + out["workspace"] + out["with_activations"]
+    out["hpz_secondary"] = hpz_secondary_bytes(cfg, dims, rank, mixed)
+    backward = (out["activations"] + out["logits"] + out["workspace"] + out["with_activations"]
+                + out["hpz_secondary"])
     recompute = 0
     if out["recompute"]:  # the loss and its logits are gone by then
         recompute = out["activations"] + out["recompute"] + out["workspace"] + _alongside_activations(

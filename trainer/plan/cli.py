@@ -183,11 +183,28 @@ def build_plan(cfg, lo: int, hi: int, dev, *, explain_too: bool = False, budget_
                        "closest": res["closest"].to_dict() if res.get("closest") else None,
                        "losers": [c.to_dict(brief=True) for c in res["losers"]],
                        "config_layout": evaluate(plan_cfg, Layout.of(plan_cfg, world), dev).to_dict()}
+        doc["plan"]["zeropp"] = _zeropp_doc(plan_cfg, world, dev)
         if explain_too:
             doc["explain"] = explain(plan_cfg, shape, world, dev)
     elif explain_too:
         doc["explain"] = []
     return doc
+
+
+def _zeropp_doc(cfg, world: int, dev) -> dict:
+    """The config layout's ZeRO++ settings: bytes each saves per step, hpZ's secondary shard's memory."""
+    from ..parallel.dims import ParallelDims
+    from .accounting import hpz_secondary_bytes
+    from .comm import zeropp_savings
+
+    try:
+        dims = ParallelDims.from_config(cfg, world)
+    except ConfigError:
+        return {}
+    out = zeropp_savings(cfg, dims, 0, dev.mixed)
+    if "hpZ" in out:
+        out["hpZ"]["memory_bytes"] = hpz_secondary_bytes(cfg, dims, 0, dev.mixed)
+    return out
 
 
 def _size_doc(s: dict) -> dict:
@@ -255,6 +272,11 @@ def print_plan(doc: dict) -> None:
         own = plan["config_layout"]
         if own["valid"]:
             print(f"  config:    {_describe(own)}{'' if own['fits'] else ' - DOES NOT FIT'}")
+        for name, z in plan.get("zeropp", {}).items():
+            mem = f", costs {_gib(z['memory_bytes'])}/rank (secondary shard)" if "memory_bytes" in z else ""
+            signed = lambda n: ("-" if n >= 0 else "+") + _human_bytes(abs(n))  # noqa: E731 (a saving is a minus)
+            print(f"  ZeRO++ {name}: {signed(z['shard_axis_bytes_saved'])}/step across the shard group, "
+                  f"{signed(z['bytes_saved'])} in all (per rank){mem}")
     if len(doc["sizes"]) > 1 or not doc["sizes"][0]["valid"]:
         print("\nsizes (the config's layout; the best with its tp, pp and cp):")
         sizes = doc["sizes"]

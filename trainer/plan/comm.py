@@ -30,6 +30,13 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
   activation checkpointing repeats the forward's. The cp ranks hold the same parameters: ZeRO shards
   over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``.
 
+* ZeRO++ (``parallel.quantized_weights`` / ``quantized_gradients`` / ``hpz_partition_size``,
+  :mod:`trainer.zero.quantize`): a quantized all-gather moves ``1 + 4 / quantization_block`` bytes per
+  parameter (int8 and one fp32 scale per block) instead of 2 (bf16) or 4 (fp32); qgZ's reduce-scatter
+  becomes an all-to-all of the same ``1 + 4 / block`` bytes per gradient element instead of 4 (fp32).
+  hpZ moves ZeRO-3's backward all-gathers to the ``hpz`` groups (``hpz_partition_size`` consecutive
+  shard ranks; unquantized: they gather the dequantized forward weights).
+
 ``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
 
@@ -78,21 +85,29 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
             out.append({"kind": kind, "axis": str(axis), "bytes": round(size), "calls": calls, "overlaps": overlaps,
                         "ranks": sizes[axis]})
 
+    sizes["hpz"] = p.hpz_partition_size
+    wire = 1 + 4 / p.quantization_block  # bytes per element of an int8 row with its scales
+    gathered = count * wire if p.quantized_weights and stage else params
+    rs_kind, reduced = ("all_to_all", count * wire) if p.quantized_gradients and stage else ("reduce_scatter", grads)
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:
         add("all_reduce", dp_axis, _ring("all_reduce", dims.dp * dims.cp, grads), buckets)
     elif stage in (1, 2):
-        add("reduce_scatter", shard_axis, _ring("reduce_scatter", n, grads), buckets,
-            "compute" if stage == 2 else "none")
+        add(rs_kind, shard_axis, _ring(rs_kind, n, reduced), buckets, "compute" if stage == 2 else "none")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
-        add("all_gather", shard_axis, _ring("all_gather", n, params), buckets)
+        add("all_gather", shard_axis, _ring("all_gather", n, gathered), buckets)
     else:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
         gathers = 2 if dims.pp > 1 else 2 * mb
-        add("all_gather", shard_axis, gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
+        hpz = p.hpz_partition_size if 1 < p.hpz_partition_size < n and dims.pp == 1 else 0
+        if hpz:  # the backward half within the hpz groups, over the secondary shard (the forward's weights)
+            gathers //= 2
+            add("all_gather", "hpz", gathers * _ring("all_gather", hpz, params), gathers * blocks, "compute")
+        add("all_gather", shard_axis, gathers * _ring("all_gather", n, gathered),
+            gathers * (blocks + 1) + (gathers if hpz else 0), "compute")
         rs = mb if p.reduce_every_microbatch else 1
-        add("reduce_scatter", shard_axis, rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
+        add(rs_kind, shard_axis, rs * _ring(rs_kind, n, reduced), rs * (blocks + 1), "compute")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), blocks + 1)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
@@ -137,3 +152,24 @@ def cp_comm(cfg: RunConfig, dims: ParallelDims, act_b: int) -> list[tuple[str, f
                  "none"), ("reduce_scatter", layers * _ring("reduce_scatter", n, n * kv), layers, "none")]
     a2a = (2 if full else 1) * 4 * e + 4 * e  # forward: q, k, v in, the output back; backward the same
     return [("all_to_all", layers * _ring("all_gather", n, a2a), layers * (4 + 2 * full), "none")]
+
+
+def zeropp_savings(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> dict[str, dict]:
+    """What each ZeRO++ setting of ``cfg`` saves per step: ``{"qwZ"|"qgZ"|"hpZ": {"bytes_saved",
+    "shard_axis_bytes_saved"}}`` against the same config with that one setting off (bytes one rank sends;
+    the shard-axis figure is what stops crossing the data-parallel shard group, the slow link)."""
+    import dataclasses
+
+    p = cfg.parallel
+    total = lambda c: sum(e["bytes"] for e in c)  # noqa: E731
+    shard = lambda c: sum(e["bytes"] for e in c if e["axis"] in (Axis.DP_SHARD, Mesh.DP_SHARD_CP))  # noqa: E731
+    now = step_comm(cfg, dims, rank, mixed)
+    out = {}
+    for name, key, off in (("qwZ", "quantized_weights", False), ("qgZ", "quantized_gradients", False),
+                           ("hpZ", "hpz_partition_size", 0)):
+        if not getattr(p, key):
+            continue
+        without = step_comm(dataclasses.replace(cfg, parallel=dataclasses.replace(p, **{key: off})), dims, rank,
+                            mixed)
+        out[name] = {"bytes_saved": total(without) - total(now), "shard_axis_bytes_saved": shard(without) - shard(now)}
+    return out

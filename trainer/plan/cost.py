@@ -83,19 +83,22 @@ def custom(base: Device, **changes) -> Device:
     return replace(base, **{k: v for k, v in changes.items() if v is not None})
 
 
-def axis_span(dims: ParallelDims, axis: str) -> int:
-    """Consecutive ranks one group of ``axis`` spans ("dp": dp_replicate x dp_shard flattened)."""
+def axis_span(dims: ParallelDims, axis: str, ranks: int = 0) -> int:
+    """Consecutive ranks one group of ``axis`` spans ("dp": dp_replicate x dp_shard flattened; "hpz":
+    ZeRO++'s secondary groups, ``ranks`` consecutive shard ranks)."""
     tp, cp, shard, rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    if axis == "hpz":
+        return tp * ranks
     return {Axis.TP: tp, Axis.CP: tp * cp, Axis.DP_SHARD: tp * cp * shard, Mesh.DP_SHARD_CP: tp * cp * shard,
             Axis.DP_REPLICATE: tp * cp * shard * rep, Mesh.DP: tp * cp * shard * rep,
             Mesh.DP_CP: tp * cp * shard * rep, Axis.PP: dims.world_size}[axis]
 
 
-def link(dims: ParallelDims, axis: str, dev: Device) -> str:
-    """"intra" when a group of ``axis`` fits in one node, else "inter"."""
+def link(dims: ParallelDims, axis: str, dev: Device, ranks: int = 0) -> str:
+    """"intra" when a group of ``axis`` (of ``ranks``, for "hpz") fits in one node, else "inter"."""
     if axis == Axis.PP:
         return "intra" if dims.world_size <= dev.gpus_per_node else "inter"
-    return "intra" if axis_span(dims, axis) <= dev.gpus_per_node else "inter"
+    return "intra" if axis_span(dims, axis, ranks) <= dev.gpus_per_node else "inter"
 
 
 def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
@@ -132,7 +135,7 @@ def step_time(cfg: RunConfig, dims: ParallelDims, rank: int, dev: Device) -> dic
     by_axis: dict[str, float] = {}
     exposed = 0.0
     for c in comm:
-        cls = link(dims, c["axis"], dev)
+        cls = link(dims, c["axis"], dev, c["ranks"])
         bw, lat = (dev.intra_bw, dev.intra_lat) if cls == "intra" else (dev.inter_bw, dev.inter_lat)
         hops = 1 if c["kind"] == "send_recv" else (2 if c["kind"] == "all_reduce" else 1) * (c["ranks"] - 1)
         per_call = dev.crowded_call_s if crowded else hops * lat

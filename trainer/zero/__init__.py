@@ -26,7 +26,8 @@ state are DTensors sharded by ``fully_shard``.
 
 One module per part: ``common`` (the :class:`Optimizer` interface the step loop drives,
 AdamW, byte counts), ``buckets`` (chunks and buckets), ``collectives`` (every collective
-of stages 0-2: where a quantized one plugs in), ``stages`` (0-2), ``fsdp`` (3).
+of stages 0-2: where a quantized one plugs in), ``quantize`` (ZeRO++'s int8 blocks), ``stages`` (0-2),
+``fsdp`` (3), ``fsdp_comm`` (ZeRO++'s collectives plugged into FSDP2).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from torch.optim.adam import adam
 from ..config import RunConfig
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import ModelParts
+from .fsdp_comm import install_fsdp_comms
 from .common import adam_entries, decays, dtensor_replicas, ensure_adam_state, local_tensor, make_adamw, storage_bytes
 
 log = logging.getLogger("etrain")
@@ -28,6 +29,9 @@ class FSDPOptimizer:
         if parts.pipeline is not None and cfg.parallel.reduce_every_microbatch and rank == 0:
             log.warning("parallel.reduce_every_microbatch has no effect under pipeline parallelism: the "
                         "schedule reduce-scatters once, after the last micro-batch")
+        # ZeRO++'s quantized all-gather / reduce-scatter, on every FSDP2 module (each block, then the root).
+        install_fsdp_comms([s for m in parts.modules for s in m.modules() if isinstance(s, FSDPModule)],
+                           cfg.parallel, dims.zero_shards, rank)
         self.params = [p for _, p in parts.named_parameters()]
         self.fqns = [fqn for fqn, _ in parts.named_parameters()]
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]

@@ -40,6 +40,13 @@ class ZeroOptimizer:
         self.n = dims.zero_shards
         # This rank's row in the shard group's collectives: its rank there (dp_shard x cp under context parallelism).
         self.r = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        # ZeRO++ (trainer.zero.quantize): int8 blocks in the parameter all-gather and the gradient reduce-scatter.
+        pc = cfg.parallel
+        self.qw_block = pc.quantization_block if pc.quantized_weights and self.stage > 0 else 0
+        self.qg_block = pc.quantization_block if pc.quantized_gradients and self.stage > 0 else 0
+        if (self.qw_block or self.qg_block) and self.n == 1 and rank == 0:
+            log.warning("parallel.quantized_weights / quantized_gradients have no effect: the ZeRO shard group has "
+                        "one rank (dp_shard=1)")
         if cfg.parallel.reduce_every_microbatch and dims.dp > 1 and rank == 0:
             log.warning("parallel.reduce_every_microbatch has no effect with zero_stage=%d: stages 0 and 1 keep "
                         "whole gradients and reduce them once per step, stage 2 reduce-scatters every "
@@ -80,9 +87,10 @@ class ZeroOptimizer:
             mine = s.chunk(self.r)
             if mine.numel() == 0:
                 continue
-            # fp32: AdamW updates the parameter in place through a view. bf16: a
-            # separate fp32 master copy, cast back after each step.
-            s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
+            # fp32: AdamW updates the parameter in place through a view. bf16, or quantized weights (the
+            # parameter then holds the all-gathered int8 values): a separate fp32 master, copied back each step.
+            in_place = mine.dtype == torch.float32 and not self.qw_block
+            s.master = nn.Parameter(mine if in_place else mine.float().clone())
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = make_adamw(groups, self.cfg)
         # Checkpoints see each chunk as a DTensor shard of the whole parameter.
@@ -233,7 +241,7 @@ class ZeroOptimizer:
 
     def _reduce_scatter(self, out: torch.Tensor, packed: torch.Tensor) -> None:
         if self.shard_group is not None:
-            reduce_scatter(out, packed.view(-1), self.shard_group)
+            reduce_scatter(out, packed.view(-1), self.shard_group, self.qg_block)
         else:
             out.copy_(packed.view(-1))
 
@@ -310,10 +318,11 @@ class ZeroOptimizer:
             for s in b.slots:
                 if s.lengths[self.r]:
                     b.region(mine, s, self.r).copy_(s.chunk(self.r))
-            all_gather(full.view(-1), mine, self.shard_group)
+            all_gather(full.view(-1), mine, self.shard_group, self.qw_block)
             for s in b.slots:
                 for r in range(self.n):
-                    if r != self.r and s.lengths[r]:
+                    # Quantized, this rank too takes its chunk as every other rank received it.
+                    if (r != self.r or self.qw_block) and s.lengths[r]:
                         s.chunk(r).copy_(b.region(full[r], s, r))
         self._scratch = None
 
