@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.jobs import CPU, comm_per_step, micro_batch_bytes, trainers
+from tests.jobs import CPU, comm_per_step, metered_world, micro_batch_bytes, trainers
 from trainer.world import World, init_distributed, shutdown_distributed
 
 
@@ -17,13 +17,7 @@ def train_with_grads(payload: dict) -> dict:
     """Per layout ``(name, overrides, steps)``: the losses of its steps, the reduced gradients of the first
     step (whole tensors, before clipping and the update), and the collectives per step after the first, by
     "kind/axis"."""
-    from trainer.telemetry import comm_meter
-
-    meter = comm_meter()
-    meter.enabled = True
-    world = World.from_env()
-    init_distributed(world, CPU)
-    try:
+    with metered_world() as (world, meter):
         out = {}
         for name, rest, trainer in trainers(world, payload["base"], payload["layouts"]):
             meter.name_axes(trainer.mesh)
@@ -44,8 +38,6 @@ def train_with_grads(payload: dict) -> dict:
                          "comm": comm_per_step(meter, before, steps - 1)}
             del trainer
         return out
-    finally:
-        shutdown_distributed()
 
 
 def activation_peak(payload: dict) -> dict:

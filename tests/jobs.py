@@ -49,13 +49,7 @@ def train_layouts(payload: dict) -> dict:
 
     A layout is ``(name, overrides)`` (``payload["steps"]`` steps) or ``(name, overrides, steps)``.
     With ``payload["params"]`` the trained parameters come back too (whole tensors: world 1 only)."""
-    from trainer.telemetry import comm_meter
-
-    meter = comm_meter()
-    meter.enabled = True  # a python -m trainer run earlier in this pooled process may have turned it off
-    world = World.from_env()
-    init_distributed(world, CPU)
-    try:
+    with metered_world() as (world, meter):
         out = {}
         for name, rest, trainer in trainers(world, payload["base"], payload["layouts"]):
             steps = rest[0] if rest else payload["steps"]
@@ -69,8 +63,6 @@ def train_layouts(payload: dict) -> dict:
                 out[name]["params"] = {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}
             del trainer
         return out
-    finally:
-        shutdown_distributed()
 
 
 def comm_per_step(meter, before: list[dict], steps: int) -> dict[str, dict]:
