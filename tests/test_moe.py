@@ -98,31 +98,44 @@ def test_world1_matches_plain_pytorch_bitwise():
 
 
 def test_ep2_world2_matches_world1():
-    """Experts split over 2 ranks (tokens by all-to-all, uneven splits, gradients through it): the first
-    5 losses within 1e-4 of world 1's and the first step's expert and router gradients within 1e-5; the
-    same under ZeRO-3 (FSDP shards the whole-shaped expert weights over the data-parallel ranks)."""
+    """Experts split over 2 ranks (each holds its 2 experts: DTensors Shard(0) over ep; tokens by all-to-all,
+    uneven splits, gradients through it): the first 5 losses within 1e-4 of world 1's and the first step's
+    expert and router gradients within 1e-5 (a divide factor of FSDP's own mesh size, 1 here, would give
+    2x); the same with full activation checkpointing (recomputation reruns the dispatch)."""
     layouts = {"world1": ["parallel.zero_stage=0"]}
     one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
                                                    "layouts": list(layouts.items())})[0]["world1"]
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
-        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]), ("ep2_zero3", ["parallel.ep=2"]),
-        # recomputation reruns the dispatch in backward, in the same order on every rank
-        ("ep2_zero2_ac", ["parallel.ep=2", "parallel.zero_stage=2", 'parallel.activation_checkpoint="full"'])]})
+        ("ep2_zero3", ["parallel.ep=2"]),
+        ("ep2_zero3_ac", ["parallel.ep=2", 'parallel.activation_checkpoint="full"'])]})
     # Gradients first: AdamW's normalization hides a wrong gradient scale from the losses.
     # The experts did travel: per step and rank, 2 micro-batches x 2 MoE layers x 5 all-to-alls on the ep
     # group (the counts, the slots and the outputs forward; the outputs' and the slots' gradients backward).
-    assert two[0]["ep2_zero0"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero0"]["comm"]
+    assert two[0]["ep2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero3"]["comm"]
     assert "all_to_all/ep" not in one["comm"]
-    grads = two[0]["ep2_zero0"]["grads"]
-    assert grads.keys() == one["grads"].keys() and any(".experts." in n for n in grads)
-    for n, g in one["grads"].items():
-        assert torch.allclose(grads[n], g, rtol=0, atol=1e-5), (n, (grads[n] - g).abs().max())
-        assert torch.equal(grads[n], two[1]["ep2_zero0"]["grads"][n]), n  # every rank steps the same
+    for rank in range(2):  # rank r holds experts 2r, 2r+1 of every MoE layer, and only them
+        assert two[rank]["ep2_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
+    for name in two[0]:
+        grads = two[0][name]["grads"]
+        assert grads.keys() == one["grads"].keys() and any(".experts." in n for n in grads)
+        for n, g in one["grads"].items():
+            assert torch.allclose(grads[n], g, rtol=0, atol=1e-5), (name, n, (grads[n] - g).abs().max())
+            assert torch.equal(grads[n], two[1][name]["grads"][n]), n  # every rank steps the same
     for rank, res in enumerate(two):
         for name, got in res.items():
             for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
             assert got["aux"] == pytest.approx(one["aux"], rel=1e-4)
+
+
+def test_ep_with_zero_1_or_2_is_refused():
+    from trainer.parallel.dims import ParallelDims
+
+    for stage in (0, 1, 2):
+        cfg = load_config(None, BASE + ["parallel.ep=2", f"parallel.zero_stage={stage}"])
+        with pytest.raises(ConfigError, match=rf"parallel\.zero_stage={stage} does not combine .* set "
+                                              r"parallel\.zero_stage=3 .* or parallel\.ep=1"):
+            ParallelDims.from_config(cfg, 2)
 
 
 def test_ep_refusals_and_valid_sizes():
@@ -152,18 +165,23 @@ def test_ep_not_dividing_experts_exits_2():
 
 
 def test_ep_at_world4_matches_world1():
-    """ep 2 under ZeRO-3 and under HSDP (2 x 2), and ep 4 under ZeRO-1, at world 4: the first 5 losses within
-    1e-4 of world 1's."""
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS,
+    """ep 2 under ZeRO-3 (the experts sharded by FSDP over the 2 ranks outside ep) and under HSDP (2 x 2),
+    and ep 4, at world 4: the first 5 losses within 1e-4 of world 1's, the first step's expert gradients
+    within 1e-5 (FSDP's default average over the ranks outside ep would give 2x and 4x)."""
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
                                                    "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
-    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "layouts": [
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
-        ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
+        ("ep4_zero3", ["parallel.ep=4"])]}, timeout=600)
     for name in four[0]:  # trainer.memory's prediction of the MoE's shards, within 5%
         check_memory(name, four)
+    assert four[3]["ep4_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": 3, "n": 1}
     for rank, res in enumerate(four):
         for name, got in res.items():
             assert got["comm"]["all_to_all/ep"]["calls"] == 2 * 5, (name, got["comm"])
+            for n, g in one["grads"].items():
+                diff = (got["grads"][n] - g).abs().max()
+                assert diff <= 1e-5, (name, n, diff)
             for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
 
@@ -196,8 +214,9 @@ def test_router_bias_moves_toward_the_underloaded_experts():
 
 
 def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
-    """3 steps at ep 2 (world 2, ZeRO-3, bias balancing on), saved; resumed at world 1 (ep 1, ZeRO 0) for 2
-    more: the 5 losses within 1e-4 of an uninterrupted world-1 run, the routing biases carried."""
+    """3 steps at ep 2 (world 2, ZeRO-3: each rank saves its own experts' shards, bias balancing on), saved;
+    resumed at world 1 (ep 1, ZeRO 0) and at world 2 (ep 1, ZeRO-3) for 2 more: the 5 losses within 1e-4 of
+    an uninterrupted world-1 run, the routing biases carried (DCP reshards the expert DTensors)."""
     base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01"]
     plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
@@ -206,9 +225,31 @@ def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
     assert first["saves"][-1][1] == "committed", first["saves"]
     second = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
-    assert second["loaded_step"] == 3
-    got = first["losses"] + second["losses"]
-    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
+    third = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": [], "load": "moe", "train": 2, "state": False}]})[0][0]
+    assert second["loaded_step"] == third["loaded_step"] == 3
+    for resumed in (second, third):
+        got = first["losses"] + resumed["losses"]
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_across_ep_and_world(tmp_path):
+    """ep 2 at world 4 (2 steps) -> ep 1 at world 2 (1 step) -> ep 4 at world 4 (2 steps), each saving for the
+    next: the 5 losses within 1e-4 of an uninterrupted world-1 run."""
+    base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01",
+                   "train.micro_batch=1"]
+    plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
+    a = run_ranks("tests.ckpt_jobs:run_plan", 4, {"base": base, "actions": [
+        {"layout": ["parallel.ep=2"], "train": 2, "save": "a", "state": False}]}, timeout=600)[0][0]
+    b = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": [], "load": "a", "train": 1, "save": "b", "state": False}]})[0][0]
+    c = run_ranks("tests.ckpt_jobs:run_plan", 4, {"base": base, "actions": [
+        {"layout": ["parallel.ep=4"], "load": "b", "train": 2, "state": False}]}, timeout=600)[0][0]
+    assert (b["loaded_step"], c["loaded_step"]) == (2, 3)
+    got = a["losses"] + b["losses"] + c["losses"]
+    assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(got, plain)), (got, plain)
 
 
 def test_balancing_lowers_the_load_imbalance():

@@ -13,8 +13,9 @@ takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, firs
 token order; the rest are dropped (their share of the output is zero).
 
 Experts are computed by a loop over experts on the slots sorted by expert. Under expert parallelism
-(``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them, and the sorted slots
-travel to their experts' ranks and back by all-to-all with uneven splits.
+(``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them (the weights are DTensors
+split on the expert dim), and the sorted slots travel to their experts' ranks and back by all-to-all with
+uneven splits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
 
@@ -37,12 +39,14 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
-        """``x``: slots sorted by expert, ``counts[i]`` of them for expert ``first + i``."""
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: slots sorted by expert, ``counts[i]`` of them for this rank's ``i``-th expert (under expert
+        parallelism the weights are DTensors split on the expert dim, and this rank computes its own)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         outs = []
-        for e, chunk in enumerate(x.split(counts), start=first):
-            h = F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())
-            outs.append(h @ self.w2[e].t())
+        for e, chunk in enumerate(x.split(counts)):
+            h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
+            outs.append(h @ w2[e].t())
         return torch.cat(outs) if outs else x[:0]
 
 

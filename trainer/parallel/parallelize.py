@@ -19,8 +19,9 @@ The order, and why it matters:
    anything wraps the blocks, so activation checkpointing recomputes the routed attention and FSDP sees
    the modules as routed.
 4. Expert parallelism (:mod:`.expert`): it gives every MoE layer its ep group (experts split over
-   ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all), before activation
-   checkpointing recomputes the routed layers and FSDP shards the (whole-shaped) expert weights.
+   ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all) and makes the expert weights
+   DTensors split over ``ep``, before activation checkpointing recomputes the routed layers and FSDP
+   shards the expert weights over the data-parallel ranks outside ep (their own units, wrapped first).
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
 6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
@@ -51,8 +52,8 @@ from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
 from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
-from .expert import apply_ep
-from .fsdp import shard_blocks
+from .expert import apply_ep, shard_experts
+from .fsdp import fsdp_policies, shard_blocks
 from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
 
@@ -152,10 +153,12 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
-        apply_ep(model, dims, rank)
+        emesh = apply_ep(model, dims, mesh)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
         if use_fsdp:
+            if emesh is not None:  # the experts' own FSDP units first: the blocks' then leave them out
+                shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
