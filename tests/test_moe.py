@@ -112,7 +112,20 @@ def test_ep2_world2_matches_world1():
     # The experts did travel: per step and rank, 2 micro-batches x 2 MoE layers x 5 all-to-alls on the ep
     # group (the counts, the slots and the outputs forward; the outputs' and the slots' gradients backward).
     assert two[0]["ep2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero3"]["comm"]
+    assert two[0]["ep2_zero3_ac"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 8  # the recomputation's 3 again
     assert "all_to_all/ep" not in one["comm"]
+    # etrain plan's formula (trainer.plan.experts): the meter counts an all-to-all's input, whose mean over the
+    # ranks is exactly the formula's (the slots a rank sends out are the slots another sends back).
+    from trainer.parallel.dims import ParallelDims
+    from trainer.plan.experts import all_to_all_per_step
+
+    for name, extra in (("ep2_zero3", []), ("ep2_zero3_ac", ['parallel.activation_checkpoint="full"'])):
+        cfg = load_config(None, BASE + ["parallel.ep=2"] + extra)
+        size, bus, calls = all_to_all_per_step(cfg, ParallelDims.from_config(cfg, 2), 4)
+        got = [r[name]["comm"]["all_to_all/ep"] for r in two]
+        assert sum(g["bytes"] for g in got) / 2 == pytest.approx(size, rel=1e-9), (name, got, size)
+        assert sum(g["bus_bytes"] for g in got) / 2 == pytest.approx(bus, rel=1e-9)
+        assert all(g["calls"] == calls for g in got), (name, got, calls)
     for rank in range(2):  # rank r holds experts 2r, 2r+1 of every MoE layer, and only them
         assert two[rank]["ep2_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
     for name in two[0]:

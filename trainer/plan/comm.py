@@ -28,7 +28,10 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
   point-to-point sends, overlapped with the block attention); allgather all-gathers K (``cp`` K out)
   and reduce-scatters its gradient; ulysses makes four all-to-alls of ``3 E + E`` both ways. Full
   activation checkpointing repeats the forward's. The cp ranks hold the same parameters: ZeRO shards
-  over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``.
+  over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``;
+* expert parallelism (:mod:`trainer.plan.experts`): ZeRO-3 gathers and reduces the dense parameters over
+  ``dp_shard`` and each MoE layer's ``n_experts / ep`` experts over ``dp_shard_mod_ep``, and the tokens
+  travel to their experts and back by all-to-all over ``ep``.
 
 ``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
@@ -43,6 +46,7 @@ from ..config import RunConfig
 from ..memory import local_param_count
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh, ParallelDims
+from .experts import MOE_AXES, expert_counts, moe_comm
 
 
 def _ring(kind: str, n: int, size: float) -> float:
@@ -71,7 +75,8 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
 
     shard_axis, dp_axis = (Mesh.DP_SHARD_CP, Mesh.DP_CP) if dims.cp > 1 else (Axis.DP_SHARD, Mesh.DP)
     sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2,
-             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp}
+             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp,
+             MOE_AXES[0]: dims.ep, MOE_AXES[1]: dims.dp_shard // dims.ep}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
@@ -90,10 +95,20 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
         gathers = 2 if dims.pp > 1 else 2 * mb
-        add("all_gather", shard_axis, gathers * _ring("all_gather", n, params), gathers * (blocks + 1), "compute")
         rs = mb if p.reduce_every_microbatch else 1
-        add("reduce_scatter", shard_axis, rs * _ring("reduce_scatter", n, grads), rs * (blocks + 1), "compute")
-        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), blocks + 1)
+        # (parameters, axis, its ranks, FSDP units): the whole model; under ep the dense parameters, and the
+        # experts, n_experts / ep of them per layer, over the data-parallel ranks outside ep (their own units).
+        units = [(count, shard_axis, n, blocks + 1)]
+        ex = expert_counts(cfg, dims) if dims.ep > 1 else None
+        if ex and ex["experts"]:
+            units = [(count - ex["experts"], shard_axis, n, blocks + 1),
+                     (ex["gathered"], MOE_AXES[1], dims.dp_shard // dims.ep, ex["moe_layers"])]
+        for held, axis, ranks, calls in units:
+            add("all_gather", axis, gathers * _ring("all_gather", ranks, act_b * held), gathers * calls, "compute")
+            add("reduce_scatter", axis, rs * _ring("reduce_scatter", ranks, 4 * held), rs * calls, "compute")
+            add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * held / ranks), calls)
+    for kind, axis, size, calls, _ in moe_comm(cfg, dims, act_b):
+        add(kind, axis, size, calls)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         split = m.stage_layers(n_stages)
