@@ -26,6 +26,8 @@ def train_moe(payload: dict) -> dict:
             stats = [trainer.train_step() for _ in range(payload["steps"])]
             out[name] = {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats],
                          "imbalance": [s.moe_imbalance for s in stats],
+                         "tokens_per_expert": [s.moe_tokens_per_expert for s in stats],
+                         "dropped": [s.moe_dropped for s in stats],
                          "comm": comm_per_step(meter, before, payload["steps"]),
                          "memory": trainer.memory_measured, "predicted": trainer.memory_predicted()}
             if grads:

@@ -95,6 +95,21 @@ def test_world1_matches_plain_pytorch_bitwise():
     assert plain["losses"][-1] < plain["losses"][0]
     assert all(0 < a < 0.1 for a in res["aux"]), res["aux"]  # about coef x 2 layers x 1 (balanced)
     assert all(i >= 1.0 for i in res["imbalance"]), res["imbalance"]
+    # The step log's routing figures: every routed slot of the step counted once per MoE layer (block 1, 3),
+    # the imbalance their max / mean; nothing dropped without capacity.
+    for loads, ratio, dropped in zip(res["tokens_per_expert"], res["imbalance"], res["dropped"]):
+        assert loads.keys() == {"1", "3"} and all(sum(v) == 8 * 32 * 2 for v in loads.values()), loads
+        assert ratio == pytest.approx(max(max(v) / (sum(v) / 4) for v in loads.values())) and dropped == 0
+
+
+def test_capacity_drops_are_counted_in_the_step_log():
+    """capacity_factor 1.0 with a routing skewed by the bias: the step reports the slots dropped (as the
+    layer counts them), and still counts every routed slot per expert."""
+    res = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE + ["model.capacity_factor=1.0"], "steps": 2,
+                                                   "layouts": [("w1", ["parallel.zero_stage=0"])]})[0]["w1"]
+    assert all(d > 0 for d in res["dropped"]), res["dropped"]
+    assert all(sum(v) == 8 * 32 * 2 for loads in res["tokens_per_expert"] for v in loads.values())
+    assert all(d < 2 * 8 * 32 * 2 for d in res["dropped"])  # fewer than all slots of the 2 layers
 
 
 def test_ep2_world2_matches_world1():
@@ -200,13 +215,23 @@ def test_ep_at_world4_matches_world1():
 
 
 def test_step_log_figures_reach_the_metrics():
+    from trainer.cli import format_step
+    from trainer.loop import StepStats
     from trainer.metrics import RunMetrics
 
     m = RunMetrics("r")
     m.observe_step({"step": 1, "loss": 5.0, "aux_loss": 0.02, "moe_imbalance": 1.5, "tokens_per_s": 1.0,
-                    "step_seconds": 1.0})
+                    "step_seconds": 1.0, "moe_dropped": 3, "moe_tokens_per_expert": {"1": [5.0, 3.0], "3": [4.0, 4.0]}})
     got = {f.name: f.samples[0].value for f in m.collect() if f.samples and f.name.startswith("etrain_moe")}
-    assert got == {"etrain_moe_aux_loss": 0.02, "etrain_moe_imbalance_ratio": 1.5}
+    assert got == {"etrain_moe_aux_loss": 0.02, "etrain_moe_imbalance_ratio": 1.5, "etrain_moe_dropped_tokens": 3,
+                   "etrain_moe_tokens_per_expert": 5.0}
+    per = next(f for f in m.collect() if f.name == "etrain_moe_tokens_per_expert")
+    assert {(x.labels["layer"], x.labels["expert"]): x.value for x in per.samples} == {
+        ("1", "0"): 5.0, ("1", "1"): 3.0, ("3", "0"): 4.0, ("3", "1"): 4.0}
+    line = format_step(StepStats(step=1, loss=5.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0, step_seconds=1.0,
+                                 data_seconds=0.0, world_size=1, samples_consumed=8, aux_loss=0.02,
+                                 moe_imbalance=1.5, moe_dropped=3), 10)
+    assert "loss 5.0000 (aux 0.0200) | imbalance 1.50 | dropped 3 |" in line, line
     m.observe_step({"step": 2, "loss": 5.0, "tokens_per_s": 1.0, "step_seconds": 1.0})  # dense: no MoE families
     assert not [f for f in m.collect() if f.name.startswith("etrain_moe")]
 

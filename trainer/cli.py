@@ -115,7 +115,11 @@ def format_step(s: StepStats, total: int, steps_per_s: float | None = None) -> s
     ``steps_per_s`` (this step's rate when not given)."""
     rate = steps_per_s or (1.0 / s.step_seconds if s.step_seconds > 0 else 0.0)
     eta = f" | ETA {clock((total - s.step) / rate)}" if rate > 0 and s.step < total else ""
-    return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
+    moe = ""
+    if s.aux_loss is not None:  # a Mixture of Experts: its balancing loss (part of the loss), imbalance, drops
+        moe = f" (aux {s.aux_loss:.4f}) | imbalance {s.moe_imbalance:.2f}"
+        moe += f" | dropped {s.moe_dropped}" if s.moe_dropped else ""
+    return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f}{moe} | lr {s.lr:.2e} | "
             f"{human(s.tokens_per_s, 'tok/s')} | {rate:.2f} steps/s | world {s.world_size}{eta}")
 
 
