@@ -271,6 +271,25 @@ def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
         assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
 
 
+def test_memory_tier_snapshot_at_ep2_restores_at_ep1(tmp_path):
+    """The memory recovery tier: a snapshot of step 2 at ep 2 (world 2, ZeRO-3, each rank's experts its own
+    shards) restores at world 1 (ep 1, ZeRO 0) bitwise as the durable checkpoint of the same step does, and
+    the next step's loss is the same."""
+    from tests.test_memory_tier import _all_sources, assert_same
+
+    base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01"]
+    ranks = run_ranks("tests.memory_tier_jobs:snapshot", 2, {"base": base, "layout": ["parallel.ep=2"],
+                                                             "train": 2, "run_id": "m", "state": False})
+    assert [(r["status"], r["replicated"]) for r in ranks] == [("agreed", True)] * 2
+    out = run_ranks("tests.memory_tier_jobs:restore", 1, {"base": base, "layout": ["parallel.zero_stage=0"],
+                                                          "run_id": "m", "snapshot": ranks[0]["snapshot"],
+                                                          "sources": _all_sources(ranks)})[0]
+    assert "error" not in out, out
+    assert out["memory_step"] == out["durable_step"] == 2
+    assert_same(out["memory"], out["durable"], "ep 2 -> ep 1")
+    assert out["memory_loss"] == out["durable_loss"]
+
+
 @pytest.mark.slow
 def test_checkpoint_reshards_across_ep_and_world(tmp_path):
     """ep 2 at world 4 (2 steps) -> ep 1 at world 2 (1 step) -> ep 4 at world 4 (2 steps), each saving for the
