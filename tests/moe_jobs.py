@@ -50,7 +50,8 @@ def capture_first_grads(trainer) -> dict:
     def first(lr, coef):
         if not grads:
             for n, p in trainer.parts.named_parameters():
-                if (".experts." in n or ".router." in n) and p.grad is not None:
+                dense_whole = trainer.dims.zero_stage in (0, 3)  # else the stage's unreduced local gradient
+                if (".experts." in n or (".router." in n and dense_whole)) and p.grad is not None:
                     g = p.grad.detach()  # ZeRO-3 (and ep): a shard, gathered whole on every rank
                     grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
         return step(lr, coef)

@@ -41,6 +41,9 @@ def test_expert_and_dense_parameters_are_counted_apart_with_their_own_sharding()
     mem = rank_memory(cfg, dims, 0, mixed=False)
     assert mem["moe_experts"] == experts and mem["param_count"] == total  # the model counted, not the formulas
     assert mem["params"] == 4 * total // 4  # fp32 bytes, ZeRO-3 over the 4 ranks
+    # ZeRO-1 under ep: the dense parameters whole, the experts FSDP-sharded over all of dp_shard.
+    cfg1, dims1z = dims_at(["parallel.ep=2", "parallel.zero_stage=1"], 4)
+    assert rank_memory(cfg1, dims1z, 0, mixed=False)["params"] == 4 * (total - experts) + 4 * experts // 4
     # What ep saves under ZeRO-3: the experts a rank gathers (the unsharded block and accumulated gradients).
     _, dims1 = dims_at([], 4)
     assert rank_memory(cfg, dims, 0, mixed=False)["with_activations"] < rank_memory(
@@ -66,15 +69,18 @@ def test_the_all_to_all_volume_follows_the_formula():
     assert {("all_gather", "dp_shard_mod_ep"), ("all_gather", "dp_shard"), ("all_to_all", "ep")} <= axes
 
 
-def test_the_search_offers_ep_with_zero3_only():
+def test_the_search_offers_ep():
+    """Every ep dividing dp_shard and n_experts, at every ZeRO stage (below 3 in fp32 only, as the trainer)."""
     cfg = load_config(None, MOE)
     layouts = enumerate_layouts(cfg, 4)
     assert {lay.ep for lay in layouts} == {1, 2, 4}
-    assert all(lay.zero == 3 for lay in layouts if lay.ep > 1)
+    assert {lay.zero for lay in layouts if lay.ep == 2} == {0, 1, 2, 3}
     assert all(_normalize(cfg, lay) == lay for lay in layouts)
-    assert _normalize(cfg, Layout(1, 4, 1, 1, 1, ep=2)).ep == 1
-    bad = evaluate(cfg, Layout(1, 4, 1, 1, 1, ep=2), DEVICES["cpu"])
-    assert not bad.valid and "parallel.zero_stage=1 does not combine" in bad.reason
+    assert _normalize(cfg, Layout(2, 2, 1, 1, 3, ep=4)).ep == 1  # ep must divide dp_shard
+    zero1 = evaluate(cfg, Layout(1, 4, 1, 1, 1, ep=2), DEVICES["cpu"])
+    assert zero1.valid and {c["axis"] for c in zero1.time["comm"]} >= {"dp_shard", "dp_shard_mod_ep", "ep"}
+    bf16 = evaluate(cfg, Layout(1, 4, 1, 1, 1, ep=2), DEVICES["h100"])
+    assert not bf16.valid and "fp32 only yet" in bf16.reason
     good = evaluate(cfg, Layout(1, 4, 1, 1, 3, ep=4), DEVICES["cpu"])
     assert good.valid and "ep 4" in good.layout.describe()
     assert "ep" in good.time["comm_by_axis"]

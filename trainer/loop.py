@@ -247,7 +247,10 @@ class Trainer:
     def memory_predicted(self) -> dict[str, int]:
         if self.parts.local_params:
             per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
-            return {k: round(v * self.parts.local_params) for k, v in per.items()}
+            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over all of dp_shard (ep x the rest)
+            ex = sum(p.numel() for m in self.parts.expert_units for p in m.parameters())
+            fsdp = memory.bytes_per_param(3, self.dims.dp_shard, self.mixed)
+            return {k: round(v * (self.parts.local_params - ex) + fsdp[k] * ex) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
     # --- the step ------------------------------------------------------------

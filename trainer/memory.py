@@ -87,7 +87,10 @@ def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) 
     """Predicted bytes on ``rank`` for parameters, gradients and optimizer state."""
     stage, n = dims.zero_stage, dims.zero_shards
     count = local_param_count(cfg, dims, rank)
-    return {k: round(v * count) for k, v in bytes_per_param(stage, n, mixed).items()}
+    # Expert parallelism below ZeRO-3: the experts are FSDP's (trainer.zero.hybrid), sharded over all of dp_shard.
+    experts = spec_for(cfg.model).shape().experts if dims.ep > 1 and stage < 3 else 0
+    fsdp = bytes_per_param(3, dims.dp_shard, mixed)
+    return {k: round(v * (count - experts) + fsdp[k] * experts) for k, v in bytes_per_param(stage, n, mixed).items()}
 
 
 def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, float]:

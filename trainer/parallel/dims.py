@@ -238,11 +238,6 @@ class ParallelDims:
             )
         if self.cp > 1:
             self.check_cp(cfg)
-        if self.ep > 1 and self.zero_stage in (0, 1, 2):
-            raise ConfigError(
-                f"parallel.ep={self.ep} splits the expert weights over the ep ranks, and ZeRO-3 (FSDP2) is the stage "
-                f"that shards them over the other data-parallel ranks; parallel.zero_stage={self.zero_stage} does not "
-                "combine with it yet: set parallel.zero_stage=3 (dp_replicate > 1 gives HSDP), or parallel.ep=1")
         if p.offload == "cpu" and self.dp == 1:
             fixed = fixed_degree(self.dp_replicate, self.tp, self.pp, self.cp)
             raise ConfigError(

@@ -17,7 +17,8 @@ checkpoint to any ep and world size. ZeRO-3 shards them further, by a ``fully_sh
 data-parallel ranks outside ep (``dp_shard / ep``, x ``dp_replicate`` as HSDP): those ranks hold the same
 experts, each computed on its own ep group's tokens, so their summed gradient is divided by the whole
 data-parallel size (``grad_ranks``), not by the size of that mesh (FSDP's default, which would give ``ep``
-times the world-1 gradient). ZeRO 0-2 are refused with ep > 1 (``ParallelDims.check_features``).
+times the world-1 gradient). The experts get those units at every ZeRO stage: under ZeRO 0-2 the other
+parameters keep the stage's treatment and the experts are stepped as ZeRO-3 shards (trainer.zero.hybrid).
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ def apply_ep(model: nn.Module, dims, mesh) -> DeviceMesh | None:
 
 
 def shard_experts(model: nn.Module, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
-    """ZeRO-3 of the ep-split experts: a ``fully_shard`` per MoE layer's experts over the data-parallel ranks
-    outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own ``fully_shard`` (which then
-    leaves them out). They shard on dim 1 (the local expert count may be smaller than that mesh), and their
+    """The ep-split experts sharded (at every ZeRO stage): a ``fully_shard`` per MoE layer's experts over the
+    data-parallel ranks outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own
+    ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller than that mesh), and their
     gradient is divided by the whole data-parallel size (see the module docstring)."""
     from torch.distributed.fsdp import fully_shard
 

@@ -21,7 +21,8 @@ The order, and why it matters:
 4. Expert parallelism (:mod:`.expert`): it gives every MoE layer its ep group (experts split over
    ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all) and makes the expert weights
    DTensors split over ``ep``, before activation checkpointing recomputes the routed layers and FSDP
-   shards the expert weights over the data-parallel ranks outside ep (their own units, wrapped first).
+   shards the expert weights over the data-parallel ranks outside ep (their own units, wrapped first, at
+   every ZeRO stage: under ZeRO 0-2 the other parameters are the stage's, trainer.zero.hybrid).
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
 6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
@@ -38,10 +39,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from checkpointing.errors import ConfigError
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
@@ -80,6 +83,9 @@ class ModelParts:
     # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
     cp: ContextParallel | None = None
     _moe: list | None = None  # the Mixture-of-Experts layers of modules[0] (aux_loss)
+    # Expert parallelism under ZeRO 0-2: the experts' own FSDP units (their optimizer is FSDP's,
+    # trainer.zero.hybrid; the other parameters are the ZeRO stage's). Empty otherwise.
+    expert_units: list[nn.Module] = field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -145,7 +151,11 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
     check_device_features(p, device)
-    modules, local, cp = [], 0, None
+    if dims.ep > 1 and not use_fsdp and dtype != torch.float32:
+        raise ConfigError(f"parallel.ep={dims.ep} with parallel.zero_stage={dims.zero_stage} trains in fp32 only yet "
+                          f"(the experts' own FSDP units beside the ZeRO-{dims.zero_stage} parameters); set "
+                          'parallel.mixed_precision="fp32", or parallel.zero_stage=3')
+    modules, local, cp, expert_units = [], 0, None, []
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
@@ -156,9 +166,11 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         emesh = apply_ep(model, dims, mesh)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
+        if emesh is not None:  # the experts' own FSDP units, at every ZeRO stage; first: the blocks' leave them out
+            shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
+            if not use_fsdp:
+                expert_units += [moe.experts for moe in moe_layers(model)]
         if use_fsdp:
-            if emesh is not None:  # the experts' own FSDP units first: the blocks' then leave them out
-                shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
@@ -173,4 +185,5 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
-                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp)
+                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp,
+                      expert_units=expert_units)

@@ -29,9 +29,10 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
   and reduce-scatters its gradient; ulysses makes four all-to-alls of ``3 E + E`` both ways. Full
   activation checkpointing repeats the forward's. The cp ranks hold the same parameters: ZeRO shards
   over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``;
-* expert parallelism (:mod:`trainer.plan.experts`): ZeRO-3 gathers and reduces the dense parameters over
-  ``dp_shard`` and each MoE layer's ``n_experts / ep`` experts over ``dp_shard_mod_ep``, and the tokens
-  travel to their experts and back by all-to-all over ``ep``.
+* expert parallelism (:mod:`trainer.plan.experts`): each MoE layer's ``n_experts / ep`` experts are
+  FSDP units of their own over ``dp_shard_mod_ep`` at every ZeRO stage (gathered and reduced as ZeRO-3
+  does), the stage's collectives carry the dense parameters, and the tokens travel to their experts and
+  back by all-to-all over ``ep``.
 
 ``ranks``: the group's size. ``overlaps``: "compute" where the collective can hide behind computation (FSDP's prefetched
 all-gathers, ZeRO-2's bucketed reduce-scatter during backward), "none" where the step waits for it.
@@ -67,8 +68,12 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     p, m = cfg.parallel, spec_for(cfg.model).shape()
     act_b = 2 if mixed else 4
     count = local_param_count(cfg, dims, rank)
-    grads, params = 4 * count, act_b * count
     stage = dims.zero_stage
+    # Expert parallelism: the experts in FSDP units of their own at every stage (trainer.plan.experts); below
+    # ZeRO-3 the stage's collectives carry the dense parameters only.
+    ex = expert_counts(cfg, dims) if dims.ep > 1 else None
+    experts = ex["experts"] if ex else 0
+    grads, params = 4 * (count - experts if stage < 3 else count), act_b * (count - experts if stage < 3 else count)
     n, r = dims.dp_shard * dims.cp, dims.dp_replicate  # the cp ranks hold the same parameters
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
     out: list[dict] = []
@@ -91,18 +96,16 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
             "compute" if stage == 2 else "none")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
         add("all_gather", shard_axis, _ring("all_gather", n, params), buckets)
-    else:
-        n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-        blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
+    # FSDP units as (parameters, axis, its ranks, units): at ZeRO-3 the model's, the dense parameters' under ep;
+    # under ep at every stage the experts', n_experts / ep of them per layer, over the ranks outside ep.
+    n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
+    blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
+    units = [(count - experts, shard_axis, n, blocks + 1)] if stage == 3 else []
+    if experts:
+        units.append((ex["gathered"], MOE_AXES[1], dims.dp_shard // dims.ep, ex["moe_layers"]))
+    if units:
         gathers = 2 if dims.pp > 1 else 2 * mb
         rs = mb if p.reduce_every_microbatch else 1
-        # (parameters, axis, its ranks, FSDP units): the whole model; under ep the dense parameters, and the
-        # experts, n_experts / ep of them per layer, over the data-parallel ranks outside ep (their own units).
-        units = [(count, shard_axis, n, blocks + 1)]
-        ex = expert_counts(cfg, dims) if dims.ep > 1 else None
-        if ex and ex["experts"]:
-            units = [(count - ex["experts"], shard_axis, n, blocks + 1),
-                     (ex["gathered"], MOE_AXES[1], dims.dp_shard // dims.ep, ex["moe_layers"])]
         for held, axis, ranks, calls in units:
             add("all_gather", axis, gathers * _ring("all_gather", ranks, act_b * held), gathers * calls, "compute")
             add("reduce_scatter", axis, rs * _ring("reduce_scatter", ranks, 4 * held), rs * calls, "compute")

@@ -5,9 +5,10 @@ all-to-all of expert parallelism.
     for kind, axis, size, calls, ranks in moe_comm(cfg, dims, act_b): ...
 
 The routed experts (``ModelShape.experts``, counted on the meta device) are split ``ep`` ways on the expert
-dim and, under ZeRO-3, sharded further over the ``dp_shard / ep`` data-parallel ranks outside ep (their own
-FSDP units, :mod:`trainer.parallel.expert`); the dense parameters (everything else: attention, router, shared
-experts, embeddings) are sharded over ``dp_shard`` as in a dense model. The resident ZeRO-3 shard of either
+dim and sharded further over the ``dp_shard / ep`` data-parallel ranks outside ep by FSDP units of their own
+(:mod:`trainer.parallel.expert`), at every ZeRO stage; the dense parameters (everything else: attention,
+router, shared experts, embeddings) follow the ZeRO stage as in a dense model (ZeRO-3: over ``dp_shard``).
+The resident ZeRO-3 shard of either
 is ``1 / dp_shard`` of it; what ``ep`` divides is what a rank gathers and computes with (``gathered``:
 ``n_experts / ep`` experts per layer) and the experts' all-gather and reduce-scatter traffic.
 
@@ -34,9 +35,9 @@ def expert_counts(cfg: RunConfig, dims: ParallelDims) -> dict:
     (``*_held``), and the experts a rank gathers to compute (``gathered``: all of its ``n_experts / ep``).
     All zero for a dense model's experts."""
     m = spec_for(cfg.model).shape()
-    zero3 = dims.uses_fsdp
-    dense_shards = dims.dp_shard * dims.cp if zero3 else 1
-    expert_shards = dims.ep * (dims.dp_shard // dims.ep if zero3 else 1)
+    dense_shards = dims.dp_shard * dims.cp if dims.uses_fsdp else 1
+    # under ep the experts are FSDP units of their own at every ZeRO stage (trainer.zero.hybrid below 3)
+    expert_shards = dims.dp_shard if dims.ep > 1 else dense_shards
     return {"experts": m.experts, "dense": m.dense_params, "moe_layers": m.moe_layers, "ep": dims.ep,
             "n_experts": cfg.model.n_experts,
             "expert_shards": expert_shards, "dense_shards": dense_shards,

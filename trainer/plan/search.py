@@ -65,6 +65,9 @@ def evaluate(cfg: RunConfig, layout: Layout, dev: Device) -> Candidate:
         new, dims = layout.apply(cfg)
     except ConfigError as e:
         return Candidate(layout, False, str(e))
+    if dims.ep > 1 and not dims.uses_fsdp and dev.mixed:  # trainer.parallel.parallelize refuses it on the device
+        return Candidate(layout, False, f"parallel.ep={dims.ep} with parallel.zero_stage={dims.zero_stage} trains in "
+                                        "fp32 only yet; set parallel.zero_stage=3")
     mem = peak_memory(new, dims, dev.mixed)
     t = max((step_time(new, dims, r, dev) for r in peak_ranks(dims)), key=lambda x: x["step_s"])
     return Candidate(layout, True, "", mem, t, mem["total"] <= HEADROOM * dev.memory)
@@ -84,8 +87,7 @@ def cp_styles(cfg: RunConfig, cp: int) -> list[str]:
 
 
 def ep_degrees(cfg: RunConfig, dp_shard: int) -> list[int]:
-    """Expert-parallel degrees: 1, and for a Mixture of Experts the divisors of dp_shard that divide n_experts
-    (each taken with ZeRO-3 only: the trainer refuses ep > 1 with ZeRO 0-2)."""
+    """Expert-parallel degrees: 1, and for a Mixture of Experts the divisors of dp_shard that divide n_experts."""
     n = cfg.model.n_experts
     return [e for e in divisors(dp_shard) if n % e == 0] if n > 0 else [1]
 
@@ -136,8 +138,6 @@ def enumerate_layouts(cfg: RunConfig, world: int) -> list[Layout]:
                                                                       c["sched"], c["cp_style"], c["ep"]):
             if rep > 1 and z != 3:
                 continue  # dp_replicate only differs from one flat dp axis as HSDP
-            if ep > 1 and z != 3:
-                continue  # ep-split experts are sharded by ZeRO-3 only
             # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
             many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
             for every in (False, True) if many else (False,):
@@ -165,7 +165,7 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
         return replace(cur, **{src: n // f, dst: getattr(cur, dst) * f})
     c = _choices(cfg, cur.dp, cur.tp, cur.pp, cur.cp, cur.dp_shard)
     if what == "ep":
-        return replace(cur, ep=rng.choice(c["ep"]), zero=3)
+        return replace(cur, ep=rng.choice(c["ep"]))
     if what == "cp_style":
         return replace(cur, cp_style=rng.choice(c["cp_style"]))
     if what == "zero":
@@ -195,7 +195,7 @@ def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
         lay = replace(lay, cp_style="ring")
     if lay.dp * lay.cp == 1:
         lay = replace(lay, zero=0)
-    if lay.ep > 1 and (lay.zero != 3 or lay.dp_shard % lay.ep):
+    if lay.ep > 1 and lay.dp_shard % lay.ep:
         lay = replace(lay, ep=1)
     if lay.zero != 3 or lay.pp > 1 or cfg.train.global_batch // max(1, lay.dp) <= lay.micro_batch:
         lay = replace(lay, reduce_every=False)
