@@ -262,14 +262,15 @@ def test_router_bias_moves_toward_the_underloaded_experts():
 
 
 def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
-    """3 steps at ep 2 (world 2, ZeRO-3: each rank saves its own experts' shards, bias balancing on), saved;
+    """3 steps at ep 2 (world 2, ZeRO-1: each rank saves its own experts' FSDP shards beside its ZeRO-1 chunks,
+    bias balancing on), saved;
     resumed at world 1 (ep 1, ZeRO 0) and at world 2 (ep 1, ZeRO-3) for 2 more: the 5 losses within 1e-4 of
     an uninterrupted world-1 run, the routing biases carried (DCP reshards the expert DTensors)."""
     base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01"]
     plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
     first = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
-        {"layout": ["parallel.ep=2"], "train": 3, "save": "moe", "state": False}]})[0][0]
+        {"layout": ["parallel.ep=2", "parallel.zero_stage=1"], "train": 3, "save": "moe", "state": False}]})[0][0]
     assert first["saves"][-1][1] == "committed", first["saves"]
     second = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
