@@ -107,8 +107,8 @@ def apply_ep(model: nn.Module, dims, mesh) -> DeviceMesh | None:
 def shard_experts(model: nn.Module, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
     """The ep-split experts sharded (at every ZeRO stage): a ``fully_shard`` per MoE layer's experts over the
     data-parallel ranks outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own
-    ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller than that mesh), and their
-    gradient is divided by the whole data-parallel size (see the module docstring)."""
+    ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller
+    than that mesh), and their gradient is divided by the whole data-parallel size (the module docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..models.moe import moe_layers

@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-from checkpointing.errors import ConfigError
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
@@ -151,10 +149,6 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
     check_device_features(p, device)
-    if dims.ep > 1 and not use_fsdp and dtype != torch.float32:
-        raise ConfigError(f"parallel.ep={dims.ep} with parallel.zero_stage={dims.zero_stage} trains in fp32 only yet "
-                          f"(the experts' own FSDP units beside the ZeRO-{dims.zero_stage} parameters); set "
-                          'parallel.mixed_precision="fp32", or parallel.zero_stage=3')
     modules, local, cp, expert_units = [], 0, None, []
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
@@ -177,6 +171,8 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         if not use_fsdp:
             if dtype != torch.float32:
                 spec.cast(model, dtype)
+                for unit in expert_units:  # FSDP's own units keep fp32 shards and compute in dtype (its policy)
+                    unit.float()
             if tp_mesh is not None:
                 grads_as_placed(model)  # after the cast, which replaces DTensor parameters
         modules.append(model)

@@ -65,9 +65,6 @@ def evaluate(cfg: RunConfig, layout: Layout, dev: Device) -> Candidate:
         new, dims = layout.apply(cfg)
     except ConfigError as e:
         return Candidate(layout, False, str(e))
-    if dims.ep > 1 and not dims.uses_fsdp and dev.mixed:  # trainer.parallel.parallelize refuses it on the device
-        return Candidate(layout, False, f"parallel.ep={dims.ep} with parallel.zero_stage={dims.zero_stage} trains in "
-                                        "fp32 only yet; set parallel.zero_stage=3")
     mem = peak_memory(new, dims, dev.mixed)
     t = max((step_time(new, dims, r, dev) for r in peak_ranks(dims)), key=lambda x: x["step_s"])
     return Candidate(layout, True, "", mem, t, mem["total"] <= HEADROOM * dev.memory)

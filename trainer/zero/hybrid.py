@@ -8,6 +8,9 @@ stage; their gradients are reduced there, divided by the whole data-parallel siz
 parameters keep the stage's treatment (:class:`~trainer.zero.stages.ZeroOptimizer`), and the experts are
 stepped as ZeRO-3 steps its shards (:class:`~trainer.zero.fsdp.FSDPOptimizer`). This class drives both
 through the one interface the step loop knows; their checkpoint states are disjoint (by FQN) and merge.
+In bf16 the stage keeps fp32 masters of the dense parameters, and the experts' units keep fp32 shards that
+compute in bf16 (FSDP's mixed-precision policy; trainer.parallel.parallelize casts them back after the
+model's cast).
 """
 
 from __future__ import annotations
