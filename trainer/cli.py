@@ -329,7 +329,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: {what}, world {world.size} "
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
                   f"{f'x cp {trainer.dims.cp} {cfg.parallel.cp_style} ' if trainer.dims.cp > 1 else ''}"
-                  f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}"
+                  f"x tp {trainer.dims.tp}{f', ep {trainer.dims.ep}' if trainer.dims.ep > 1 else ''}), "
+                  f"zero stage {cfg.parallel.zero_stage}"
                   f"{' (no effect at dp 1)' if trainer.dims.zero_requested and not trainer.dims.zero_stage else ''}, "
                   f"{trainer.device.type}; corpus {describe_corpus(corpus.describe())}", flush=True)
         limit = cfg.checkpoint.max_consecutive_failures
