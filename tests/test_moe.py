@@ -212,8 +212,16 @@ def test_ep_at_world4_matches_world1():
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
         ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
+    from trainer.memory import predict
+    from trainer.parallel.dims import ParallelDims
+
+    overrides = {"ep2_zero3": ["parallel.ep=2"], "ep2_hsdp": ["parallel.ep=2", "parallel.dp_replicate=2"],
+                 "ep4_zero1": ["parallel.ep=4", "parallel.zero_stage=1"]}
     for name in four[0]:  # trainer.memory's prediction of the MoE's shards, within 5%
         check_memory(name, four)
+        # and the planner's (trainer.memory.predict, from the config alone) is the trainer's own
+        cfg = load_config(None, BASE + overrides[name])
+        assert predict(cfg, ParallelDims.from_config(cfg, 4), 0) == four[0][name]["predicted"], name
     assert four[3]["ep4_zero1"]["experts"] == {"placement": "Shard(dim=0)", "first": 3, "n": 1}
     for rank, res in enumerate(four):
         for name, got in res.items():
