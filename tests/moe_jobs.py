@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch.distributed.tensor import DTensor
+
 from tests.jobs import CPU, comm_per_step, trainers
 from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -24,10 +26,13 @@ def train_moe(payload: dict) -> dict:
             stats = [trainer.train_step() for _ in range(payload["steps"])]
             out[name] = {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats],
                          "imbalance": [s.moe_imbalance for s in stats],
+                         "tokens_per_expert": [s.moe_tokens_per_expert for s in stats],
+                         "dropped": [s.moe_dropped for s in stats],
                          "comm": comm_per_step(meter, before, payload["steps"]),
                          "memory": trainer.memory_measured, "predicted": trainer.memory_predicted()}
             if grads:
                 out[name]["grads"] = grads
+            out[name]["experts"] = experts_held(trainer)
             if payload.get("params"):
                 out[name]["params"] = {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}
             del trainer
@@ -45,9 +50,28 @@ def capture_first_grads(trainer) -> dict:
     def first(lr, coef):
         if not grads:
             for n, p in trainer.parts.named_parameters():
-                if (".experts." in n or ".router." in n) and p.grad is not None:
-                    grads[n] = p.grad.detach().clone()
+                dense_whole = trainer.dims.zero_stage in (0, 3)  # else the stage's unreduced local gradient
+                if (".experts." in n or (".router." in n and dense_whole)) and p.grad is not None:
+                    g = p.grad.detach()  # ZeRO-3 (and ep): a shard, gathered whole on every rank
+                    grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
         return step(lr, coef)
 
     trainer.optimizer.step = first
     return grads
+
+
+def experts_held(trainer) -> dict:
+    """The first MoE layer's w1 on this rank: its placement over the ep dimension, the first expert and the
+    number of experts this rank computes ({} without expert parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.models.moe import moe_layers
+
+    layers = moe_layers(trainer.parts.modules[0])
+    if not layers or layers[0].ep is None:
+        return {}
+    w1 = layers[0].experts.w1
+    names = list(w1.device_mesh.mesh_dim_names)
+    assert isinstance(w1, DTensor)
+    chunk = w1.__create_chunk_list__()[0]  # where this rank's block sits in the global tensor, as DCP sees it
+    return {"placement": repr(w1.placements[names.index("ep")]), "first": chunk.offsets[0], "n": chunk.sizes[0]}

@@ -95,34 +95,85 @@ def test_world1_matches_plain_pytorch_bitwise():
     assert plain["losses"][-1] < plain["losses"][0]
     assert all(0 < a < 0.1 for a in res["aux"]), res["aux"]  # about coef x 2 layers x 1 (balanced)
     assert all(i >= 1.0 for i in res["imbalance"]), res["imbalance"]
+    # The step log's routing figures: every routed slot of the step counted once per MoE layer (block 1, 3),
+    # the imbalance their max / mean; nothing dropped without capacity.
+    for loads, ratio, dropped in zip(res["tokens_per_expert"], res["imbalance"], res["dropped"]):
+        assert loads.keys() == {"1", "3"} and all(sum(v) == 8 * 32 * 2 for v in loads.values()), loads
+        assert ratio == pytest.approx(max(max(v) / (sum(v) / 4) for v in loads.values())) and dropped == 0
+
+
+def test_capacity_drops_are_counted_in_the_step_log():
+    """capacity_factor 1.0 with a routing skewed by the bias: the step reports the slots dropped (as the
+    layer counts them), and still counts every routed slot per expert."""
+    res = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE + ["model.capacity_factor=1.0"], "steps": 2,
+                                                   "layouts": [("w1", ["parallel.zero_stage=0"])]})[0]["w1"]
+    assert all(d > 0 for d in res["dropped"]), res["dropped"]
+    assert all(sum(v) == 8 * 32 * 2 for loads in res["tokens_per_expert"] for v in loads.values())
+    assert all(d < 2 * 8 * 32 * 2 for d in res["dropped"])  # fewer than all slots of the 2 layers
 
 
 def test_ep2_world2_matches_world1():
-    """Experts split over 2 ranks (tokens by all-to-all, uneven splits, gradients through it): the first
-    5 losses within 1e-4 of world 1's and the first step's expert and router gradients within 1e-5; the
-    same under ZeRO-3 (FSDP shards the whole-shaped expert weights over the data-parallel ranks)."""
+    """Experts split over 2 ranks (each holds its 2 experts: DTensors Shard(0) over ep; tokens by all-to-all,
+    uneven splits, gradients through it): the first 5 losses within 1e-4 of world 1's and the first step's
+    expert and router gradients within 1e-5 (a divide factor of FSDP's own mesh size, 1 here, would give
+    2x); the same with full activation checkpointing (recomputation reruns the dispatch)."""
     layouts = {"world1": ["parallel.zero_stage=0"]}
     one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
                                                    "layouts": list(layouts.items())})[0]["world1"]
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
-        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]), ("ep2_zero3", ["parallel.ep=2"]),
-        # recomputation reruns the dispatch in backward, in the same order on every rank
+        ("ep2_zero3", ["parallel.ep=2"]),
+        ("ep2_zero3_ac", ["parallel.ep=2", 'parallel.activation_checkpoint="full"']),
+        # ZeRO 0-2: the dense parameters by the stage, the experts in their own FSDP units (trainer.zero.hybrid)
+        ("ep2_zero0", ["parallel.ep=2", "parallel.zero_stage=0"]),
         ("ep2_zero2_ac", ["parallel.ep=2", "parallel.zero_stage=2", 'parallel.activation_checkpoint="full"'])]})
     # Gradients first: AdamW's normalization hides a wrong gradient scale from the losses.
     # The experts did travel: per step and rank, 2 micro-batches x 2 MoE layers x 5 all-to-alls on the ep
     # group (the counts, the slots and the outputs forward; the outputs' and the slots' gradients backward).
-    assert two[0]["ep2_zero0"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero0"]["comm"]
+    assert two[0]["ep2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5, two[0]["ep2_zero3"]["comm"]
+    assert two[0]["ep2_zero3_ac"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 8  # the recomputation's 3 again
     assert "all_to_all/ep" not in one["comm"]
-    grads = two[0]["ep2_zero0"]["grads"]
-    assert grads.keys() == one["grads"].keys() and any(".experts." in n for n in grads)
-    for n, g in one["grads"].items():
-        assert torch.allclose(grads[n], g, rtol=0, atol=1e-5), (n, (grads[n] - g).abs().max())
-        assert torch.equal(grads[n], two[1]["ep2_zero0"]["grads"][n]), n  # every rank steps the same
+    # etrain plan's formula (trainer.plan.experts): the meter counts an all-to-all's input, whose mean over the
+    # ranks is exactly the formula's (the slots a rank sends out are the slots another sends back).
+    from trainer.parallel.dims import ParallelDims
+    from trainer.plan.experts import all_to_all_per_step
+
+    for name, extra in (("ep2_zero3", []), ("ep2_zero3_ac", ['parallel.activation_checkpoint="full"'])):
+        cfg = load_config(None, BASE + ["parallel.ep=2"] + extra)
+        size, bus, calls = all_to_all_per_step(cfg, ParallelDims.from_config(cfg, 2), 4)
+        got = [r[name]["comm"]["all_to_all/ep"] for r in two]
+        assert sum(g["bytes"] for g in got) / 2 == pytest.approx(size, rel=1e-9), (name, got, size)
+        assert sum(g["bus_bytes"] for g in got) / 2 == pytest.approx(bus, rel=1e-9)
+        assert all(g["calls"] == calls for g in got), (name, got, calls)
+    for rank in range(2):  # rank r holds experts 2r, 2r+1 of every MoE layer, and only them
+        assert two[rank]["ep2_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
+    for name in two[0]:
+        check_memory(name, two)  # the experts' FSDP shards beside the stage's
+        grads = two[0][name]["grads"]
+        # The router's gradient reaches the optimizer whole at ZeRO 0 and 3 (at 2 it is reduced into shards).
+        assert grads.keys() == {n for n in one["grads"] if ".experts." in n or "zero2" not in name}
+        for n, g in grads.items():
+            assert torch.allclose(g, one["grads"][n], rtol=0, atol=1e-5), (name, n, (g - one["grads"][n]).abs().max())
+            assert torch.equal(g, two[1][name]["grads"][n]), n  # every rank steps the same
     for rank, res in enumerate(two):
         for name, got in res.items():
             for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
             assert got["aux"] == pytest.approx(one["aux"], rel=1e-4)
+
+
+def test_ep_below_zero3_in_bf16():
+    """ZeRO-1 under expert parallelism in bf16: the dense parameters bf16 with the stage's fp32 masters, the
+    experts' FSDP units fp32 shards computing in bf16; 5 losses within the matrix's 1e-2 of world 1 in fp32,
+    and computed in bf16 (not within 1e-4); memory as predicted."""
+    bf16 = [x for x in BASE if "mixed_precision" not in x] + ['parallel.mixed_precision="bf16"']
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "layouts": [
+        ("world1", ["parallel.zero_stage=0"])]})[0]["world1"]["losses"]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": bf16, "steps": STEPS, "layouts": [
+        ("ep2_zero1_bf16", ["parallel.ep=2", "parallel.zero_stage=1"])]})
+    check_memory("ep2_zero1_bf16", two)
+    got = two[0]["ep2_zero1_bf16"]["losses"]
+    assert all(abs(a - b) <= 1e-2 * b for a, b in zip(got, one)), (got, one)
+    assert any(abs(a - b) > 1e-4 * b for a, b in zip(got, one)), (got, one)
 
 
 def test_ep_refusals_and_valid_sizes():
@@ -152,30 +203,55 @@ def test_ep_not_dividing_experts_exits_2():
 
 
 def test_ep_at_world4_matches_world1():
-    """ep 2 under ZeRO-3 and under HSDP (2 x 2), and ep 4 under ZeRO-1, at world 4: the first 5 losses within
-    1e-4 of world 1's."""
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS,
+    """ep 2 under ZeRO-3 (the experts sharded by FSDP over the 2 ranks outside ep) and under HSDP (2 x 2),
+    and ep 4 under ZeRO-1 (the experts in their own FSDP units, the rest ZeRO-1), at world 4: the first 5
+    losses within 1e-4 of world 1's, the first step's expert gradients
+    within 1e-5 (FSDP's default average over the ranks outside ep would give 2x and 4x)."""
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
                                                    "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
-    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "layouts": [
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
         ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
+    from trainer.memory import predict
+    from trainer.parallel.dims import ParallelDims
+
+    overrides = {"ep2_zero3": ["parallel.ep=2"], "ep2_hsdp": ["parallel.ep=2", "parallel.dp_replicate=2"],
+                 "ep4_zero1": ["parallel.ep=4", "parallel.zero_stage=1"]}
     for name in four[0]:  # trainer.memory's prediction of the MoE's shards, within 5%
         check_memory(name, four)
+        # and the planner's (trainer.memory.predict, from the config alone) is the trainer's own
+        cfg = load_config(None, BASE + overrides[name])
+        assert predict(cfg, ParallelDims.from_config(cfg, 4), 0) == four[0][name]["predicted"], name
+    assert four[3]["ep4_zero1"]["experts"] == {"placement": "Shard(dim=0)", "first": 3, "n": 1}
     for rank, res in enumerate(four):
         for name, got in res.items():
             assert got["comm"]["all_to_all/ep"]["calls"] == 2 * 5, (name, got["comm"])
+            assert any(".experts." in n for n in got["grads"])
+            for n, g in got["grads"].items():  # ZeRO-1: the experts' (FSDP's) only reach the optimizer whole
+                diff = (g - one["grads"][n]).abs().max()
+                assert diff <= 1e-5, (name, n, diff)
             for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
 
 
 def test_step_log_figures_reach_the_metrics():
+    from trainer.cli import format_step
+    from trainer.loop import StepStats
     from trainer.metrics import RunMetrics
 
     m = RunMetrics("r")
     m.observe_step({"step": 1, "loss": 5.0, "aux_loss": 0.02, "moe_imbalance": 1.5, "tokens_per_s": 1.0,
-                    "step_seconds": 1.0})
+                    "step_seconds": 1.0, "moe_dropped": 3, "moe_tokens_per_expert": {"1": [5.0, 3.0], "3": [4.0, 4.0]}})
     got = {f.name: f.samples[0].value for f in m.collect() if f.samples and f.name.startswith("etrain_moe")}
-    assert got == {"etrain_moe_aux_loss": 0.02, "etrain_moe_imbalance_ratio": 1.5}
+    assert got == {"etrain_moe_aux_loss": 0.02, "etrain_moe_imbalance_ratio": 1.5, "etrain_moe_dropped_tokens": 3,
+                   "etrain_moe_tokens_per_expert": 5.0}
+    per = next(f for f in m.collect() if f.name == "etrain_moe_tokens_per_expert")
+    assert {(x.labels["layer"], x.labels["expert"]): x.value for x in per.samples} == {
+        ("1", "0"): 5.0, ("1", "1"): 3.0, ("3", "0"): 4.0, ("3", "1"): 4.0}
+    line = format_step(StepStats(step=1, loss=5.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0, step_seconds=1.0,
+                                 data_seconds=0.0, world_size=1, samples_consumed=8, aux_loss=0.02,
+                                 moe_imbalance=1.5, moe_dropped=3), 10)
+    assert "loss 5.0000 (aux 0.0200) | imbalance 1.50 | dropped 3 |" in line, line
     m.observe_step({"step": 2, "loss": 5.0, "tokens_per_s": 1.0, "step_seconds": 1.0})  # dense: no MoE families
     assert not [f for f in m.collect() if f.name.startswith("etrain_moe")]
 
@@ -196,19 +272,64 @@ def test_router_bias_moves_toward_the_underloaded_experts():
 
 
 def test_checkpoint_at_ep2_resumes_at_ep1_exactly_once(tmp_path):
-    """3 steps at ep 2 (world 2, ZeRO-3, bias balancing on), saved; resumed at world 1 (ep 1, ZeRO 0) for 2
-    more: the 5 losses within 1e-4 of an uninterrupted world-1 run, the routing biases carried."""
+    """3 steps at ep 2 (world 2, ZeRO-1: each rank saves its own experts' FSDP shards beside its ZeRO-1 chunks,
+    bias balancing on), saved;
+    resumed at world 1 (ep 1, ZeRO 0) and at world 2 (ep 1, ZeRO-3) for 2 more: the 5 losses within 1e-4 of
+    an uninterrupted world-1 run, the routing biases carried (DCP reshards the expert DTensors)."""
     base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01"]
     plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
     first = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
-        {"layout": ["parallel.ep=2"], "train": 3, "save": "moe", "state": False}]})[0][0]
+        {"layout": ["parallel.ep=2", "parallel.zero_stage=1"], "train": 3, "save": "moe", "state": False}]})[0][0]
     assert first["saves"][-1][1] == "committed", first["saves"]
     second = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
         {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
-    assert second["loaded_step"] == 3
-    got = first["losses"] + second["losses"]
-    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
+    third = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": [], "load": "moe", "train": 2, "state": False}]})[0][0]
+    assert second["loaded_step"] == third["loaded_step"] == 3
+    for resumed in (second, third):
+        got = first["losses"] + resumed["losses"]
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, plain)), (got, plain)
+
+
+def test_memory_tier_snapshot_at_ep2_restores_at_ep1(tmp_path):
+    """The memory recovery tier: a snapshot of step 2 at ep 2 (world 2, ZeRO-3, each rank's experts its own
+    shards) restores at world 1 (ep 1, ZeRO 0) bitwise as the durable checkpoint of the same step does, and
+    the next step's loss is the same."""
+    from tests.test_memory_tier import _all_sources, assert_same
+
+    base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01"]
+    ranks = run_ranks("tests.memory_tier_jobs:snapshot", 2, {"base": base, "layout": ["parallel.ep=2"],
+                                                             "train": 2, "run_id": "m", "state": False})
+    assert [(r["status"], r["replicated"]) for r in ranks] == [("agreed", True)] * 2
+    out = run_ranks("tests.memory_tier_jobs:restore", 1, {"base": base, "layout": ["parallel.zero_stage=0"],
+                                                          "run_id": "m", "snapshot": ranks[0]["snapshot"],
+                                                          "sources": _all_sources(ranks)})[0]
+    assert "error" not in out, out
+    assert out["memory_step"] == out["durable_step"] == 2
+    assert_same(out["memory"], out["durable"], "ep 2 -> ep 1")
+    assert out["memory_loss"] == out["durable_loss"]
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_across_ep_and_world(tmp_path):
+    """ep 2 at world 4 (ZeRO-3, 2 steps) -> ep 1 at world 2 (1 step) -> ep 4 at world 4 (ZeRO-1: the experts
+    in FSDP units of their own; 2 steps), each saving for the next: the 5 losses within 1e-4 of an
+    uninterrupted world-1 run."""
+    base = BASE + [f'checkpoint.url="file://{tmp_path}"', "model.router_bias_update_rate=0.01",
+                   "train.micro_batch=1"]
+    plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
+    a = run_ranks("tests.ckpt_jobs:run_plan", 4, {"base": base, "actions": [
+        {"layout": ["parallel.ep=2"], "train": 2, "save": "a", "state": False}]}, timeout=600)[0][0]
+    b = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": [], "load": "a", "train": 1, "save": "b", "state": False}]})[0][0]
+    c = run_ranks("tests.ckpt_jobs:run_plan", 4, {"base": base, "actions": [
+        {"layout": ["parallel.ep=4", "parallel.zero_stage=1"], "load": "b", "train": 2, "state": False}]},
+        timeout=600)[0][0]
+    assert (b["loaded_step"], c["loaded_step"]) == (2, 3)
+    got = a["losses"] + b["losses"] + c["losses"]
+    assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(got, plain)), (got, plain)
 
 
 def test_balancing_lowers_the_load_imbalance():

@@ -115,7 +115,11 @@ def format_step(s: StepStats, total: int, steps_per_s: float | None = None) -> s
     ``steps_per_s`` (this step's rate when not given)."""
     rate = steps_per_s or (1.0 / s.step_seconds if s.step_seconds > 0 else 0.0)
     eta = f" | ETA {clock((total - s.step) / rate)}" if rate > 0 and s.step < total else ""
-    return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
+    moe = ""
+    if s.aux_loss is not None:  # a Mixture of Experts: its balancing loss (part of the loss), imbalance, drops
+        moe = f" (aux {s.aux_loss:.4f}) | imbalance {s.moe_imbalance:.2f}"
+        moe += f" | dropped {s.moe_dropped}" if s.moe_dropped else ""
+    return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f}{moe} | lr {s.lr:.2e} | "
             f"{human(s.tokens_per_s, 'tok/s')} | {rate:.2f} steps/s | world {s.world_size}{eta}")
 
 
@@ -325,7 +329,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: {what}, world {world.size} "
                   f"(pp {trainer.dims.pp} x dp {trainer.dims.dp_replicate}x{trainer.dims.dp_shard} "
                   f"{f'x cp {trainer.dims.cp} {cfg.parallel.cp_style} ' if trainer.dims.cp > 1 else ''}"
-                  f"x tp {trainer.dims.tp}), zero stage {cfg.parallel.zero_stage}"
+                  f"x tp {trainer.dims.tp}{f', ep {trainer.dims.ep}' if trainer.dims.ep > 1 else ''}), "
+                  f"zero stage {cfg.parallel.zero_stage}"
                   f"{' (no effect at dp 1)' if trainer.dims.zero_requested and not trainer.dims.zero_stage else ''}, "
                   f"{trainer.device.type}; corpus {describe_corpus(corpus.describe())}", flush=True)
         limit = cfg.checkpoint.max_consecutive_failures

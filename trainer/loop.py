@@ -43,7 +43,7 @@ from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, Mesh, ParallelDims, resolve_device, resolve_precision
-from .models.moe import load_router_bias, router_bias_state, update_router_bias
+from .models.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
@@ -73,6 +73,9 @@ class StepStats:
     # largest load-imbalance ratio (max over mean slots per expert, over the MoE layers); None when dense.
     aux_loss: float | None = None
     moe_imbalance: float | None = None
+    # routed slots per expert, by MoE layer (block index), over the data-parallel ranks; slots dropped by capacity
+    moe_tokens_per_expert: dict[str, list[float]] | None = None
+    moe_dropped: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -244,7 +247,10 @@ class Trainer:
     def memory_predicted(self) -> dict[str, int]:
         if self.parts.local_params:
             per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
-            return {k: round(v * self.parts.local_params) for k, v in per.items()}
+            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over all of dp_shard (ep x the rest)
+            ex = sum(p.numel() for m in self.parts.expert_units for p in m.parameters())
+            fsdp = memory.bytes_per_param(3, self.dims.dp_shard, self.mixed)
+            return {k: round(v * (self.parts.local_params - ex) + fsdp[k] * ex) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
     # --- the step ------------------------------------------------------------
@@ -296,8 +302,8 @@ class Trainer:
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)
-        imbalance = update_router_bias(self.parts.modules[0], cfg.model.router_bias_update_rate,
-                                       self.dims.group(self.mesh, Mesh.DP)) if moe else None
+        balance = balance_step(self.parts.modules[0], cfg.model.router_bias_update_rate,
+                               self.dims.group(self.mesh, Mesh.DP)) if moe else None
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()
@@ -310,7 +316,9 @@ class Trainer:
             tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt,
             data_seconds=t_data, world_size=self.world.size, samples_consumed=self.samples_consumed,
             stop=stop_votes > 0, skipped_nonfinite=self.skipped_nonfinite,
-            aux_loss=aux_mean if moe else None, moe_imbalance=imbalance,
+            aux_loss=aux_mean if moe else None, moe_imbalance=balance.imbalance if balance else None,
+            moe_tokens_per_expert=balance.tokens_per_expert if balance else None,
+            moe_dropped=balance.dropped if balance else None,
         )
 
     def _nonfinite(self, loss: float, grad_norm: float) -> None:

@@ -90,7 +90,10 @@ def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) 
     per = bytes_per_param(stage, n, mixed)
     if not mixed and stage in (1, 2) and cfg.parallel.quantized_weights:
         per["optimizer"] += 4 / n  # qwZ: the fp32 master is a copy (the parameter holds the dequantized values)
-    return {k: round(v * count) for k, v in per.items()}
+    # Expert parallelism below ZeRO-3: the experts are FSDP's (trainer.zero.hybrid), sharded over all of dp_shard.
+    experts = spec_for(cfg.model).shape().experts if dims.ep > 1 and stage < 3 else 0
+    fsdp = bytes_per_param(3, dims.dp_shard, mixed)
+    return {k: round(v * (count - experts) + fsdp[k] * experts) for k, v in per.items()}
 
 
 def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, float]:

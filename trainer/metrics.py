@@ -301,6 +301,14 @@ class RunMetrics:
             yield gauge("etrain_moe_aux_loss", "Load-balancing loss of the last step (part of the loss)", s["aux_loss"])
             yield gauge("etrain_moe_imbalance_ratio",
                         "Largest max/mean tokens per expert over the MoE layers, last step", s.get("moe_imbalance"))
+            yield gauge("etrain_moe_dropped_tokens", "Routed token slots dropped by expert capacity, last step",
+                        s.get("moe_dropped"))
+            per = GaugeMetricFamily("etrain_moe_tokens_per_expert", "Routed token slots per expert, last step",
+                                    labels=["run_id", "layer", "expert"])
+            for layer, loads in (s.get("moe_tokens_per_expert") or {}).items():
+                for e, n in enumerate(loads):
+                    per.add_metric([rid, str(layer), str(e)], n)
+            yield per
         yield gauge("etrain_step_data_wait_seconds", "Seconds the last step waited for its batch",
                     s.get("data_seconds"))
         yield counter("etrain_data_wait_seconds", "Seconds steps waited for their batches (rank 0)",

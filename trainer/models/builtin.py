@@ -29,19 +29,30 @@ from .spec import ModelSpec, Stage
 
 class DecoderSpec(ModelSpec):
     family = "builtin"
+    cached = True  # a Mixture of Experts is counted on the meta device: once per config (trainer.models.spec_for)
+    _moe_shape: ModelShape | None = None
 
     def shape(self) -> ModelShape:
         shape = ModelShape.of(self.mcfg)
         if not self.mcfg.is_moe:
             return shape
+        if self._moe_shape is None:
+            self._moe_shape = self._count_moe(shape)
+        return self._moe_shape
+
+    def _count_moe(self, shape: ModelShape) -> ModelShape:
         # Experts make blocks differ: the counts of the model built on the meta device win over the formulas.
         model = self.build()
-        params = [p for n, p in model.named_parameters()]
+        params = list(model.parameters())
         block = max(sum(p.numel() for p in b.parameters()) for b in model.layers.values())
-        return dataclasses.replace(shape, name=f"built-in MoE decoder ({self.mcfg.n_experts} experts, "
-                                   f"top {self.mcfg.top_k})", counted="meta device",
+        m = self.mcfg
+        return dataclasses.replace(shape, name=f"built-in MoE decoder ({m.n_experts} experts, "
+                                   f"top {m.top_k})", counted="meta device",
                                    params=sum(p.numel() for p in params), block=block,
-                                   weights=sum(p.numel() for p in params if p.ndim >= 2))
+                                   weights=sum(p.numel() for p in params if p.ndim >= 2),
+                                   experts=sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
+                                   expert_share=m.top_k / m.n_experts,
+                                   moe_layers=sum(1 for i in range(m.n_layers) if m.is_moe_layer(i)))
 
     def preflight(self, cfg: RunConfig) -> None:
         """The Mixture of Experts trains with data parallelism (ZeRO 0-3, HSDP) and expert parallelism only."""

@@ -13,17 +13,20 @@ takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, firs
 token order; the rest are dropped (their share of the output is zero).
 
 Experts are computed by a loop over experts on the slots sorted by expert. Under expert parallelism
-(``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them, and the sorted slots
-travel to their experts' ranks and back by all-to-all with uneven splits.
+(``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them (the weights are DTensors
+split on the expert dim), and the sorted slots travel to their experts' ranks and back by all-to-all with
+uneven splits.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
 
@@ -37,12 +40,14 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
-        """``x``: slots sorted by expert, ``counts[i]`` of them for expert ``first + i``."""
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: slots sorted by expert, ``counts[i]`` of them for this rank's ``i``-th expert (under expert
+        parallelism the weights are DTensors split on the expert dim, and this rank computes its own)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         outs = []
-        for e, chunk in enumerate(x.split(counts), start=first):
-            h = F.silu(chunk @ self.w1[e].t()) * (chunk @ self.w3[e].t())
-            outs.append(h @ self.w2[e].t())
+        for e, chunk in enumerate(x.split(counts)):
+            h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
+            outs.append(h @ w2[e].t())
         return torch.cat(outs) if outs else x[:0]
 
 
@@ -125,26 +130,50 @@ def aux_loss(layers: list[MoE]) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
+@dataclass(frozen=True)
+class BalanceStats:
+    """One step's routing over the data-parallel ranks (:func:`balance_step`)."""
+
+    imbalance: float  # the largest max / mean slots per expert over the MoE layers (0 without MoE layers)
+    tokens_per_expert: dict[str, list[float]]  # routed slots per expert, by MoE layer (its block's index)
+    dropped: int  # slots dropped by capacity (capacity_factor > 0), all layers
+
+
 @torch.no_grad()
-def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
-    """After a step: the load of every MoE layer summed over ``group`` (the data-parallel ranks), each
-    expert's routing bias moved by ``rate`` toward the mean load (DeepSeek-V3's auxiliary-loss-free
-    balancing; a no-op at rate 0), the counters cleared. Returns the load-imbalance ratio (the largest
-    max / mean load over the layers; 0 without MoE layers)."""
+def balance_step(model: nn.Module, rate: float, group=None) -> BalanceStats:
+    """After a step: the load of every MoE layer (and the slots capacity dropped) summed over ``group`` (the
+    data-parallel ranks) in one all-reduce, each expert's routing bias moved by ``rate`` toward the mean load
+    (DeepSeek-V3's auxiliary-loss-free balancing; a no-op at rate 0), the counters cleared."""
     import torch.distributed as dist
 
-    layers = moe_layers(model)
-    if not layers:
-        return 0.0
-    loads = torch.stack([m.tokens_per_expert for m in layers])
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not named:
+        return BalanceStats(0.0, {}, 0)
+    loads = torch.stack([m.tokens_per_expert for _, m in named])
+    dropped = torch.tensor([float(m.dropped) for _, m in named], device=loads.device)
+    both = torch.cat([loads, dropped.unsqueeze(1)], dim=1)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
+        dist.all_reduce(both, group=group)
+    loads = both[:, :-1]
     ratio = float((loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).max())
-    for m, load in zip(layers, loads):
+    for (_, m), load in zip(named, loads):
         if rate > 0:
             m.expert_bias += rate * torch.sign(load.mean() - load)
         m.tokens_per_expert.zero_()
-    return ratio
+        m.dropped = 0
+    by_layer = {layer_label(name): load.tolist() for (name, _), load in zip(named, loads)}
+    return BalanceStats(ratio, by_layer, int(both[:, -1].sum()))
+
+
+def layer_label(path: str) -> str:
+    """A MoE layer's label in metrics: its block's index (``layers.3.feed_forward`` -> ``3``), else its path."""
+    parts = path.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "layers" else path
+
+
+def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
+    """:func:`balance_step`, its load-imbalance ratio alone."""
+    return balance_step(model, rate, group).imbalance
 
 
 def router_bias_state(model: nn.Module) -> dict[str, list[float]]:

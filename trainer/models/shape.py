@@ -49,6 +49,11 @@ class ModelShape:
     params: int = 0  # parameters counted (0: from the formulas)
     block: int = 0  # parameters of one block, counted (0: from the formulas)
     weights: int = 0  # parameters of two or more dims (weight matrices, embeddings), counted (0: the formulas)
+    # Mixture of Experts: the routed experts' parameters (all MoE layers, counted; 0: a dense model), the share
+    # of them one token computes with (top_k / n_experts), and the layers that have experts.
+    experts: int = 0
+    expert_share: float = 1.0
+    moe_layers: int = 0
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
@@ -94,9 +99,20 @@ class ModelShape:
         """Parameters that multiply (two or more dims: weight matrices and embeddings; not norms, not biases)."""
         return self.weights or self.n_layers * (self.attention_params() + self.ffn_params()) + 2 * self.vocab_size * self.dim
 
+    @property
+    def dense_params(self) -> int:
+        """Parameters outside the routed experts (all of them in a dense model)."""
+        return self.n_params - self.experts
+
+    @property
+    def active_weight_params(self) -> float:
+        """The weight parameters one token computes with: a Mixture of Experts' top_k of its n_experts."""
+        return self.weight_params - self.experts * (1 - self.expert_share)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x the parameters that multiply + 12 x layers x dim x sequence (attention)."""
-        return 6.0 * self.weight_params + 12.0 * self.n_layers * self.dim * seq_len
+        """Training FLOPs per token: 6 x the parameters that multiply (the experts a token is routed to) + 12 x
+        layers x dim x sequence (attention)."""
+        return 6.0 * self.active_weight_params + 12.0 * self.n_layers * self.dim * seq_len
 
     # --- the layout ----------------------------------------------------------------------------
 
@@ -105,7 +121,10 @@ class ModelShape:
         return layer_split(self.n_layers, n_stages)
 
     def local_counts(self, tp: int, stages: list[int], n_stages: int) -> tuple[int, int]:
-        """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``."""
+        """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``
+        (a Mixture of Experts, which trains without tp and pp: its counts; its largest block)."""
+        if self.experts and tp == 1 and n_stages == 1:
+            return self.one_block_params, self.n_params
         block = self.block_params(tp)
         split = self.stage_layers(n_stages)
         total = 0

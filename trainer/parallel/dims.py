@@ -45,13 +45,16 @@ class Axis(StrEnum):
     DP_SHARD = "dp_shard"
     CP = "cp"  # context parallelism: each sequence split over cp ranks
     TP = "tp"
-    EP = "ep"  # expert parallelism, carved from dp_shard: never a mesh dimension of its own (its own groups)
+    EP = "ep"  # expert parallelism, carved from dp_shard: a dimension of the expert mesh only (expert_mesh)
 
 
 # The mesh's dimensions, outermost first (ranks are numbered row-major over them).
 AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 DATA_AXES = (Axis.DP_REPLICATE, Axis.DP_SHARD)
 DATA_NAMES = tuple(a.value for a in DATA_AXES)  # as mesh[...] takes them
+# The expert mesh (ParallelDims.expert_mesh) splits dp_shard into these two dimensions, ep innermost: the ranks
+# outside ep (over which FSDP shards the experts) and the ranks of one ep group (over which the experts are split).
+EXPERT_SPLIT = ("dp_shard_mod_ep", Axis.EP.value)
 
 
 class Mesh(StrEnum):
@@ -287,6 +290,21 @@ class ParallelDims:
                               "parallel.compile=false, or parallel.cp=1")
 
     # --- meshes --------------------------------------------------------------------------
+
+    def expert_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The mesh of the experts' weights under expert parallelism (None at ep 1): ``mesh`` with ``dp_shard``
+        split into (dp_shard / ep, ep) (:data:`EXPERT_SPLIT`), ep innermost so that an ep group is consecutive
+        data-parallel ranks. Collective: every rank builds it, in the same order."""
+        if self.ep == 1 or mesh is None:
+            return None
+        return mesh._unflatten(Axis.DP_SHARD.value, (self.dp_shard // self.ep, self.ep), EXPERT_SPLIT)
+
+    def expert_fsdp_mesh(self, emesh: DeviceMesh) -> DeviceMesh:
+        """What ZeRO-3 shards the (ep-split) expert weights over: the data-parallel ranks outside ep, 2-D
+        (dp_replicate, dp_shard / ep) under HSDP as :meth:`fsdp_mesh` is."""
+        if self.dp_replicate > 1:
+            return emesh[(Axis.DP_REPLICATE.value, EXPERT_SPLIT[0])]
+        return emesh[EXPERT_SPLIT[0]]
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """A named mesh over the axes of size > 1 (None on a single process), and ``dp_shard`` of size 1

@@ -1,7 +1,8 @@
 """Expert parallelism (``[parallel] ep``): each group of ``ep`` consecutive data-parallel ranks splits the
 experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
 
-    apply_ep(model, dims, rank)      # before AC and FSDP (trainer.parallel.parallelize's order)
+    emesh = apply_ep(model, dims, mesh)     # before AC and FSDP (trainer.parallel.parallelize's order)
+    shard_experts(model, dims, emesh, ...)  # ZeRO-3: before the blocks' fully_shard
 
 A rank of the group computes experts ``[ep_rank * n/ep, (ep_rank + 1) * n/ep)`` for the tokens of every
 rank of the group: the routed slots, sorted by expert, travel to their experts' ranks by
@@ -9,12 +10,15 @@ rank of the group: the routed slots, sorted by expert, travel to their experts' 
 expert, computed, and travel back the same way; :class:`AllToAll` carries gradients backward by the
 reverse all-to-all.
 
-The expert weights keep their whole shape on every rank (all ``n`` experts: the same FQNs and shapes at
-every ep, so a checkpoint resumes at any ep and world size), and the gradient of an expert a rank does
-not compute is zero there. The data-parallel average that every ZeRO stage already takes (the sum over the
-``dp`` ranks / ``dp``) is then exactly the world-1 gradient: an expert's gradient is summed over the ranks
-that computed it, each holding its group's tokens, and divided by ``dp``. ZeRO-3 shards those weights over
-the data-parallel ranks like every other parameter; ZeRO 0-2 hold them whole.
+Each rank holds only its own experts: the stacked expert weights become DTensors sharded on the expert dim
+(``Shard(0)``) over the ``ep`` dimension of the expert mesh (:meth:`ParallelDims.expert_mesh`: ``dp_shard``
+split into ``dp_shard / ep`` x ``ep``). They keep their global shapes and names, so DCP reshards a
+checkpoint to any ep and world size. ZeRO-3 shards them further, by a ``fully_shard`` of their own over the
+data-parallel ranks outside ep (``dp_shard / ep``, x ``dp_replicate`` as HSDP): those ranks hold the same
+experts, each computed on its own ep group's tokens, so their summed gradient is divided by the whole
+data-parallel size (``grad_ranks``), not by the size of that mesh (FSDP's default, which would give ``ep``
+times the world-1 gradient). The experts get those units at every ZeRO stage: under ZeRO 0-2 the other
+parameters keep the stage's treatment and the experts are stepped as ZeRO-3 shards (trainer.zero.hybrid).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .dims import Axis
 
 
 class AllToAll(torch.autograd.Function):
@@ -48,7 +56,6 @@ class ExpertParallel:
     def __init__(self, group, rank: int, size: int, n_experts: int):
         self.group, self.rank, self.size = group, rank, size
         self.n_local = n_experts // size
-        self.first = rank * self.n_local
 
     def run(self, experts: nn.Module, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``slots`` sorted by (global) expert, ``counts[e]`` of them for expert e: the experts' outputs,
@@ -62,22 +69,61 @@ class ExpertParallel:
         segments = torch.arange(self.size * self.n_local, device=slots.device)
         key = (segments % self.n_local) * self.size + segments // self.n_local
         order = key.repeat_interleave(recv.flatten()).argsort(stable=True)
-        out = experts(got[order], recv.sum(0).tolist(), first=self.first)
+        out = experts(got[order], recv.sum(0).tolist())  # this rank's experts only
         out = torch.zeros_like(out).index_copy(0, order, out)
         return AllToAll.apply(out, in_splits, out_splits, self.group)
 
 
-def apply_ep(model: nn.Module, dims, rank: int) -> None:
-    """Give every MoE layer of ``model`` this rank's ep group (nothing at ep 1). Collective: every rank
-    creates every ep group, in the same order."""
+def apply_ep(model: nn.Module, dims, mesh) -> DeviceMesh | None:
+    """Give every MoE layer of ``model`` (on the meta device) its ep group and make its expert weights
+    ``Shard(0)`` DTensors over the expert mesh's ``ep`` dimension; returns that mesh (None at ep 1 or
+    without MoE layers). Collective: every rank builds the expert mesh, in the same order."""
     from ..models.moe import moe_layers
 
     layers = moe_layers(model)
-    if dims.ep == 1 or not layers:
-        return
+    emesh = dims.expert_mesh(mesh) if layers else None
+    if emesh is None:
+        return None
     from ..telemetry import comm_meter
 
+    ep_mesh = emesh[Axis.EP.value]
+    # The exchanges run on a group of their own (the mesh may share its ep group with dp_shard's, whose
+    # collectives are metered under that name): the same ranks, in the same order.
     group, _ = dist.new_subgroups(group_size=dims.ep)
+    if dist.get_rank(group) != ep_mesh.get_local_rank():
+        raise RuntimeError(f"rank {dist.get_rank()}: ep group rank {dist.get_rank(group)} is not its expert "
+                           f"mesh's {ep_mesh.get_local_rank()}")
     comm_meter().label_group(group, "ep")  # etrain_comm_*{kind="all_to_all", axis="ep"}
     for moe in layers:
-        moe.ep = ExpertParallel(group, rank % dims.ep, dims.ep, moe.n_experts)
+        moe.ep = ExpertParallel(group, ep_mesh.get_local_rank(), dims.ep, moe.n_experts)
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            mine = p.detach().chunk(dims.ep, dim=0)[moe.ep.rank]
+            shard = DTensor.from_local(torch.empty_like(mine), ep_mesh, [Shard(0)], run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            setattr(moe.experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    return emesh
+
+
+def shard_experts(model: nn.Module, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
+    """The ep-split experts sharded (at every ZeRO stage): a ``fully_shard`` per MoE layer's experts over the
+    data-parallel ranks outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own
+    ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller
+    than that mesh), and their gradient is divided by the whole data-parallel size (the module docstring)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ..models.moe import moe_layers
+
+    from ..telemetry import comm_meter
+
+    fsdp_mesh = dims.expert_fsdp_mesh(emesh)
+    shards = fsdp_mesh.size(fsdp_mesh.ndim - 1)
+    if shards > 1:
+        comm_meter().label_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), "dp_shard_mod_ep")
+    for moe in moe_layers(model):
+        dim = 1 if all(p.shape[1] % shards == 0 for p in moe.experts.parameters()) else 0
+        fully_shard(moe.experts, mesh=fsdp_mesh, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda p, dim=dim: Shard(dim), **policies)
+        moe.experts.set_gradient_divide_factor(float(dims.grad_ranks))
+        # Plain sums on the wire, one division after: the factor is no group's size, and gloo has no
+        # pre-multiplied sum (with a single shard FSDP divides while copying, and must not divide again).
+        moe.experts.set_force_sum_reduction_for_comms(shards > 1)

@@ -23,7 +23,21 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     parameters stay unsharded between forward and backward, since every
     micro-batch would otherwise all-gather them again.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
+
+    policies = fsdp_policies(pcfg, device)
+    # ZeRO++'s hpZ: after forward keep a secondary shard within groups of hpz_partition_size ranks (FSDP2's
+    # reshard_after_forward=<int>), so backward all-gathers inside a group (a node) rather than across all.
+    reshard: bool | int = (pcfg.hpz_partition_size or True) if not pipelined else False
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward.
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard if i < len(blocks) - 1 else False, **policies)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **policies)
+
+
+def fsdp_policies(pcfg: ParallelConfig, device: torch.device) -> dict:
+    """``fully_shard``'s mixed-precision and offload policies for the run (every FSDP unit takes the same)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     mp = MixedPrecisionPolicy()
     if resolve_precision(pcfg, device) == torch.bfloat16:
@@ -33,11 +47,4 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
         # On a CPU device the "host" copies are the same memory, but FSDP2 runs its offload path all the
         # same (copies in and out around each use), so the path is exercised without a GPU.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    # ZeRO++'s hpZ: after forward keep a secondary shard within groups of hpz_partition_size ranks (FSDP2's
-    # reshard_after_forward=<int>), so backward all-gathers inside a group (a node) rather than across all.
-    reshard: bool | int = (pcfg.hpz_partition_size or True) if not pipelined else False
-    for i, block in enumerate(blocks):
-        # The last block's parameters are needed again at once by backward.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard if i < len(blocks) - 1 else False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    return {"mp_policy": mp, "offload_policy": offload}

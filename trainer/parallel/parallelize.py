@@ -19,8 +19,10 @@ The order, and why it matters:
    anything wraps the blocks, so activation checkpointing recomputes the routed attention and FSDP sees
    the modules as routed.
 4. Expert parallelism (:mod:`.expert`): it gives every MoE layer its ep group (experts split over
-   ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all), before activation
-   checkpointing recomputes the routed layers and FSDP shards the (whole-shaped) expert weights.
+   ``ep`` ranks carved from ``dp_shard``, tokens dispatched by all-to-all) and makes the expert weights
+   DTensors split over ``ep``, before activation checkpointing recomputes the routed layers and FSDP
+   shards the expert weights over the data-parallel ranks outside ep (their own units, wrapped first, at
+   every ZeRO stage: under ZeRO 0-2 the other parameters are the stage's, trainer.zero.hybrid).
 5. Activation checkpointing (:mod:`.ac`), because it only marks blocks, which FSDP then wraps
    as they are.
 6. ``torch.compile`` per block (:mod:`.compile`), after TP and AC so that the graph holds the sharded
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -51,8 +53,8 @@ from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
 from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
-from .expert import apply_ep
-from .fsdp import shard_blocks
+from .expert import apply_ep, shard_experts
+from .fsdp import fsdp_policies, shard_blocks
 from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
 
@@ -79,6 +81,9 @@ class ModelParts:
     # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
     cp: ContextParallel | None = None
     _moe: list | None = None  # the Mixture-of-Experts layers of modules[0] (aux_loss)
+    # Expert parallelism under ZeRO 0-2: the experts' own FSDP units (their optimizer is FSDP's,
+    # trainer.zero.hybrid; the other parameters are the ZeRO stage's). Empty otherwise.
+    expert_units: list[nn.Module] = field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -155,7 +160,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     tp_mesh, dtype = dims.sub_mesh(mesh, Axis.TP), resolve_precision(p, device)
     use_fsdp = dims.uses_fsdp
     check_device_features(p, device)
-    modules, local, cp = [], 0, None
+    modules, local, cp, expert_units = [], 0, None, []
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
@@ -163,9 +168,13 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
-        apply_ep(model, dims, rank)
+        emesh = apply_ep(model, dims, mesh)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
+        if emesh is not None:  # the experts' own FSDP units, at every ZeRO stage; first: the blocks' leave them out
+            shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
+            if not use_fsdp:
+                expert_units += [moe.experts for moe in moe_layers(model)]
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
@@ -173,6 +182,8 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         if not use_fsdp:
             if dtype != torch.float32:
                 spec.cast(model, dtype)
+                for unit in expert_units:  # FSDP's own units keep fp32 shards and compute in dtype (its policy)
+                    unit.float()
             if tp_mesh is not None:
                 grads_as_placed(model)  # after the cast, which replaces DTensor parameters
         modules.append(model)
@@ -181,4 +192,5 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
-                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp)
+                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp,
+                      expert_units=expert_units)

@@ -37,6 +37,7 @@ from ..config import RunConfig
 from ..memory import predict, transient_bytes
 from ..models import spec_for
 from ..parallel.dims import Axis, ParallelDims
+from .experts import expert_counts
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 AC_MODES = ("none", "every_k", "full")
@@ -50,7 +51,7 @@ CONFIG_FIELDS = {"dp_replicate": ("parallel", "dp_replicate"), "dp_shard": ("par
                  "stages_per_rank": ("parallel", "pp_stages_per_rank"),
                  "reduce_every": ("parallel", "reduce_every_microbatch"),
                  "pp_microbatches": ("parallel", "pp_microbatches"), "cp": ("parallel", "cp"),
-                 "cp_style": ("parallel", "cp_style")}
+                 "cp_style": ("parallel", "cp_style"), "ep": ("parallel", "ep")}
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Layout:
     pp_microbatches: int = 0  # parallel.pp_microbatches (0: automatic, what the search proposes)
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_style: str = "ring"
+    ep: int = 1  # expert parallelism (a Mixture of Experts): experts split over ep of the dp_shard ranks
 
     @property
     def world(self) -> int:
@@ -124,6 +126,8 @@ class Layout:
         mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"
         if self.cp > 1:
             mesh += f" cp {self.cp} {self.cp_style}"
+        if self.ep > 1:
+            mesh += f" ep {self.ep}"
         extra = [f"ZeRO-{self.zero}"] + (["SP"] if self.sp else []) + ([f"AC {self.ac}"] if self.ac != "none" else [])
         extra.append(f"mb {self.micro_batch}")
         if self.reduce_every:
@@ -240,6 +244,10 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     if stage != 3:
         return 0
     block, total = local_counts(cfg, dims, rank)
+    if dims.ep > 1:  # a rank gathers (and accumulates the gradients of) only its n_experts / ep experts
+        ex = expert_counts(cfg, dims)
+        total -= ex["experts"] - ex["gathered"]
+        block -= (ex["experts"] - ex["gathered"]) // max(1, ex["moe_layers"])
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
     split = spec_for(cfg.model).shape().stage_layers(n_stages)
     blocks = sum(len(split[s]) for s in stages)
@@ -307,6 +315,9 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]
     out["param_count"] = count
+    ex = expert_counts(cfg, dims)
+    if ex["experts"]:  # a Mixture of Experts: each kind of parameter with its own sharding (trainer.plan.experts)
+        out.update({f"moe_{k}": v for k, v in ex.items()})
     return out
 
 

@@ -227,6 +227,16 @@ def _human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def moe_line(mem: dict) -> str:
+    """A Mixture of Experts' parameters, expert and dense, each with its sharding (trainer.plan.experts)."""
+    ep = mem["moe_ep"]
+    return (f"experts {mem['moe_experts'] / 1e6:,.2f}M params, split ep {ep} x sharded "
+            f"{mem['moe_expert_shards'] // ep}: {mem['moe_expert_held'] / 1e6:,.3f}M per rank, gathering "
+            f"{mem['moe_n_experts'] // ep} of {mem['moe_n_experts']} experts per layer; dense "
+            f"{mem['moe_dense'] / 1e6:,.2f}M, sharded {mem['moe_dense_shards']}: "
+            f"{mem['moe_dense_held'] / 1e6:,.3f}M per rank")
+
+
 def _describe(c: dict) -> str:
     mem, t = c["memory_bytes"], c["time"]
     return (f"{c['describe']}: {_gib(mem['total'])}/rank, step {t['step_s'] * 1e3:.1f} ms "
@@ -259,6 +269,8 @@ def print_plan(doc: dict) -> None:
                                                               "recovery_tier"))
             print(f"             {parts}; host memory: checkpoint staging {_gib(mem['host_staging'])}, "
                   f"memory tier up to {_gib(mem['host_recovery_tier'])}")
+            if "moe_experts" in mem:
+                print("             " + moe_line(mem))
             comm = ", ".join(f"{c['kind']} {c['axis']} {_human_bytes(c['bytes'])} ({c['link']})" for c in b["comm"])
             print(f"             per step: {comm or 'no communication'}")
             if plan["runner_up"]:

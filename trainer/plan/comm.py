@@ -28,8 +28,11 @@ gathered is what this trainer reduces and gathers (:mod:`trainer.zero`, :mod:`tr
   point-to-point sends, overlapped with the block attention); allgather all-gathers K (``cp`` K out)
   and reduce-scatters its gradient; ulysses makes four all-to-alls of ``3 E + E`` both ways. Full
   activation checkpointing repeats the forward's. The cp ranks hold the same parameters: ZeRO shards
-  over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``.
-
+  over ``dp_shard x cp`` and ZeRO-0 all-reduces over ``dp x cp``;
+* expert parallelism (:mod:`trainer.plan.experts`): each MoE layer's ``n_experts / ep`` experts are
+  FSDP units of their own over ``dp_shard_mod_ep`` at every ZeRO stage (gathered and reduced as ZeRO-3
+  does), the stage's collectives carry the dense parameters, and the tokens travel to their experts and
+  back by all-to-all over ``ep``;
 * ZeRO++ (``parallel.quantized_weights`` / ``quantized_gradients`` / ``hpz_partition_size``,
   :mod:`trainer.zero.quantize`): a quantized all-gather moves ``1 + 4 / quantization_block`` bytes per
   parameter (int8 and one fp32 scale per block) instead of 2 (bf16) or 4 (fp32); qgZ's reduce-scatter
@@ -50,6 +53,7 @@ from ..config import RunConfig
 from ..memory import local_param_count
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh, ParallelDims
+from .experts import MOE_AXES, expert_counts, moe_comm
 
 
 def _ring(kind: str, n: int, size: float) -> float:
@@ -70,15 +74,19 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     p, m = cfg.parallel, spec_for(cfg.model).shape()
     act_b = 2 if mixed else 4
     count = local_param_count(cfg, dims, rank)
-    grads, params = 4 * count, act_b * count
     stage = dims.zero_stage
+    # Expert parallelism: the experts in FSDP units of their own at every stage (trainer.plan.experts); below
+    # ZeRO-3 the stage's collectives carry the dense parameters only.
+    ex = expert_counts(cfg, dims) if dims.ep > 1 else None
+    experts = ex["experts"] if ex else 0
     n, r = dims.dp_shard * dims.cp, dims.dp_replicate  # the cp ranks hold the same parameters
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
     out: list[dict] = []
 
     shard_axis, dp_axis = (Mesh.DP_SHARD_CP, Mesh.DP_CP) if dims.cp > 1 else (Axis.DP_SHARD, Mesh.DP)
     sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2,
-             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp}
+             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp,
+             MOE_AXES[0]: dims.ep, MOE_AXES[1]: dims.dp_shard // dims.ep}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
@@ -87,8 +95,11 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
 
     sizes["hpz"] = p.hpz_partition_size
     wire = 1 + 4 / p.quantization_block  # bytes per element of an int8 row with its scales
-    gathered = count * wire if p.quantized_weights and stage else params
-    rs_kind, reduced = ("all_to_all", count * wire) if p.quantized_gradients and stage else ("reduce_scatter", grads)
+    dense = count - experts  # what the stage's own collectives carry (the experts have FSDP units of their own)
+    grads = 4 * dense
+    gathered = dense * wire if p.quantized_weights and stage else act_b * dense
+    rs_kind, reduced = (("all_to_all", dense * wire) if p.quantized_gradients and stage
+                        else ("reduce_scatter", 4 * dense))
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:
         add("all_reduce", dp_axis, _ring("all_reduce", dims.dp * dims.cp, grads), buckets)
@@ -96,19 +107,27 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         add(rs_kind, shard_axis, _ring(rs_kind, n, reduced), buckets, "compute" if stage == 2 else "none")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
         add("all_gather", shard_axis, _ring("all_gather", n, gathered), buckets)
-    else:
-        n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
-        blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
-        gathers = 2 if dims.pp > 1 else 2 * mb
+    n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
+    blocks = sum(len(m.stage_layers(n_stages)[s]) for s in stages)
+    gathers = 2 if dims.pp > 1 else 2 * mb
+    rs = mb if p.reduce_every_microbatch else 1
+    if stage == 3:  # the model's FSDP units (the dense parameters' under ep)
         hpz = p.hpz_partition_size if 1 < p.hpz_partition_size < n and dims.pp == 1 else 0
+        g = gathers
         if hpz:  # the backward half within the hpz groups, over the secondary shard (the forward's weights)
-            gathers //= 2
-            add("all_gather", "hpz", gathers * _ring("all_gather", hpz, params), gathers * blocks, "compute")
-        add("all_gather", shard_axis, gathers * _ring("all_gather", n, gathered),
-            gathers * (blocks + 1) + (gathers if hpz else 0), "compute")
-        rs = mb if p.reduce_every_microbatch else 1
+            g //= 2
+            add("all_gather", "hpz", g * _ring("all_gather", hpz, act_b * dense), g * blocks, "compute")
+        add("all_gather", shard_axis, g * _ring("all_gather", n, gathered), g * (blocks + 1) + (g if hpz else 0),
+            "compute")
         add(rs_kind, shard_axis, rs * _ring(rs_kind, n, reduced), rs * (blocks + 1), "compute")
-        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), blocks + 1)
+        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * dense / n), blocks + 1)
+    if experts:  # under ep at every stage the experts' units, n_experts / ep per layer, over the ranks outside ep
+        held, axis, ranks, calls = ex["gathered"], MOE_AXES[1], dims.dp_shard // dims.ep, ex["moe_layers"]
+        add("all_gather", axis, gathers * _ring("all_gather", ranks, act_b * held), gathers * calls, "compute")
+        add("reduce_scatter", axis, rs * _ring("reduce_scatter", ranks, 4 * held), rs * calls, "compute")
+        add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * held / ranks), calls)
+    for kind, axis, size, calls, _ in moe_comm(cfg, dims, act_b):
+        add(kind, axis, size, calls)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)
         split = m.stage_layers(n_stages)

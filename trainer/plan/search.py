@@ -83,7 +83,13 @@ def cp_styles(cfg: RunConfig, cp: int, tp: int = 1) -> list[str]:
     return ["ring", "allgather"] + (["ulysses"] if (cfg.model.n_heads // tp) % cp == 0 else [])
 
 
-def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
+def ep_degrees(cfg: RunConfig, dp_shard: int) -> list[int]:
+    """Expert-parallel degrees: 1, and for a Mixture of Experts the divisors of dp_shard that divide n_experts."""
+    n = cfg.model.n_experts
+    return [e for e in divisors(dp_shard) if n % e == 0] if n > 0 else [1]
+
+
+def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1, dp_shard: int = 1) -> dict:
     ok = _allowed(cfg)
     local = cfg.train.global_batch // dp if cfg.train.global_batch % dp == 0 else 0
     mbs = sorted({d for d in divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
@@ -92,7 +98,8 @@ def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1) -> dict:
     # Context parallelism's ranks hold copies of the parameters: every stage shards over dp_shard x cp.
     zero = [0, 1, 2, 3] if dp * cp > 1 else [0]
     return {"zero": zero, "sp": [False, True] if tp > 1 and ok["sp"] else [False],
-            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp, tp)}
+            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp, tp),
+            "ep": ep_degrees(cfg, dp_shard)}
 
 
 def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
@@ -122,15 +129,16 @@ def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
 def enumerate_layouts(cfg: RunConfig, world: int) -> list[Layout]:
     out = []
     for rep, shard, tp, pp, cp in meshes(cfg, world):
-        c = _choices(cfg, rep * shard, tp, pp, cp)
-        for z, sp, ac, mb, (sched, v), style in itertools.product(c["zero"], c["sp"], c["ac"], c["mb"], c["sched"],
-                                                                  c["cp_style"]):
+        c = _choices(cfg, rep * shard, tp, pp, cp, shard)
+        for z, sp, ac, mb, (sched, v), style, ep in itertools.product(c["zero"], c["sp"], c["ac"], c["mb"],
+                                                                      c["sched"], c["cp_style"], c["ep"]):
             if rep > 1 and z != 3:
                 continue  # dp_replicate only differs from one flat dp axis as HSDP
             # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
             many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
             for every in (False, True) if many else (False,):
-                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every, cp=cp, cp_style=style))
+                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every, cp=cp, cp_style=style,
+                                  ep=ep))
     return out
 
 
@@ -142,7 +150,7 @@ def _cost(c: Candidate, dev: Device) -> float:
 
 
 def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
-    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every", "cp_style"))
+    what = rng.choice(("mesh", "mesh", "mesh", "zero", "sp", "ac", "mb", "sched", "every", "cp_style", "ep"))
     if what == "mesh":
         axes = [str(a) for a in (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP, Axis.PP, Axis.CP)]  # Layout's fields
         src, dst = rng.sample(axes, 2)
@@ -151,7 +159,9 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
             return cur
         f = next(p for p in range(2, n + 1) if n % p == 0)
         return replace(cur, **{src: n // f, dst: getattr(cur, dst) * f})
-    c = _choices(cfg, cur.dp, cur.tp, cur.pp, cur.cp)
+    c = _choices(cfg, cur.dp, cur.tp, cur.pp, cur.cp, cur.dp_shard)
+    if what == "ep":
+        return replace(cur, ep=rng.choice(c["ep"]))
     if what == "cp_style":
         return replace(cur, cp_style=rng.choice(c["cp_style"]))
     if what == "zero":
@@ -181,6 +191,8 @@ def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
         lay = replace(lay, cp_style="ring")
     if lay.dp * lay.cp == 1:
         lay = replace(lay, zero=0)
+    if lay.ep > 1 and lay.dp_shard % lay.ep:
+        lay = replace(lay, ep=1)
     if lay.zero != 3 or lay.pp > 1 or cfg.train.global_batch // max(1, lay.dp) <= lay.micro_batch:
         lay = replace(lay, reduce_every=False)
     return lay
@@ -246,7 +258,8 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
     t0 = time.monotonic()
     layouts = enumerate_layouts(cfg, world)
     if fixed_mp:
-        layouts = [x for x in layouts if (x.tp, x.pp, x.cp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)]
+        layouts = [x for x in layouts if (x.tp, x.pp, x.cp, x.ep) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
+                                                                   cfg.parallel.ep)]
     seen: dict[Layout, Candidate] = {}
     if len(layouts) <= EXHAUSTIVE_LIMIT:
         method = "exhaustive"
@@ -256,8 +269,8 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
         method = "simulator-guided random search (Metropolis)"
         _anneal(cfg, world, dev, seen, budget_s)
         if fixed_mp:
-            seen = {k: v for k, v in seen.items() if (k.tp, k.pp, k.cp) == (cfg.parallel.tp, cfg.parallel.pp,
-                                                                            cfg.parallel.cp)}
+            seen = {k: v for k, v in seen.items() if (k.tp, k.pp, k.cp, k.ep) == (cfg.parallel.tp, cfg.parallel.pp,
+                                                                                  cfg.parallel.cp, cfg.parallel.ep)}
     fitting = sorted((c for c in seen.values() if c.valid and c.fits), key=lambda c: c.step_s)
     if not fitting:
         least = min((c for c in seen.values() if c.valid), key=lambda c: c.memory["total"], default=None)
@@ -267,12 +280,13 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
     best = fitting[0]
     runner = next((c for c in fitting[1:] if c.layout.zero != best.layout.zero or c.layout.tp != best.layout.tp
                    or c.layout.pp != best.layout.pp or c.layout.dp_replicate != best.layout.dp_replicate
-                   or c.layout.cp != best.layout.cp),
+                   or c.layout.cp != best.layout.cp or c.layout.ep != best.layout.ep),
                   fitting[1] if len(fitting) > 1 else None)
     # One loser per family (mesh, ZeRO stage): its best member, and why it lost to the plan.
     fam: dict = {}
     for c in sorted(seen.values(), key=lambda c: _cost(c, dev)):
-        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.cp_style, c.layout.zero)
+        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.cp_style, c.layout.zero,
+               c.layout.ep)
         if c is not best and c is not runner and key not in fam and c.valid:
             fam[key] = c
     # The closest families first, then (a third of the list) families that do not fit, so both reasons show.

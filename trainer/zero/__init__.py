@@ -27,7 +27,8 @@ state are DTensors sharded by ``fully_shard``.
 One module per part: ``common`` (the :class:`Optimizer` interface the step loop drives,
 AdamW, byte counts), ``buckets`` (chunks and buckets), ``collectives`` (every collective
 of stages 0-2: where a quantized one plugs in), ``quantize`` (ZeRO++'s int8 blocks), ``stages`` (0-2),
-``fsdp`` (3), ``fsdp_comm`` (ZeRO++'s collectives plugged into FSDP2).
+``fsdp`` (3), ``fsdp_comm`` (ZeRO++'s collectives plugged into FSDP2), ``hybrid`` (expert parallelism
+under 0-2: the experts by FSDP, the rest by the stage).
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ from ..parallel.parallelize import ModelParts
 from .buckets import chunk_bounds
 from .common import Optimizer, ensure_adam_state, local_tensor
 from .fsdp import FSDPOptimizer
+from .hybrid import HybridOptimizer
 from .stages import ZeroOptimizer
 
-__all__ = ["FSDPOptimizer", "Optimizer", "ZeroOptimizer", "build_optimizer", "chunk_bounds", "ensure_adam_state",
-           "local_tensor"]
+__all__ = ["FSDPOptimizer", "HybridOptimizer", "Optimizer", "ZeroOptimizer", "build_optimizer", "chunk_bounds",
+           "ensure_adam_state", "local_tensor"]
 
 
 def build_optimizer(parts: ModelParts, cfg: RunConfig, dims: ParallelDims, mesh, rank: int) -> Optimizer:
     """The optimizer of ``parts``' ZeRO stage: FSDP2's (stage 3) when the parts were sharded by ``fully_shard``."""
     if parts.uses_fsdp:
         return FSDPOptimizer(parts, cfg, dims, rank)
+    if parts.expert_units:  # expert parallelism under ZeRO 0-2: the experts in FSDP units of their own
+        return HybridOptimizer(parts, cfg, dims, mesh, rank)
     return ZeroOptimizer(parts, cfg, dims, mesh, rank)

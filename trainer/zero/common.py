@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..parallel.dims import DATA_AXES, DERIVED, Axis, ParallelDims
+from ..parallel.dims import DATA_AXES, DERIVED, EXPERT_SPLIT, Axis, ParallelDims
 
 
 class Optimizer(Protocol):
@@ -64,6 +65,11 @@ def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
     names = t.device_mesh.mesh_dim_names or ()
     reps = 1
     for axis in (*DATA_AXES, Axis.CP, Axis.TP):
+        if axis == Axis.DP_SHARD and all(n in names for n in EXPERT_SPLIT):
+            # the expert mesh splits dp_shard in two dimensions (ParallelDims.expert_mesh): each counts alone
+            reps *= math.prod(t.device_mesh.size(names.index(n)) for n in EXPERT_SPLIT
+                              if t.placements[names.index(n)].is_replicate())
+            continue
         # a flattened mesh dimension (dp_shard_cp) places each of its axes as it places itself
         dim = next((i for i, n in enumerate(names) if n == axis or axis in DERIVED.get(n, ())), None)
         if dims.size(axis) > 1 and (dim is None or t.placements[dim].is_replicate()):
