@@ -177,3 +177,24 @@ def test_torchrun_rank0_serves_every_ranks_figures(tmp_path):
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_the_dashboard_charts_only_documented_metrics_and_every_panel_has_a_unique_place():
+    """deploy/grafana-dashboard.json: each metric an expression reads (histogram suffixes aside) is one
+    docs/metrics.md documents, every panel id is unique, and no two panels overlap on the grid."""
+    import re
+
+    with open(os.path.join(ROOT, "deploy", "grafana-dashboard.json")) as f:
+        panels = json.load(f)["panels"]
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        documented = set(re.findall(r"`(etrain_[a-z0-9_]+)`", f.read()))
+    read = {re.sub(r"_(sum|count|bucket)$", "", name) for p in panels for t in p.get("targets", [])
+            for name in re.findall(r"\betrain_[a-z0-9_]+", t["expr"])}
+    assert read and read <= documented, sorted(read - documented)
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
