@@ -148,7 +148,28 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
                ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(failures.items())) or "0",
                _fmt(_get(cur, "etrain_recoveries_total"), ".0f"), _fmt(mean("etrain_time_to_recover_seconds"), ".2f"),
                _fmt(mean("etrain_time_to_detect_seconds"), ".2f"), _fmt(_get(cur, "etrain_steps_lost_total"), ".0f"))
-    return Group(head, comm, mem, ck)
+    experts = _experts(cur)
+    return Group(head, comm, mem, ck, *([experts] if experts is not None else []))
+
+
+def _experts(cur: Samples) -> Table | None:
+    """A Mixture of Experts' routing in the newest step (None for a dense model): per MoE layer its busiest and
+    idlest expert by routed slots, with the run's imbalance, aux loss and dropped slots."""
+    per = _by(cur, "etrain_moe_tokens_per_expert", "layer", "expert")
+    if not per and _get(cur, "etrain_moe_imbalance_ratio") is None:
+        return None
+    imbalance = _fmt(_get(cur, "etrain_moe_imbalance_ratio"), ".2f")
+    dropped = _fmt(_get(cur, "etrain_moe_dropped_tokens"), ".0f")
+    t = Table(title=f"experts (imbalance {imbalance}, aux loss {_fmt(_get(cur, 'etrain_moe_aux_loss'))}, "
+                    f"dropped {dropped})", expand=False)
+    for col in ("layer", "busiest expert", "slots", "idlest expert", "slots", "max / mean"):
+        t.add_column(col, justify="right")
+    for layer in sorted({lay for lay, _ in per}, key=int):
+        mine = {e: v for (lay, e), v in per.items() if lay == layer}
+        hi, lo = max(mine, key=mine.get), min(mine, key=mine.get)
+        mean = sum(mine.values()) / len(mine)
+        t.add_row(layer, hi, f"{mine[hi]:.0f}", lo, f"{mine[lo]:.0f}", _fmt(mine[hi] / mean if mean else None, ".2f"))
+    return t
 
 
 def endpoint_of(run: str, store) -> tuple[str | None, dict | None]:

@@ -252,6 +252,18 @@ def test_step_log_figures_reach_the_metrics():
                                  data_seconds=0.0, world_size=1, samples_consumed=8, aux_loss=0.02,
                                  moe_imbalance=1.5, moe_dropped=3), 10)
     assert "loss 5.0000 (aux 0.0200) | imbalance 1.50 | dropped 3 |" in line, line
+    # etrain top draws them: per MoE layer its busiest and idlest expert
+    from rich.console import Console
+
+    from orchestrator.top import render
+
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in m.collect() for x in f.samples}
+    console = Console(record=True, width=200)
+    console.print(render(samples, None, 1.0))
+    text = console.export_text()
+    assert "experts (imbalance 1.50, aux loss 0.02, dropped 3)" in text, text
+    rows = [r.replace("│", " ").split() for r in text.splitlines()]
+    assert ["1", "0", "5", "1", "3", "1.25"] in rows and ["3", "0", "4", "0", "4", "1.00"] in rows, text
     m.observe_step({"step": 2, "loss": 5.0, "tokens_per_s": 1.0, "step_seconds": 1.0})  # dense: no MoE families
     assert not [f for f in m.collect() if f.name.startswith("etrain_moe")]
 
