@@ -23,6 +23,7 @@ from .common import (
     storage_bytes,
     tp_shard_dim,
 )
+from .offload import make_offload
 
 log = logging.getLogger("etrain")
 
@@ -84,6 +85,7 @@ class ZeroOptimizer:
             s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = make_adamw(groups, self.cfg)
+        self.offload = make_offload(self.optimizer, cfg, rank)  # parallel.offload="nvme": the state in a file
         # Checkpoints see each chunk as a DTensor shard of the whole parameter.
         self.state_mesh = dims.sub_mesh(mesh, *DATA_AXES, Axis.TP)
 
@@ -110,13 +112,15 @@ class ZeroOptimizer:
 
     def checkpoint_state(self) -> dict:
         """Model weights (the fp32 masters) and AdamW state, each a shard of its global tensor."""
-        ensure_adam_state(self.optimizer)
+        if self.offload is None:
+            ensure_adam_state(self.optimizer)
+        states = self.optimizer.state if self.offload is None else self.offload.states()
         model, optim = {}, {}
         for s in self.slots:
             if s.master is None:
                 continue
             model[s.fqn] = self._as_global(s, s.master)
-            optim[s.fqn] = adam_entries(self.optimizer.state[s.master], lambda t, s=s: self._as_global(s, t))
+            optim[s.fqn] = adam_entries(states[s.master], lambda t, s=s: self._as_global(s, t))
         return {"model": model, "optim": optim}
 
     @torch.no_grad()
@@ -295,7 +299,7 @@ class ZeroOptimizer:
             torch._foreach_mul_(grads, clip_coef)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.optimizer.step()
+        (self.optimizer if self.offload is None else self.offload).step()
         for s in self.slots:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
@@ -335,4 +339,5 @@ class ZeroOptimizer:
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
         masters = [s.master for s in self.slots if s.master is not None
                    and s.master.data_ptr() != s.chunk(self.r).data_ptr()]
-        return {"params": params, "grads": grads, "optimizer": storage_bytes(state) + storage_bytes(masters)}
+        held = self.offload.host_bytes if self.offload is not None else 0  # its buffers; the state is in a file
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(state) + storage_bytes(masters) + held}

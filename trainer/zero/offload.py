@@ -1,0 +1,226 @@
+"""AdamW's state on NVMe (``[parallel] offload = "nvme"``): ZeRO stages 0-2 keep exp_avg and exp_avg_sq in a
+file per rank and stream them through a fixed pool of host buffers during the step.
+
+    offload_preflight(cfg, world_size, rank)        # before any process group: the directory and its room
+    state = NvmeAdamState(optimizer, cfg, rank)     # optimizer: the torch AdamW over this rank's fp32 masters
+    state.step()                                    # instead of optimizer.step(): the same arithmetic
+    states = state.states()                         # {master: {"exp_avg", "exp_avg_sq", "step"}}: checkpoints
+
+The file (``<offload_dir>/<run_id>/rank<k>/adam-<pid>-<n>.f32``) holds every master's exp_avg, in
+parameter order, then every exp_avg_sq. The step cuts that order into units of at most a buffer's
+worth (a parameter larger than that is cut into flat pieces when it is contiguous) and runs
+:class:`trainer.zero.swapper.Swapper` over them: the next unit is read and the previous one written
+back while AdamW updates the current one. AdamW is elementwise, so updating in pieces is the same
+arithmetic as one call over every parameter (the tests check bitwise equality with ``offload="none"``);
+the step counts live in memory. :meth:`NvmeAdamState.states` maps the file (``torch.from_file``):
+a checkpoint, the memory tier and a load read and write the state in place, like in-memory state,
+and copy it (a checkpoint never refers to the file). The file is scratch: a new optimizer starts
+from a new one (zeros, AdamW's initial state) and removes it when it goes; files that a dead process
+left behind are removed when the next one starts in that directory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import weakref
+
+import torch
+from torch.optim.adam import adam
+
+from checkpointing.errors import ConfigError
+
+from ..config import RunConfig
+from .swapper import F32, BufferPool, StateFile, Swapper, SwapStats
+
+BUFFERS = 4  # host buffers in the pool: one computed on, one being written back, two read ahead
+_SEQ = itertools.count()
+_NAME = re.compile(r"adam-(\d+)-\d+\.f32")
+
+
+def rank_dir(cfg: RunConfig, rank: int) -> str:
+    return os.path.join(os.path.abspath(os.path.expanduser(cfg.parallel.offload_dir)), cfg.run_id, f"rank{rank}")
+
+
+def state_bytes(cfg: RunConfig, world_size: int, rank: int) -> int:
+    """What ``rank``'s file holds: exp_avg and exp_avg_sq of its share of the parameters (the planner's
+    optimizer state less the bf16 masters, which stay in memory)."""
+    from ..memory import local_param_count
+    from ..parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, world_size)
+    count = local_param_count(cfg, dims, rank)
+    return 2 * F32 * -(-count // dims.zero_shards)
+
+
+def offload_preflight(cfg: RunConfig, world_size: int, rank: int) -> None:
+    """ConfigError (exit 2) naming parallel.offload_dir when this rank cannot write its directory or its
+    disk lacks room for the state (every local rank's, when LOCAL_WORLD_SIZE says how many share it)."""
+    if cfg.parallel.offload != "nvme":
+        return
+    where = rank_dir(cfg, rank)
+    key = f"parallel.offload_dir={cfg.parallel.offload_dir!r}"
+    try:
+        os.makedirs(where, exist_ok=True)
+        probe = os.path.join(where, f".probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{key} is not writable ({where}: {e.strerror or e}); point it at a local directory "
+                          "this user may write") from None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    need = state_bytes(cfg, world_size, rank) * local_ranks
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise ConfigError(
+            f"{key} has {free / 2**20:.1f} MiB free, and the optimizer state offloaded there needs "
+            f"{need / 2**20:.1f} MiB ({local_ranks} rank(s) of {state_bytes(cfg, world_size, rank) / 2**20:.1f} MiB); "
+            "point it at a disk with that much room, or shard the state over more ranks (parallel.zero_stage >= 1)")
+
+
+def _remove_stale(where: str) -> None:
+    """Files of processes that are gone (a crash leaves its scratch behind)."""
+    for name in os.listdir(where):
+        m = _NAME.fullmatch(name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(where, name))
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int, whole: bool) -> torch.Tensor:
+    return t if whole else t.view(-1)[lo:hi]
+
+
+class NvmeAdamState:
+    """exp_avg and exp_avg_sq of ``optimizer``'s parameters in a per-rank file (module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int):
+        self.optimizer = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_of = {p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.offset: dict[torch.Tensor, int] = {}
+        at = 0
+        for p in self.params:
+            self.offset[p] = at
+            at += p.numel()
+        self.total = at
+        on_device = [g.get("fused") or g.get("capturable") for g in optimizer.param_groups]
+        self.steps = {p: torch.zeros((), dtype=torch.float32, device=p.device if on_device[self.group_of[p]] else None)
+                      for p in self.params}
+        numel = max(2, int(cfg.parallel.offload_buffer_mb * 2**20 / F32 / BUFFERS) // 2 * 2)
+        self.capacity = numel // 2  # parameter elements per unit: their exp_avg, then their exp_avg_sq
+        self.units, self.pieces = self._plan(cfg)
+        where = rank_dir(cfg, rank)
+        os.makedirs(where, exist_ok=True)
+        _remove_stale(where)
+        self.file = StateFile(os.path.join(where, f"adam-{os.getpid()}-{next(_SEQ)}.f32"), 2 * self.total)
+        self.pool = BufferPool(BUFFERS, numel, pin=torch.cuda.is_available())
+        self.swapper = Swapper(self.file, self.pool)
+        self.last = SwapStats()  # the last step's I/O
+        self.total_stats = SwapStats()
+        self._finalizer = weakref.finalize(self, self.swapper.close)
+
+    def _plan(self, cfg: RunConfig) -> tuple[list, list]:
+        """Units of consecutive elements, each at most ``capacity``; per unit its pieces
+        ``(param, lo, hi, at)``: elements lo..hi of param at ``at`` in the unit."""
+        units, pieces = [], []
+        cur: list = []
+        start = used = 0
+        for p in self.params:
+            n, lo = p.numel(), 0
+            if n > self.capacity and not p.is_contiguous():
+                raise ConfigError(
+                    f"parallel.offload_buffer_mb={cfg.parallel.offload_buffer_mb} is too small for a parameter "
+                    f"chunk of {n} elements ({2 * F32 * n * BUFFERS / 2**20:.1f} MiB of buffers needed); raise it")
+            while lo < n:
+                if used == self.capacity or (n - lo > self.capacity - used and not p.is_contiguous()):
+                    units.append((start, used))
+                    pieces.append(cur)
+                    cur, start, used = [], start + used, 0
+                hi = min(n, lo + self.capacity - used)
+                cur.append((p, lo, hi, used))
+                used += hi - lo
+                lo = hi
+        if used:
+            units.append((start, used))
+            pieces.append(cur)
+        return [[(a, n), (self.total + a, n)] for a, n in units], pieces
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the offloaded state costs: the buffer pool (and the step counts)."""
+        return self.pool.nbytes + 4 * len(self.steps)
+
+    # --- the update ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> SwapStats:
+        """AdamW over every parameter with a gradient, its state swapped in unit by unit."""
+        groups = self.optimizer.param_groups
+        self.last = self.swapper.run(self.units, lambda k, buf: self._update(self.pieces[k], buf, groups))
+        for p in self.params:
+            if p.grad is not None:
+                self.steps[p] += 1
+        self.total_stats.add(self.last)
+        return self.last
+
+    def _update(self, pieces: list, buf: torch.Tensor, groups: list[dict]) -> None:
+        n = buf.numel() // 2
+        host = buf
+        device = pieces[0][0].device
+        if device.type != "cpu":
+            buf = buf.to(device, non_blocking=True)
+        m_all, v_all = buf[:n], buf[n:]
+        lists: dict[int, tuple[list, ...]] = {}
+        for p, lo, hi, at in pieces:
+            if p.grad is None:
+                continue
+            whole = hi - lo == p.numel()
+            m, v = m_all[at : at + hi - lo], v_all[at : at + hi - lo]
+            ps, gs, ms, vs, ss = lists.setdefault(self.group_of[p], ([], [], [], [], []))
+            ps.append(_flat(p, lo, hi, whole))
+            gs.append(p.grad if whole else p.grad.reshape(-1)[lo:hi])  # adam() only reads gradients
+            ms.append(m.view(p.shape) if whole else m)
+            vs.append(v.view(p.shape) if whole else v)
+            ss.append(self.steps[p].clone())  # adam() counts it up; the step's own += 1 comes after every unit
+        for gi, (ps, gs, ms, vs, ss) in lists.items():
+            g = groups[gi]
+            beta1, beta2 = g["betas"]
+            adam(ps, gs, ms, vs, [], ss, foreach=g["foreach"], fused=g["fused"], capturable=g["capturable"],
+                 differentiable=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                 lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
+        if device.type != "cpu":
+            host.copy_(buf)  # synchronous: the writer thread reads the host buffer next
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def states(self) -> dict:
+        """Per parameter, AdamW's state as the checkpoint sees it: views of the memory-mapped file (read
+        and loaded in place), and the step count."""
+        mapped = self.file.mapped()
+        out = {}
+        for p in self.params:
+            a, n = self.offset[p], p.numel()
+            out[p] = {"exp_avg": mapped[a : a + n].view(p.shape),
+                      "exp_avg_sq": mapped[self.total + a : self.total + a + n].view(p.shape),
+                      "step": self.steps[p]}
+        return out
+
+
+def make_offload(optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int) -> NvmeAdamState | None:
+    """The NVMe-resident state of ``optimizer`` under ``parallel.offload="nvme"``, else None."""
+    return NvmeAdamState(optimizer, cfg, rank) if cfg.parallel.offload == "nvme" else None
