@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -72,9 +73,13 @@ class ZeroOptimizer:
         if self.stage < 2:
             self._attach_flat_grads()
         else:
+            # Hooks live in C++, where the garbage collector cannot see a cycle through them: a weak
+            # reference lets the optimizer (its buffers, an offload file) go with its trainer.
+            me = weakref.ref(self)
             for b in self.buckets:
                 for s in b.slots:
-                    s.param.register_post_accumulate_grad_hook(lambda p, s=s, b=b: self._grad_arrived(s, b))
+                    s.param.register_post_accumulate_grad_hook(
+                        lambda p, s=s, b=b: (o := me()) is not None and o._grad_arrived(s, b))
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for s in self.slots:
             mine = s.chunk(self.r)
