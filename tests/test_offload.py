@@ -9,6 +9,7 @@ like in-memory state, across world sizes with offload on one side only; the refu
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -16,10 +17,12 @@ import time
 import pytest
 import torch
 
+from checkpointing.errors import ConfigError
 from checkpointing.recovery.snapshot import MemorySnapshot
 from tests.harness import run_ranks
 from tests.test_checkpoint import assert_same, merged, plan
 from trainer.config_load import load_config
+from trainer.parallel.dims import ParallelDims
 from trainer.zero.offload import NvmeAdamState
 from trainer.zero.swapper import BufferPool, StateFile, Swapper
 
@@ -235,6 +238,13 @@ def test_memory_tier_snapshots_and_restores_offloaded_state(tmp_path):
 # --- refusals ---------------------------------------------------------------------------------
 
 
+def test_zero3_is_refused_with_the_fix(tmp_path):
+    cfg = load_config(None, nvme(tmp_path) + ["parallel.zero_stage=3"])
+    assert ParallelDims.from_config(cfg, 1).zero_stage == 0  # world 1: no ZeRO-3 to refuse
+    with pytest.raises(ConfigError, match=r'offload="nvme".*parallel.zero_stage=2.*offload="cpu"'):
+        ParallelDims.from_config(cfg, 2)
+
+
 @pytest.mark.parametrize("case", ["unwritable", "no_room", "no_dir"])
 def test_refusals_exit_2_naming_the_key(case, tmp_path, capsys, monkeypatch):
     """``python -m trainer``'s path, in this process: refused before any process group, exit 2."""
@@ -252,3 +262,28 @@ def test_refusals_exit_2_naming_the_key(case, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     want = {"unwritable": "is not writable", "no_room": "MiB free", "no_dir": "needs parallel.offload_dir"}[case]
     assert "parallel.offload" in err and want in err, err[-2000:]
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+def test_plan_moves_the_offloaded_state_to_disk_and_reports_the_bandwidth(tmp_path, capsys):
+    from trainer.memory import local_param_count
+    from trainer.plan.accounting import rank_memory
+    from trainer.plan.cli import main
+
+    z2 = ["parallel.zero_stage=2"]
+    on_cfg, off_cfg = load_config(None, BASE + z2), load_config(None, BASE + z2 + nvme(tmp_path, mb=1))
+    on = rank_memory(on_cfg, ParallelDims.from_config(on_cfg, 2), 0, mixed=False)
+    off = rank_memory(off_cfg, ParallelDims.from_config(off_cfg, 2), 0, mixed=False)
+    share = -(-local_param_count(off_cfg, ParallelDims.from_config(off_cfg, 2), 0) // 2)
+    assert off["nvme_state"] == on["optimizer"] - off["optimizer"] == 8 * share
+    assert off["nvme_bytes_per_step"] == 16 * share and off["host_offload_buffers"] == 2**20
+    assert off["total"] < on["total"] and off["host_staging"] == on["host_staging"]  # a checkpoint copies it all
+    args = ["examples/tiny.toml", "--workers", "2", "--device", "cpu", "--budget-s", "0.5", "--json",
+            "--nvme-bw", "2GB/s", *[a for s in z2 + nvme(tmp_path, mb=1) for a in ("--set", s)]]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)["plan"]["nvme"]
+    assert doc["io_s"] == pytest.approx(doc["bytes_per_step"] / 2e9) and doc["needed_bw"] > 0
+    assert main(args[:-len(z2 + nvme(tmp_path, mb=1)) * 2 - 2] + ["--nvme-bw", "fast"]) == 2
+    assert "--nvme-bw 'fast'" in capsys.readouterr().err

@@ -40,6 +40,11 @@ _SEQ = itertools.count()
 _NAME = re.compile(r"adam-(\d+)-\d+\.f32")
 
 
+def unit_numel(buffer_mb: float) -> int:
+    """fp32 elements per buffer of a pool of ``buffer_mb`` MiB: half a unit's exp_avg, half its exp_avg_sq."""
+    return max(2, int(buffer_mb * 2**20 / F32 / BUFFERS) // 2 * 2)
+
+
 def rank_dir(cfg: RunConfig, rank: int) -> str:
     return os.path.join(os.path.abspath(os.path.expanduser(cfg.parallel.offload_dir)), cfg.run_id, f"rank{rank}")
 
@@ -118,7 +123,7 @@ class NvmeAdamState:
         on_device = [g.get("fused") or g.get("capturable") for g in optimizer.param_groups]
         self.steps = {p: torch.zeros((), dtype=torch.float32, device=p.device if on_device[self.group_of[p]] else None)
                       for p in self.params}
-        numel = max(2, int(cfg.parallel.offload_buffer_mb * 2**20 / F32 / BUFFERS) // 2 * 2)
+        numel = unit_numel(cfg.parallel.offload_buffer_mb)
         self.capacity = numel // 2  # parameter elements per unit: their exp_avg, then their exp_avg_sq
         self.units, self.pieces = self._plan(cfg)
         where = rank_dir(cfg, rank)
