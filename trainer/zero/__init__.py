@@ -26,7 +26,8 @@ state are DTensors sharded by ``fully_shard``.
 
 One module per part: ``common`` (the :class:`Optimizer` interface the step loop drives,
 AdamW, byte counts), ``buckets`` (chunks and buckets), ``collectives`` (every collective
-of stages 0-2: where a quantized one plugs in), ``stages`` (0-2), ``fsdp`` (3).
+of stages 0-2: where a quantized one plugs in), ``stages`` (0-2), ``fsdp`` (3), ``offload`` and
+``swapper`` (stages 0-2's AdamW state in a file per rank: ``parallel.offload="nvme"``).
 """
 
 from __future__ import annotations
