@@ -148,6 +148,23 @@ def test_piecewise_update_is_adamw_bit_for_bit(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_scratch_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = load_config(None, nvme(tmp_path))
+    where = tmp_path / "run" / "rank0"
+    where.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (where / f"adam-{gone.pid}-0.f32").write_bytes(b"\0" * 8)  # what a crashed run leaves
+    (where / f"adam-{os.getppid()}-0.f32").write_bytes(b"\0" * 8)  # a live process's
+    p = torch.nn.Parameter(torch.zeros(4))
+    state = NvmeAdamState(torch.optim.AdamW([p]), cfg, rank=0)
+    assert sorted(os.listdir(where)) == sorted([f"adam-{os.getppid()}-0.f32", os.path.basename(state.file.path)])
+    state.close()
+
+
 # --- training in real gloo groups -------------------------------------------------------------
 
 
