@@ -216,6 +216,8 @@ class NvmeAdamState:
     def states(self) -> dict:
         """Per parameter, AdamW's state as the checkpoint sees it: views of the memory-mapped file (read
         and loaded in place), and the step count."""
+        if not self.total:  # a rank whose chunks are all empty
+            return {}
         mapped = self.file.mapped()
         out = {}
         for p in self.params:
