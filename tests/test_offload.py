@@ -1,10 +1,11 @@
 """``[parallel] offload = "nvme"``: AdamW's state in per-rank files (trainer.zero.offload, trainer.zero.swapper).
 
 Checked: the swapper's buffer pool bound, read-ahead order and write-back before a buffer is reused;
-the piecewise update equal to torch's AdamW bit for bit; 20 steps of real gloo groups at world 1 and
-2 (ZeRO-1 and 2) with losses bitwise equal to offload="none"; the peak resident set lower by more than
-80% of the optimizer state; checkpoints and the memory tier reading and loading the offloaded state
-like in-memory state, across world sizes with offload on one side only; the refusals (exit 2).
+the piecewise update equal to torch's AdamW bit for bit; real gloo groups at world 1 (fp32, 20 steps;
+bf16 with offload_params, 10) and world 2 (ZeRO-2, 20 steps; ZeRO-1, 10) with losses bitwise equal to
+offload="none"; the peak resident set lower by more than 80% of the optimizer state; checkpoints and
+the memory tier reading and loading the offloaded state like in-memory state, across world sizes with
+offload on one side only; the refusals (exit 2); the planner's accounting.
 """
 
 from __future__ import annotations
@@ -168,16 +169,27 @@ def test_scratch_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
 # --- training in real gloo groups -------------------------------------------------------------
 
 
+BF16 = ['parallel.mixed_precision="bf16"']
+PARAMS = ["parallel.offload_params=true"]
+
+
 def test_world1_losses_bitwise_equal_to_no_offload(tmp_path):
-    layouts = [("none", []), ("nvme", nvme(tmp_path))]
+    """fp32 for 20 steps; bf16 with its fp32 masters in the file too (offload_params) for 10."""
+    layouts = [("none", []), ("nvme", nvme(tmp_path)), ("bf16", BF16, 10),
+               ("bf16_params", BF16 + nvme(tmp_path) + PARAMS, 10)]
     res = run_ranks("tests.jobs:train_layouts", 1, {"base": BASE, "steps": 20, "layouts": layouts, "params": True})[0]
     assert res["nvme"]["losses"] == res["none"]["losses"]
     assert_same(res["nvme"]["params"], res["none"]["params"], "world 1")
+    assert res["bf16_params"]["losses"] == res["bf16"]["losses"]
+    assert_same(res["bf16_params"]["params"], res["bf16"]["params"], "world 1, bf16, offload_params")
+    # The masters left memory with the state: what the optimizer holds is the buffer pool (and step counts).
+    assert res["bf16_params"]["memory"]["optimizer"] < 0.2 * res["bf16"]["memory"]["optimizer"]
     assert os.listdir(tmp_path / "run" / "rank0") == []  # the scratch file went with its optimizer
 
 
 def test_world2_zero1_and_zero2_losses_bitwise_equal_to_no_offload(tmp_path):
-    layouts = [(f"{o}{z}", [f"parallel.zero_stage={z}", *(nvme(tmp_path) if o == "nvme" else [])])
+    """ZeRO-2 for 20 steps, ZeRO-1 for 10 (the fast tier's time)."""
+    layouts = [(f"{o}{z}", [f"parallel.zero_stage={z}", *(nvme(tmp_path) if o == "nvme" else [])], 10 * z)
                for z in (1, 2) for o in ("none", "nvme")]
     res = run_ranks("tests.jobs:train_layouts", 2, {"base": BASE, "steps": 20, "layouts": layouts})
     for r in res:
@@ -227,6 +239,20 @@ def test_checkpoints_carry_offloaded_state_across_world_sizes(tmp_path):
     assert_same(merged(back, "state_loaded"), w1[0]["state"], "none world 1 -> offload world 2")
 
 
+def test_checkpoints_carry_offloaded_masters(tmp_path):
+    """bf16 with offload_params: the checkpoint's weights are the file's masters; loaded into in-memory
+    masters and back into the file, the same state and the same losses after."""
+    url = f"file://{tmp_path / 'ckpt'}"
+    off = BF16 + nvme(tmp_path / "p") + PARAMS
+    w1 = plan(1, url, [{"layout": off, "train": 3, "save": "p"},
+                       {"layout": BF16, "load": "p", "state_before_train": True, "train": 2},
+                       {"layout": off, "load": "p", "state_before_train": True, "train": 2}])[0]
+    assert_same(w1[1]["state_loaded"], w1[0]["state"], "masters in the file -> in memory")
+    assert_same(w1[2]["state_loaded"], w1[0]["state"], "masters in the file -> in the file")
+    assert w1[1]["losses"] == w1[2]["losses"]
+    assert_same(w1[1]["state"], w1[2]["state"], "after 2 more steps")
+
+
 def _sources(ranks):
     out = {}
     for r in ranks:
@@ -260,6 +286,8 @@ def test_zero3_is_refused_with_the_fix(tmp_path):
     assert ParallelDims.from_config(cfg, 1).zero_stage == 0  # world 1: no ZeRO-3 to refuse
     with pytest.raises(ConfigError, match=r'offload="nvme".*parallel.zero_stage=2.*offload="cpu"'):
         ParallelDims.from_config(cfg, 2)
+    with pytest.raises(ConfigError, match=r'offload_params=true needs parallel.offload="nvme"'):
+        load_config(None, ["parallel.offload_params=true"])
 
 
 @pytest.mark.parametrize("case", ["unwritable", "no_room", "no_dir"])
@@ -299,6 +327,9 @@ def test_plan_moves_the_offloaded_state_to_disk_and_reports_the_bandwidth(tmp_pa
     assert off["total"] < on["total"] and off["host_staging"] == on["host_staging"]  # a checkpoint copies it all
     args = ["examples/tiny.toml", "--workers", "2", "--device", "cpu", "--budget-s", "0.5", "--json",
             "--nvme-bw", "2GB/s", *[a for s in z2 + nvme(tmp_path, mb=1) for a in ("--set", s)]]
+    bf16 = load_config(None, BASE + z2 + BF16 + nvme(tmp_path, mb=1) + PARAMS)
+    masters = rank_memory(bf16, ParallelDims.from_config(bf16, 2), 0, mixed=True)
+    assert masters["nvme_state"] == 12 * share and masters["optimizer"] == 0  # m, v and the fp32 master
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)["plan"]["nvme"]
     assert doc["io_s"] == pytest.approx(doc["bytes_per_step"] / 2e9) and doc["needed_bw"] > 0

@@ -43,6 +43,8 @@ class ParallelConfig:
     # the MiB of host buffers its optimizer state streams through.
     offload_dir: str = ""
     offload_buffer_mb: float = 64.0
+    # offload="nvme" in bf16: the fp32 master weights go to the file too (fp32 training has none apart).
+    offload_params: bool = False
     # Context parallelism: each sample's sequence split over cp ranks (load-balanced head-tail), attention by
     # "ring" (K/V blocks passed around the cp ranks), "allgather" (K/V gathered whole) or "ulysses"
     # (all-to-all from sequence- to head-sharded; needs the heads divisible by cp). docs/parallelism.md.
@@ -99,7 +101,7 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={self.tp}); "
                               "set parallel.tp=2 or more, or sequence_parallel=false")
-        if self.offload == "nvme":
+        if self.offload == "nvme" or self.offload_params:
             check_nvme_keys(self)
         if self.offload == "cpu" and self.zero_stage != 3:
             raise ConfigError(
@@ -116,6 +118,8 @@ class ParallelConfig:
 def check_nvme_keys(p: ParallelConfig) -> None:
     """offload="nvme"'s own keys (the directory's room is checked before the first process group:
     trainer.zero.offload.offload_preflight)."""
+    if p.offload != "nvme":
+        raise ConfigError(f'parallel.offload_params=true needs parallel.offload="nvme" (got {p.offload!r})')
     if not p.offload_dir:
         raise ConfigError('parallel.offload="nvme" needs parallel.offload_dir, a local directory for the '
                           "optimizer state's files (e.g. offload_dir=\"/local_nvme/etrain\")")

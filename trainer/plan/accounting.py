@@ -265,7 +265,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     count = local_param_count(cfg, dims, rank)
     act = activation_bytes(cfg, dims, rank, 2 if mixed else 4)
     shard = dims.zero_shards
-    nvme = nvme_memory(cfg, dims, count)  # offload="nvme": AdamW's m and v in a file, updated a unit at a time
+    nvme = nvme_memory(cfg, dims, count, mixed)  # offload="nvme": AdamW's m and v in a file, updated a unit at a time
     staged = states["optimizer"]  # a checkpoint copies the offloaded state all the same
     if nvme:
         states["optimizer"] -= nvme["nvme_state"]

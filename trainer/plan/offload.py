@@ -3,10 +3,11 @@
     mem = nvme_memory(cfg, dims, count)       # None without it; else the bytes on disk, in buffers, per step
     doc = nvme_doc(layout_doc, nvme_bw)       # for `etrain plan`: the bandwidth the step needs (--nvme-bw)
 
-AdamW's exp_avg and exp_avg_sq (8 bytes per parameter of this rank's share) leave memory for a file;
+AdamW's exp_avg and exp_avg_sq (8 bytes per parameter of this rank's share; 12 with bf16's fp32 masters
+under ``parallel.offload_params``) leave memory for a file;
 the host keeps a pool of ``offload_buffer_mb`` (pinned on a GPU), and the update runs a unit at a time,
 so the foreach AdamW's temporary is a unit's, not the whole share's. Every step reads and writes the
-state once: ``16`` bytes per parameter of the share. The swap runs during the optimizer step, so
+state once: ``16`` (``24``) bytes per parameter of the share. The swap runs during the optimizer step, so
 what the update does not hide adds to the step: at most ``bytes / nvme_bw``.
 """
 
@@ -18,7 +19,7 @@ from ..parallel.dims import ParallelDims
 OVERHEAD = 0.10  # the share of the step the swap may add, for the bandwidth the plan reports as needed
 
 
-def nvme_memory(cfg: RunConfig, dims: ParallelDims, count: int) -> dict[str, int] | None:
+def nvme_memory(cfg: RunConfig, dims: ParallelDims, count: int, mixed: bool) -> dict[str, int] | None:
     """``nvme_state`` (bytes in this rank's file), ``host_offload_buffers``, ``nvme_bytes_per_step`` (read +
     written) and ``offload_unit_params`` (parameters a unit updates at once); None unless offloading."""
     if cfg.parallel.offload != "nvme" or dims.uses_fsdp:
@@ -27,8 +28,9 @@ def nvme_memory(cfg: RunConfig, dims: ParallelDims, count: int) -> dict[str, int
 
     local = -(-count // dims.zero_shards)
     numel = unit_numel(cfg.parallel.offload_buffer_mb)
-    return {"nvme_state": 8 * local, "host_offload_buffers": BUFFERS * numel * 4, "nvme_bytes_per_step": 16 * local,
-            "offload_unit_params": min(local, numel // 2)}
+    regions = 3 if cfg.parallel.offload_params and mixed else 2  # exp_avg, exp_avg_sq[, the fp32 master]
+    return {"nvme_state": 4 * regions * local, "host_offload_buffers": BUFFERS * numel * 4,
+            "nvme_bytes_per_step": 8 * regions * local, "offload_unit_params": min(local, numel // regions)}
 
 
 def nvme_doc(layout: dict | None, nvme_bw: float | None) -> dict | None:

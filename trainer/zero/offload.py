@@ -22,6 +22,7 @@ left behind are removed when the next one starts in that directory.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -35,6 +36,7 @@ from checkpointing.errors import ConfigError
 from ..config import RunConfig
 from .swapper import F32, BufferPool, StateFile, Swapper, SwapStats
 
+log = logging.getLogger("etrain")
 BUFFERS = 4  # host buffers in the pool: one computed on, one being written back, two read ahead
 _SEQ = itertools.count()
 _NAME = re.compile(r"adam-(\d+)-\d+\.f32")
@@ -50,14 +52,14 @@ def rank_dir(cfg: RunConfig, rank: int) -> str:
 
 
 def state_bytes(cfg: RunConfig, world_size: int, rank: int) -> int:
-    """What ``rank``'s file holds: exp_avg and exp_avg_sq of its share of the parameters (the planner's
-    optimizer state less the bf16 masters, which stay in memory)."""
+    """What ``rank``'s file holds: exp_avg and exp_avg_sq of its share of the parameters, and with
+    ``parallel.offload_params`` their fp32 masters (counted whatever the precision: the most it can be)."""
     from ..memory import local_param_count
     from ..parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg, world_size)
     count = local_param_count(cfg, dims, rank)
-    return 2 * F32 * -(-count // dims.zero_shards)
+    return (3 if cfg.parallel.offload_params else 2) * F32 * -(-count // dims.zero_shards)
 
 
 def offload_preflight(cfg: RunConfig, world_size: int, rank: int) -> None:
@@ -110,8 +112,13 @@ def _flat(t: torch.Tensor, lo: int, hi: int, whole: bool) -> torch.Tensor:
 class NvmeAdamState:
     """exp_avg and exp_avg_sq of ``optimizer``'s parameters in a per-rank file (module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int,
+                 targets: dict | None = None):
+        """``targets``: with ``parallel.offload_params``, each master's (bf16) parameter chunk; the masters
+        are then placeholders (:func:`master_placeholder`) and their fp32 values live in the file."""
         self.optimizer = optimizer
+        self.targets = targets or {}
+        self.regions = 3 if self.targets else 2  # exp_avg, exp_avg_sq[, master]
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_of = {p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.offset: dict[torch.Tensor, int] = {}
@@ -124,12 +131,14 @@ class NvmeAdamState:
         self.steps = {p: torch.zeros((), dtype=torch.float32, device=p.device if on_device[self.group_of[p]] else None)
                       for p in self.params}
         numel = unit_numel(cfg.parallel.offload_buffer_mb)
-        self.capacity = numel // 2  # parameter elements per unit: their exp_avg, then their exp_avg_sq
+        self.capacity = numel // self.regions  # parameter elements per unit: exp_avg, exp_avg_sq[, master]
         self.units, self.pieces = self._plan(cfg)
         where = rank_dir(cfg, rank)
         os.makedirs(where, exist_ok=True)
         _remove_stale(where)
-        self.file = StateFile(os.path.join(where, f"adam-{os.getpid()}-{next(_SEQ)}.f32"), 2 * self.total)
+        self.file = StateFile(os.path.join(where, f"adam-{os.getpid()}-{next(_SEQ)}.f32"), self.regions * self.total)
+        for p, chunk in self.targets.items():  # the masters' first values: their parameters, in fp32
+            self.file.write_from(2 * self.total + self.offset[p], chunk.detach().float().cpu().contiguous().view(-1))
         self.pool = BufferPool(BUFFERS, numel, pin=torch.cuda.is_available())
         self.swapper = Swapper(self.file, self.pool)
         self.last = SwapStats()  # the last step's I/O
@@ -144,12 +153,13 @@ class NvmeAdamState:
         start = used = 0
         for p in self.params:
             n, lo = p.numel(), 0
-            if n > self.capacity and not p.is_contiguous():
+            contiguous = self.targets.get(p, p).is_contiguous()
+            if n > self.capacity and not contiguous:
                 raise ConfigError(
                     f"parallel.offload_buffer_mb={cfg.parallel.offload_buffer_mb} is too small for a parameter "
                     f"chunk of {n} elements ({2 * F32 * n * BUFFERS / 2**20:.1f} MiB of buffers needed); raise it")
             while lo < n:
-                if used == self.capacity or (n - lo > self.capacity - used and not p.is_contiguous()):
+                if used == self.capacity or (n - lo > self.capacity - used and not contiguous):
                     units.append((start, used))
                     pieces.append(cur)
                     cur, start, used = [], start + used, 0
@@ -160,7 +170,7 @@ class NvmeAdamState:
         if used:
             units.append((start, used))
             pieces.append(cur)
-        return [[(a, n), (self.total + a, n)] for a, n in units], pieces
+        return [[(r * self.total + a, n) for r in range(self.regions)] for a, n in units], pieces
 
     def close(self) -> None:
         self._finalizer()
@@ -184,12 +194,12 @@ class NvmeAdamState:
         return self.last
 
     def _update(self, pieces: list, buf: torch.Tensor, groups: list[dict]) -> None:
-        n = buf.numel() // 2
+        n = buf.numel() // self.regions
         host = buf
         device = pieces[0][0].device
         if device.type != "cpu":
             buf = buf.to(device, non_blocking=True)
-        m_all, v_all = buf[:n], buf[n:]
+        m_all, v_all, w_all = buf[:n], buf[n : 2 * n], buf[2 * n :]
         lists: dict[int, tuple[list, ...]] = {}
         for p, lo, hi, at in pieces:
             if p.grad is None:
@@ -197,7 +207,11 @@ class NvmeAdamState:
             whole = hi - lo == p.numel()
             m, v = m_all[at : at + hi - lo], v_all[at : at + hi - lo]
             ps, gs, ms, vs, ss = lists.setdefault(self.group_of[p], ([], [], [], [], []))
-            ps.append(_flat(p, lo, hi, whole))
+            if self.targets:  # the master from the file, updated in the buffer
+                w = w_all[at : at + hi - lo]
+                ps.append(w.view(p.shape) if whole else w)
+            else:
+                ps.append(_flat(p, lo, hi, whole))
             gs.append(p.grad if whole else p.grad.reshape(-1)[lo:hi])  # adam() only reads gradients
             ms.append(m.view(p.shape) if whole else m)
             vs.append(v.view(p.shape) if whole else v)
@@ -208,6 +222,11 @@ class NvmeAdamState:
             adam(ps, gs, ms, vs, [], ss, foreach=g["foreach"], fused=g["fused"], capturable=g["capturable"],
                  differentiable=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
                  lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
+        for p, lo, hi, at in pieces if self.targets else []:  # updated masters -> the (bf16) parameters
+            if p.grad is not None:
+                whole = hi - lo == p.numel()
+                w = w_all[at : at + hi - lo]
+                _flat(self.targets[p], lo, hi, whole).copy_(w.view(p.shape) if whole else w)
         if device.type != "cpu":
             host.copy_(buf)  # synchronous: the writer thread reads the host buffer next
 
@@ -224,10 +243,34 @@ class NvmeAdamState:
             a, n = self.offset[p], p.numel()
             out[p] = {"exp_avg": mapped[a : a + n].view(p.shape),
                       "exp_avg_sq": mapped[self.total + a : self.total + a + n].view(p.shape),
-                      "step": self.steps[p]}
+                      "step": self.steps[p],
+                      **({"master": mapped[2 * self.total + a : 2 * self.total + a + n].view(p.shape)}
+                         if self.targets else {})}
         return out
 
+    @torch.no_grad()
+    def load_masters(self) -> None:
+        """The file's masters (after a checkpoint loaded into them) -> the parameters."""
+        if self.targets:
+            states = self.states()
+            for p, chunk in self.targets.items():
+                chunk.copy_(states[p]["master"])
 
-def make_offload(optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int) -> NvmeAdamState | None:
+
+def offloads_master(cfg: RunConfig, dtype: torch.dtype) -> bool:
+    """Whether a parameter of ``dtype`` keeps its fp32 master in the file (``parallel.offload_params``)."""
+    return cfg.parallel.offload == "nvme" and cfg.parallel.offload_params and dtype != torch.float32
+
+
+def master_placeholder(chunk: torch.Tensor) -> torch.nn.Parameter:
+    """A master whose values live in the file: its shape (for its gradient), one fp32 element of memory."""
+    return torch.nn.Parameter(torch.zeros((), dtype=torch.float32, device=chunk.device).expand(chunk.shape))
+
+
+def make_offload(optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int,
+                 targets: dict | None = None) -> NvmeAdamState | None:
     """The NVMe-resident state of ``optimizer`` under ``parallel.offload="nvme"``, else None."""
-    return NvmeAdamState(optimizer, cfg, rank) if cfg.parallel.offload == "nvme" else None
+    if cfg.parallel.offload_params and not targets and rank == 0:
+        log.warning("parallel.offload_params=true has no effect in fp32: the fp32 masters are the parameters "
+                    "themselves (it offloads bf16 training's separate masters)")
+    return NvmeAdamState(optimizer, cfg, rank, targets) if cfg.parallel.offload == "nvme" else None

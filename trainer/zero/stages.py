@@ -24,7 +24,7 @@ from .common import (
     storage_bytes,
     tp_shard_dim,
 )
-from .offload import make_offload
+from .offload import make_offload, master_placeholder, offloads_master
 
 log = logging.getLogger("etrain")
 
@@ -81,16 +81,23 @@ class ZeroOptimizer:
                     s.param.register_post_accumulate_grad_hook(
                         lambda p, s=s, b=b: (o := me()) is not None and o._grad_arrived(s, b))
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
+        targets: dict = {}
         for s in self.slots:
             mine = s.chunk(self.r)
             if mine.numel() == 0:
                 continue
             # fp32: AdamW updates the parameter in place through a view. bf16: a
             # separate fp32 master copy, cast back after each step.
-            s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
+            if offloads_master(cfg, mine.dtype):  # parallel.offload_params: the master's values in the file
+                s.master = master_placeholder(mine)
+                targets[s.master] = mine
+            else:
+                s.master = nn.Parameter(mine if mine.dtype == torch.float32 else mine.float().clone())
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = make_adamw(groups, self.cfg)
-        self.offload = make_offload(self.optimizer, cfg, rank)  # parallel.offload="nvme": the state in a file
+        # parallel.offload="nvme": the state (and with offload_params the masters) in a file
+        self.offload = make_offload(self.optimizer, cfg, rank, targets)
+        self._masters_in_file = bool(targets)
         # Checkpoints see each chunk as a DTensor shard of the whole parameter.
         self.state_mesh = dims.sub_mesh(mesh, *DATA_AXES, Axis.TP)
 
@@ -124,14 +131,16 @@ class ZeroOptimizer:
         for s in self.slots:
             if s.master is None:
                 continue
-            model[s.fqn] = self._as_global(s, s.master)
+            model[s.fqn] = self._as_global(s, states[s.master]["master"] if self._masters_in_file else s.master)
             optim[s.fqn] = adam_entries(states[s.master], lambda t, s=s: self._as_global(s, t))
         return {"model": model, "optim": optim}
 
     @torch.no_grad()
     def after_load(self) -> None:
         """Loaded masters -> parameters, then every rank gets every chunk."""
-        for s in self.slots:
+        if self._masters_in_file:
+            self.offload.load_masters()
+        for s in self.slots if not self._masters_in_file else []:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
         self._all_gather_params()
@@ -305,7 +314,7 @@ class ZeroOptimizer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         (self.optimizer if self.offload is None else self.offload).step()
-        for s in self.slots:
+        for s in self.slots if not self._masters_in_file else []:  # else the update wrote the parameters
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
         self._all_gather_params()
