@@ -36,7 +36,7 @@ class ParallelConfig:
     ac_every_k: int = 2
     # "float8": bf16, with the blocks' linears in float8 through torchao (CUDA, compute capability >= 8.9).
     mixed_precision: Literal["auto", "fp32", "bf16", "float8"] = "auto"
-    # "cpu": FSDP2's host offload (ZeRO-3). "nvme": stages 0-2 keep AdamW's state in per-rank files under
+    # "cpu": FSDP2's host offload (ZeRO-3). "nvme": any stage keeps AdamW's state in per-rank files under
     # offload_dir, swapped through a fixed pool of host buffers (trainer.zero.offload; docs/parallelism.md).
     offload: Literal["none", "cpu", "nvme"] = "none"
     # offload="nvme": a local directory (each run and rank gets its own subdirectory of scratch files) and

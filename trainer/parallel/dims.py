@@ -235,11 +235,6 @@ class ParallelDims:
             )
         if self.cp > 1:
             self.check_cp(cfg)
-        if p.offload == "nvme" and self.zero_stage == 3:
-            raise ConfigError(
-                'parallel.offload="nvme" keeps ZeRO stages 0-2\'s optimizer state in files; ZeRO-3 (FSDP2) keeps '
-                "it in its own sharded DTensors, which it cannot yet swap: set parallel.zero_stage=2 (or 1), "
-                'or parallel.offload="cpu" to keep ZeRO-3\'s state in host memory')
         if p.offload == "cpu" and self.dp == 1:
             fixed = fixed_degree(self.dp_replicate, self.tp, self.pp, self.cp)
             raise ConfigError(

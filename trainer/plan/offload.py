@@ -22,7 +22,7 @@ OVERHEAD = 0.10  # the share of the step the swap may add, for the bandwidth the
 def nvme_memory(cfg: RunConfig, dims: ParallelDims, count: int, mixed: bool) -> dict[str, int] | None:
     """``nvme_state`` (bytes in this rank's file), ``host_offload_buffers``, ``nvme_bytes_per_step`` (read +
     written) and ``offload_unit_params`` (parameters a unit updates at once); None unless offloading."""
-    if cfg.parallel.offload != "nvme" or dims.uses_fsdp:
+    if cfg.parallel.offload != "nvme":
         return None
     from ..zero.offload import BUFFERS, unit_numel
 

@@ -1,4 +1,4 @@
-"""AdamW's state on NVMe (``[parallel] offload = "nvme"``): ZeRO stages 0-2 keep exp_avg and exp_avg_sq in a
+"""AdamW's state on NVMe (``[parallel] offload = "nvme"``): every ZeRO stage keeps exp_avg and exp_avg_sq in a
 file per rank and stream them through a fixed pool of host buffers during the step.
 
     offload_preflight(cfg, world_size, rank)        # before any process group: the directory and its room
@@ -29,11 +29,13 @@ import shutil
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from checkpointing.errors import ConfigError
 
 from ..config import RunConfig
+from .common import local_tensor
 from .swapper import F32, BufferPool, StateFile, Swapper, SwapStats
 
 log = logging.getLogger("etrain")
@@ -120,15 +122,18 @@ class NvmeAdamState:
         self.targets = targets or {}
         self.regions = 3 if self.targets else 2  # exp_avg, exp_avg_sq[, master]
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # ZeRO-3's parameters are DTensors: the file holds their local shards
+        self.local = {p: local_tensor(p) for p in self.params}
         self.group_of = {p: gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.offset: dict[torch.Tensor, int] = {}
         at = 0
         for p in self.params:
             self.offset[p] = at
-            at += p.numel()
+            at += self.local[p].numel()
         self.total = at
         on_device = [g.get("fused") or g.get("capturable") for g in optimizer.param_groups]
-        self.steps = {p: torch.zeros((), dtype=torch.float32, device=p.device if on_device[self.group_of[p]] else None)
+        self.steps = {p: torch.zeros((), dtype=torch.float32,
+                                     device=self.local[p].device if on_device[self.group_of[p]] else None)
                       for p in self.params}
         numel = unit_numel(cfg.parallel.offload_buffer_mb)
         self.capacity = numel // self.regions  # parameter elements per unit: exp_avg, exp_avg_sq[, master]
@@ -152,8 +157,8 @@ class NvmeAdamState:
         cur: list = []
         start = used = 0
         for p in self.params:
-            n, lo = p.numel(), 0
-            contiguous = self.targets.get(p, p).is_contiguous()
+            n, lo = self.local[p].numel(), 0
+            contiguous = self.targets.get(p, self.local[p]).is_contiguous()
             if n > self.capacity and not contiguous:
                 raise ConfigError(
                     f"parallel.offload_buffer_mb={cfg.parallel.offload_buffer_mb} is too small for a parameter "
@@ -196,7 +201,7 @@ class NvmeAdamState:
     def _update(self, pieces: list, buf: torch.Tensor, groups: list[dict]) -> None:
         n = buf.numel() // self.regions
         host = buf
-        device = pieces[0][0].device
+        device = self.local[pieces[0][0]].device
         if device.type != "cpu":
             buf = buf.to(device, non_blocking=True)
         m_all, v_all, w_all = buf[:n], buf[n : 2 * n], buf[2 * n :]
@@ -204,17 +209,18 @@ class NvmeAdamState:
         for p, lo, hi, at in pieces:
             if p.grad is None:
                 continue
-            whole = hi - lo == p.numel()
+            lp, grad = self.local[p], local_tensor(p.grad)
+            whole = hi - lo == lp.numel()
             m, v = m_all[at : at + hi - lo], v_all[at : at + hi - lo]
             ps, gs, ms, vs, ss = lists.setdefault(self.group_of[p], ([], [], [], [], []))
             if self.targets:  # the master from the file, updated in the buffer
                 w = w_all[at : at + hi - lo]
-                ps.append(w.view(p.shape) if whole else w)
+                ps.append(w.view(lp.shape) if whole else w)
             else:
-                ps.append(_flat(p, lo, hi, whole))
-            gs.append(p.grad if whole else p.grad.reshape(-1)[lo:hi])  # adam() only reads gradients
-            ms.append(m.view(p.shape) if whole else m)
-            vs.append(v.view(p.shape) if whole else v)
+                ps.append(_flat(lp, lo, hi, whole))
+            gs.append(grad if whole else grad.reshape(-1)[lo:hi])  # adam() only reads gradients
+            ms.append(m.view(lp.shape) if whole else m)
+            vs.append(v.view(lp.shape) if whole else v)
             ss.append(self.steps[p].clone())  # adam() counts it up; the step's own += 1 comes after every unit
         for gi, (ps, gs, ms, vs, ss) in lists.items():
             g = groups[gi]
@@ -240,11 +246,18 @@ class NvmeAdamState:
         mapped = self.file.mapped()
         out = {}
         for p in self.params:
-            a, n = self.offset[p], p.numel()
-            out[p] = {"exp_avg": mapped[a : a + n].view(p.shape),
-                      "exp_avg_sq": mapped[self.total + a : self.total + a + n].view(p.shape),
+            a, n, shape = self.offset[p], self.local[p].numel(), self.local[p].shape
+
+            def like(t: torch.Tensor, p=p) -> torch.Tensor:  # a DTensor parameter's state: the same sharding
+                if not isinstance(p, DTensor):
+                    return t
+                return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+
+            out[p] = {"exp_avg": like(mapped[a : a + n].view(shape)),
+                      "exp_avg_sq": like(mapped[self.total + a : self.total + a + n].view(shape)),
                       "step": self.steps[p],
-                      **({"master": mapped[2 * self.total + a : 2 * self.total + a + n].view(p.shape)}
+                      **({"master": mapped[2 * self.total + a : 2 * self.total + a + n].view(shape)}
                          if self.targets else {})}
         return out
 
@@ -271,6 +284,7 @@ def make_offload(optimizer: torch.optim.Optimizer, cfg: RunConfig, rank: int,
                  targets: dict | None = None) -> NvmeAdamState | None:
     """The NVMe-resident state of ``optimizer`` under ``parallel.offload="nvme"``, else None."""
     if cfg.parallel.offload_params and not targets and rank == 0:
-        log.warning("parallel.offload_params=true has no effect in fp32: the fp32 masters are the parameters "
-                    "themselves (it offloads bf16 training's separate masters)")
+        log.warning("parallel.offload_params=true has no effect here: in fp32, and under ZeRO-3 (FSDP2's sharded "
+                    "parameters), the fp32 masters are the parameters themselves (it offloads ZeRO 0-2's separate "
+                    "masters of bf16 training)")
     return NvmeAdamState(optimizer, cfg, rank, targets) if cfg.parallel.offload == "nvme" else None
