@@ -90,6 +90,10 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     from trainer.models import model_preflight  # the model's family checks it (transformers: only for such models)
 
     model_preflight(cfg)
+    if cfg.parallel.offload == "nvme":  # its directory and room, here where the job's driver runs (rank 0's share)
+        from trainer.zero.offload import offload_preflight
+
+        offload_preflight(cfg, ecfg.workers, 0)
     if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any worker starts
         from trainer.export import init_from_preflight
 

@@ -266,6 +266,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     from .telemetry import comm_meter
     from .trackers import Trackers, memory_values, open_trackers, step_values
     from .world import World, init_distributed, shutdown_distributed
+    from .zero.offload import offload_preflight
 
     args = argparse.Namespace(log_file=log_file, quiet=quiet)
     world = None
@@ -278,6 +279,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
         check_device_features(cfg.parallel, device)
+        offload_preflight(cfg, world.size, world.rank)  # parallel.offload="nvme": its directory and room
         model_info = model_preflight(cfg)
         if world.is_main and not args.quiet:
             from .plan.fit import warn_if_not_fitting

@@ -9,7 +9,6 @@ from checkpointing.errors import ConfigError
 
 from .checks import check_finite, divisors, fmt_list
 
-
 # Model sizes by name. A preset fills every model field that the [model]
 # section does not set itself.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {

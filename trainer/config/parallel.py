@@ -36,7 +36,15 @@ class ParallelConfig:
     ac_every_k: int = 2
     # "float8": bf16, with the blocks' linears in float8 through torchao (CUDA, compute capability >= 8.9).
     mixed_precision: Literal["auto", "fp32", "bf16", "float8"] = "auto"
-    offload: Literal["none", "cpu"] = "none"
+    # "cpu": FSDP2's host offload (ZeRO-3). "nvme": any stage keeps AdamW's state in per-rank files under
+    # offload_dir, swapped through a fixed pool of host buffers (trainer.zero.offload; docs/parallelism.md).
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    # offload="nvme": a local directory (each run and rank gets its own subdirectory of scratch files) and
+    # the MiB of host buffers its optimizer state streams through.
+    offload_dir: str = ""
+    offload_buffer_mb: float = 64.0
+    # offload="nvme" in bf16: the fp32 master weights go to the file too (fp32 training has none apart).
+    offload_params: bool = False
     # Context parallelism: each sample's sequence split over cp ranks (load-balanced head-tail), attention by
     # "ring" (K/V blocks passed around the cp ranks), "allgather" (K/V gathered whole) or "ulysses"
     # (all-to-all from sequence- to head-sharded; needs the heads divisible by cp). docs/parallelism.md.
@@ -100,6 +108,8 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={self.tp}); "
                               "set parallel.tp=2 or more, or sequence_parallel=false")
+        if self.offload == "nvme" or self.offload_params:
+            check_nvme_keys(self)
         if self.offload == "cpu" and self.zero_stage != 3:
             raise ConfigError(
                 f'parallel.offload="cpu" needs parallel.zero_stage=3 (got {self.zero_stage}); '
@@ -130,3 +140,17 @@ class ParallelConfig:
     def model_parallel(self) -> int:
         """Ranks that hold one model replica's fixed part: tp x pp."""
         return self.tp * self.pp
+
+
+def check_nvme_keys(p: ParallelConfig) -> None:
+    """offload="nvme"'s own keys (the directory's room is checked before the first process group:
+    trainer.zero.offload.offload_preflight)."""
+    if p.offload != "nvme":
+        raise ConfigError(f'parallel.offload_params=true needs parallel.offload="nvme" (got {p.offload!r})')
+    if not p.offload_dir:
+        raise ConfigError('parallel.offload="nvme" needs parallel.offload_dir, a local directory for the '
+                          "optimizer state's files (e.g. offload_dir=\"/local_nvme/etrain\")")
+    if "://" in p.offload_dir:
+        raise ConfigError(f"parallel.offload_dir={p.offload_dir!r} must be a local path, not a URL")
+    if p.offload_buffer_mb <= 0:
+        raise ConfigError(f"parallel.offload_buffer_mb={p.offload_buffer_mb} must be > 0 (MiB of host buffers)")

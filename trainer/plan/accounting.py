@@ -38,6 +38,7 @@ from ..memory import predict, transient_bytes
 from ..models import spec_for
 from ..parallel.dims import Axis, ParallelDims
 from .experts import expert_counts
+from .offload import nvme_memory
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 AC_MODES = ("none", "every_k", "full")
@@ -297,9 +298,15 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     count = local_param_count(cfg, dims, rank)
     act = activation_bytes(cfg, dims, rank, 2 if mixed else 4)
     shard = dims.zero_shards
+    nvme = nvme_memory(cfg, dims, count, mixed)  # offload="nvme": AdamW's m and v in a file, updated a unit at a time
+    staged = states["optimizer"]  # a checkpoint copies the offloaded state all the same
+    if nvme:
+        states["optimizer"] -= nvme["nvme_state"]
     out = {**states, "transient": transient_bytes(cfg, dims, rank, mixed, bucket_bytes(cfg, dims, count)),
            **{k: round(v) for k, v in act.items()}, "optimizer_step": 4 * count // shard,
            "recovery_tier": RECOVERY_TIER(cfg, dims, rank)}
+    if nvme:
+        out.update(nvme, optimizer_step=4 * nvme["offload_unit_params"])
     out["with_activations"] = _alongside_activations(cfg, dims, rank, mixed, out["transient"])
     out["hpz_secondary"] = hpz_secondary_bytes(cfg, dims, rank, mixed)
     backward = (out["activations"] + out["logits"] + out["workspace"] + out["with_activations"]
@@ -310,7 +317,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
             cfg, dims, rank, mixed, out["transient"], recomputing=True)
     out["total"] = sum(states.values()) + out["recovery_tier"] + max(out["transient"], backward, recompute,
                                                                       out["optimizer_step"])
-    out["host_staging"] = round(count * 4 / (shard if dims.uses_fsdp else 1)) + states["optimizer"]
+    out["host_staging"] = round(count * 4 / (shard if dims.uses_fsdp else 1)) + staged
     # The memory tier (checkpointing.recovery.tier), in host memory: the host buffers, at most two own snapshots
     # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]

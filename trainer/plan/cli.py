@@ -70,6 +70,8 @@ def build_parser(prog: str = "etrain plan") -> argparse.ArgumentParser:
     ap.add_argument("--intra-node-bw", metavar="BW", help="bus bandwidth inside a node per device, e.g. 360GB/s")
     ap.add_argument("--inter-node-bw", metavar="BW", help="bus bandwidth between nodes per device, e.g. 40GB/s")
     ap.add_argument("--gpus-per-node", type=int, metavar="N", help="devices per node (default 8; cpu 1)")
+    ap.add_argument("--nvme-bw", metavar="BW", help='with parallel.offload="nvme": the drive\'s bandwidth per rank, '
+                    "e.g. 3GB/s (the time its swap adds to a step)")
     ap.add_argument("--json", action="store_true", help="one JSON document instead of text")
     ap.add_argument("--explain", action="store_true", help="when DP, ZeRO-2, ZeRO-3, TP and AC win, in this "
                                                              "model's numbers")
@@ -127,7 +129,7 @@ def _run(args, elastic: Callable) -> int:
 
     if not 0 < args.budget_s < math.inf:
         raise ConfigError(f"--budget-s {args.budget_s} must be > 0 (seconds the random search may take per size)")
-    for flag in ("device_memory", "intra_node_bw", "inter_node_bw"):  # bad flags before any work
+    for flag in ("device_memory", "intra_node_bw", "inter_node_bw", "nvme_bw"):  # bad flags before any work
         value = getattr(args, flag)
         if value:
             parse_bytes(value, "--" + flag.replace("_", "-"), flag != "device_memory")
@@ -149,6 +151,11 @@ def _run(args, elastic: Callable) -> int:
     doc = build_plan(cfg, lo, hi, dev, explain_too=args.explain, budget_s=args.budget_s)
     if fit:
         doc["calibration"] = fit
+    if doc["plan"]:  # offload="nvme": what the swap moves per step, and the bandwidth that hides it
+        from .offload import nvme_doc
+
+        bw = parse_bytes(args.nvme_bw, "--nvme-bw", True) if args.nvme_bw else None
+        doc["plan"]["nvme"] = nvme_doc(doc["plan"]["best"] or doc["plan"]["config_layout"], bw)
     if args.json:
         print(json.dumps(doc, default=str))
     else:
@@ -271,6 +278,10 @@ def print_plan(doc: dict) -> None:
                   f"memory tier up to {_gib(mem['host_recovery_tier'])}")
             if "moe_experts" in mem:
                 print("             " + moe_line(mem))
+            if plan.get("nvme"):
+                from .offload import nvme_line
+
+                print(f"             {nvme_line(plan['nvme'])}")
             comm = ", ".join(f"{c['kind']} {c['axis']} {_human_bytes(c['bytes'])} ({c['link']})" for c in b["comm"])
             print(f"             per step: {comm or 'no communication'}")
             if plan["runner_up"]:

@@ -28,7 +28,8 @@ One module per part: ``common`` (the :class:`Optimizer` interface the step loop 
 AdamW, byte counts), ``buckets`` (chunks and buckets), ``collectives`` (every collective
 of stages 0-2: where a quantized one plugs in), ``quantize`` (ZeRO++'s int8 blocks), ``stages`` (0-2),
 ``fsdp`` (3), ``fsdp_comm`` (ZeRO++'s collectives plugged into FSDP2), ``hybrid`` (expert parallelism
-under 0-2: the experts by FSDP, the rest by the stage).
+under 0-2: the experts by FSDP, the rest by the stage), ``offload`` and ``swapper`` (AdamW's state in a
+file per rank: ``parallel.offload="nvme"``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import ModelParts
 from .fsdp_comm import install_fsdp_comms
 from .common import adam_entries, decays, dtensor_replicas, ensure_adam_state, local_tensor, make_adamw, storage_bytes
+from .offload import make_offload
 
 log = logging.getLogger("etrain")
 
@@ -38,12 +39,15 @@ class FSDPOptimizer:
         for fqn, p in parts.named_parameters():
             groups[0 if decays(fqn, p) else 1]["params"].append(p)
         self.optimizer = make_adamw(groups, self.cfg)
+        self.offload = make_offload(self.optimizer, cfg, rank)  # parallel.offload="nvme": the state in a file
 
     def checkpoint_state(self) -> dict:
         """FSDP2's sharded parameters and AdamW state: DTensors of the global shapes."""
-        ensure_adam_state(self.optimizer)
+        if self.offload is None:
+            ensure_adam_state(self.optimizer)
+        states = self.optimizer.state if self.offload is None else self.offload.states()
         model = dict(zip(self.fqns, self.params))
-        optim = {fqn: adam_entries(self.optimizer.state[p], lambda t: t) for fqn, p in zip(self.fqns, self.params)}
+        optim = {fqn: adam_entries(states[p], lambda t: t) for fqn, p in zip(self.fqns, self.params)}
         return {"model": model, "optim": optim}
 
     def after_load(self) -> None:
@@ -82,6 +86,11 @@ class FSDPOptimizer:
         grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         if clip_coef < 1.0 and grads:
             torch._foreach_mul_(grads, clip_coef)
+        if self.offload is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.offload.step()
+            return
         ensure_adam_state(self.optimizer)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -102,4 +111,4 @@ class FSDPOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
         return {"params": storage_bytes(self.params), "grads": storage_bytes(p.grad for p in self.params),
-                "optimizer": storage_bytes(state)}
+                "optimizer": storage_bytes(state) + (self.offload.host_bytes if self.offload is not None else 0)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from .common import (
     storage_bytes,
     tp_shard_dim,
 )
+from .offload import make_offload, master_placeholder, offloads_master
 
 log = logging.getLogger("etrain")
 
@@ -79,10 +81,15 @@ class ZeroOptimizer:
         if self.stage < 2:
             self._attach_flat_grads()
         else:
+            # Hooks live in C++, where the garbage collector cannot see a cycle through them: a weak
+            # reference lets the optimizer (its buffers, an offload file) go with its trainer.
+            me = weakref.ref(self)
             for b in self.buckets:
                 for s in b.slots:
-                    s.param.register_post_accumulate_grad_hook(lambda p, s=s, b=b: self._grad_arrived(s, b))
+                    s.param.register_post_accumulate_grad_hook(
+                        lambda p, s=s, b=b: (o := me()) is not None and o._grad_arrived(s, b))
         groups = [{"params": [], "weight_decay": self.cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
+        targets: dict = {}
         for s in self.slots:
             mine = s.chunk(self.r)
             if mine.numel() == 0:
@@ -90,9 +97,16 @@ class ZeroOptimizer:
             # fp32: AdamW updates the parameter in place through a view. bf16, or quantized weights (the
             # parameter then holds the all-gathered int8 values): a separate fp32 master, copied back each step.
             in_place = mine.dtype == torch.float32 and not self.qw_block
-            s.master = nn.Parameter(mine if in_place else mine.float().clone())
+            if offloads_master(cfg, mine.dtype):  # parallel.offload_params: the master's values in the file
+                s.master = master_placeholder(mine)
+                targets[s.master] = mine
+            else:
+                s.master = nn.Parameter(mine if in_place else mine.float().clone())
             groups[0 if s.decay else 1]["params"].append(s.master)
         self.optimizer = make_adamw(groups, self.cfg)
+        # parallel.offload="nvme": the state (and with offload_params the masters) in a file
+        self.offload = make_offload(self.optimizer, cfg, rank, targets)
+        self._masters_in_file = bool(targets)
         # Checkpoints see each chunk as a DTensor shard of the whole parameter.
         self.state_mesh = dims.sub_mesh(mesh, *DATA_AXES, Axis.TP)
 
@@ -119,19 +133,23 @@ class ZeroOptimizer:
 
     def checkpoint_state(self) -> dict:
         """Model weights (the fp32 masters) and AdamW state, each a shard of its global tensor."""
-        ensure_adam_state(self.optimizer)
+        if self.offload is None:
+            ensure_adam_state(self.optimizer)
+        states = self.optimizer.state if self.offload is None else self.offload.states()
         model, optim = {}, {}
         for s in self.slots:
             if s.master is None:
                 continue
-            model[s.fqn] = self._as_global(s, s.master)
-            optim[s.fqn] = adam_entries(self.optimizer.state[s.master], lambda t, s=s: self._as_global(s, t))
+            model[s.fqn] = self._as_global(s, states[s.master]["master"] if self._masters_in_file else s.master)
+            optim[s.fqn] = adam_entries(states[s.master], lambda t, s=s: self._as_global(s, t))
         return {"model": model, "optim": optim}
 
     @torch.no_grad()
     def after_load(self) -> None:
         """Loaded masters -> parameters, then every rank gets every chunk."""
-        for s in self.slots:
+        if self._masters_in_file:
+            self.offload.load_masters()
+        for s in self.slots if not self._masters_in_file else []:
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
         self._all_gather_params()
@@ -304,8 +322,8 @@ class ZeroOptimizer:
             torch._foreach_mul_(grads, clip_coef)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.optimizer.step()
-        for s in self.slots:
+        (self.optimizer if self.offload is None else self.offload).step()
+        for s in self.slots if not self._masters_in_file else []:  # else the update wrote the parameters
             if s.master is not None and s.master.data_ptr() != s.chunk(self.r).data_ptr():
                 s.chunk(self.r).copy_(s.master)
         self._all_gather_params()
@@ -345,4 +363,5 @@ class ZeroOptimizer:
         state = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
         masters = [s.master for s in self.slots if s.master is not None
                    and s.master.data_ptr() != s.chunk(self.r).data_ptr()]
-        return {"params": params, "grads": grads, "optimizer": storage_bytes(state) + storage_bytes(masters)}
+        held = self.offload.host_bytes if self.offload is not None else 0  # its buffers; the state is in a file
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(state) + storage_bytes(masters) + held}
