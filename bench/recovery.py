@@ -87,7 +87,8 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
 
     steps = every * (kills + 2) + 30 + 40 * resizes
     overrides = [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}/etrain-{standby}\"",
-                 f"elastic.standby={standby}", f"run_id=\"bench-standby{standby}\""]
+                 f"elastic.standby={standby}", f"run_id=\"bench-standby{standby}\"",
+                 "elastic.grow_into_idle=false"]  # the sizes are the benchmark's own resizes, not the allocator's
     if hang_timeout_s:
         overrides.append(f"elastic.hang_timeout_s={hang_timeout_s}")
     connect(None, num_cpus=workers + 1 + standby)

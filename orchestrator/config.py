@@ -43,6 +43,9 @@ class ElasticConfig:
     priority: int = 0  # higher first
     preemptible: bool = True  # may be shrunk toward min_workers, or suspended and requeued, for a higher priority
     team: str = "default"  # the quota (`etrain quota TEAM --max-workers N`) its workers count against
+    # The cluster's allocator may grow the run above `workers` into idle capacity, up to max_workers; false: only
+    # its user's resizes take it above `workers` (max_workers then bounds what `etrain resize` may ask).
+    grow_into_idle: bool = True
     queue_timeout_s: float = 0.0
     # Ray node labels ("key=value,key=value") the minimum's gang and the elastic part must be placed on,
     # e.g. the minimum on "ray.io/market-type=on-demand" and the rest on "ray.io/market-type=spot"; "": anywhere.
@@ -78,8 +81,9 @@ class ElasticConfig:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool) or abs(self.priority) > 10**6:
             raise ConfigError(f"elastic.priority={self.priority!r} must be an integer in [-1000000, 1000000] "
                               "(higher first; 0 by default)")
-        if not isinstance(self.preemptible, bool):
-            raise ConfigError(f"elastic.preemptible={self.preemptible!r} must be true or false")
+        for name in ("preemptible", "grow_into_idle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"elastic.{name}={getattr(self, name)!r} must be true or false")
         for name in ("min_node_labels", "elastic_node_labels"):
             node_labels(getattr(self, name), f"elastic.{name}")
         if not isinstance(self.team, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.team):

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root or default_root()
     run_id = f"demo-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
     overrides = [f"train.steps={steps}", "data.seq_len=32", "data.max_bytes=2000000", "train.log_every=1000",
-                 f'checkpoint.url="{root}"', "checkpoint.interval_steps=10", "elastic.standby=1"]
+                 f'checkpoint.url="{root}"', "checkpoint.interval_steps=10", "elastic.standby=1",
+                 "elastic.grow_into_idle=false"]  # the demo's own resize takes it to 3, not the allocator
     t_start = time.monotonic()
     local = connect(None, num_cpus=4)  # 3 workers at most + 1 standby
     try:

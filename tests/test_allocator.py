@@ -277,3 +277,18 @@ def test_a_run_shrunk_for_lost_capacity_gets_its_size_back_when_the_capacity_ret
     assert kinds(store, "r", "allocated")[-1]["cause"] == "restored"
     core.tick()
     assert len(kinds(store, "r", "allocated")) == 2, "restored twice"
+
+
+def test_grow_into_idle_false_keeps_a_run_at_the_size_its_user_asked_for(store):
+    """Idle capacity grows a run up to max_workers, unless its [elastic] grow_into_idle is false: then only its
+    user's resizes take it above `workers` (and a bad value is refused naming the key)."""
+    from checkpointing.errors import ConfigError
+    from orchestrator.config import ElasticConfig
+
+    make_run(store, "free", workers=1, min_workers=1, max_workers=3)
+    make_run(store, "pinned", workers=1, min_workers=1, max_workers=3, elastic={"grow_into_idle": False})
+    allocator(store, capacity=8).tick()
+    assert store.get_spec("free").target == 3
+    assert store.get_spec("pinned").target in (0, 1) and not kinds(store, "pinned", "allocated")
+    with pytest.raises(ConfigError, match="elastic.grow_into_idle='no' must be true or false"):
+        ElasticConfig(workers=1, grow_into_idle="no")

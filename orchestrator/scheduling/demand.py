@@ -48,11 +48,13 @@ def demand_of(spec: RunSpec, status: dict | None, history: Iterable[HistoryRow],
     queued = spec.requeue or (phase == "QUEUED" and spec.target <= 0)
     rows = [HistoryRow.of(r) for r in history]
     step = int((status or {}).get("step") or (rows[-1].step if rows else 0))
+    # [elastic] grow_into_idle = false: idle capacity never takes the run above the size its user asked for.
+    grow_to = spec.max_workers if el.get("grow_into_idle", True) is not False else max(spec.workers, spec.min_workers)
     remaining = float("inf")
     if global_batch > 0 and total_steps > 0:
         remaining = float(max(0, total_steps - step) * global_batch)
     return RunDemand(
-        run_id=spec.run_id, min_workers=spec.min_workers, max_workers=spec.max_workers, sizes=tuple(sizes),
+        run_id=spec.run_id, min_workers=spec.min_workers, max_workers=grow_to, sizes=tuple(sizes),
         priority=_int(el.get("priority"), 0), team=str(el.get("team") or "default"),
         preemptible=el.get("preemptible", True) is not False,
         allocated=0 if queued else desired(spec),
