@@ -68,6 +68,18 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
     return out
 
 
+def failed_copies(why: str, group) -> dict[int, str]:
+    """The agreement on a step's copies (collective over ``group``): every rank's reason its copies failed,
+    by rank ({} when all succeeded). One all-reduce of a flag; the reasons are gathered only on a failure."""
+    failed = torch.tensor([1 if why else 0], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return {}
+    votes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, why, group=group)
+    return {r: w for r, w in enumerate(votes) if w}
+
+
 def _as_tensor(buf: bytes | bytearray) -> torch.Tensor:
     """A uint8 tensor over ``buf``'s memory (a read-only ``bytes`` is only ever sent from)."""
     if not buf:
