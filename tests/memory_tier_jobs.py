@@ -176,7 +176,8 @@ def bad_trainer_state(payload: dict) -> dict:
     from types import SimpleNamespace
 
     from checkpointing.recovery.held import HeldView
-    from orchestrator.tier_restore import restore_from_memory
+    from checkpointing.recovery.restore import SnapshotKey
+    from orchestrator.tier_restore import MemoryRestore, restore_from_memory
 
     world = World.from_env()
     init_distributed(world, CPU)
@@ -187,10 +188,10 @@ def bad_trainer_state(payload: dict) -> dict:
         res = tier.take(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
         assert res.ok, res.reason
         res.snapshot.trainer_state = payload["trainer_state"]
-        key = (res.snapshot.step, 0)
+        key = SnapshotKey(res.snapshot.step, 0)
         worker = SimpleNamespace(trainer=_trainer(payload, world),
                                  memory_view=lambda: HeldView({key: (res.snapshot, {})}))
-        plan = {"key": key, "where": {n: "w0" for n in res.snapshot.file_table()}, "handles": {}}
+        plan = MemoryRestore(key, {n: "w0" for n in res.snapshot.file_table()})
         reason, state = restore_from_memory(worker, plan)
         return {"reason": reason, "state": state, "step": worker.trainer.step,
                 "samples_consumed": worker.trainer.samples_consumed}
