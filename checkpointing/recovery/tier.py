@@ -17,15 +17,20 @@ writer (:class:`checkpointing.dcp_io.EtrainWriter`) into a
 (format 3, standard DCP) and the same DCP metadata, as ``{name: bytes}`` in
 this rank's memory. Then one ``all_gather`` over the tier's own gloo group is
 the agreement, as the manifest is for a durable save: every rank's (step, ok,
-files with size and crc32c), and the coordinator's metadata. A step is agreed
+files with size and crc32c), and the coordinator's metadata (kept by every rank
+once agreed, never sent again while the layout holds). A step is agreed
 only when every rank copied its files completely for that same step; every
 rank then holds the whole step's table, which a restore checks every byte
 against. A snapshot that did not reach agreement is dropped and never used.
 As the checkpoint manager does, a snapshot whose every rank still holds the
-layout the last one was planned for reuses that plan (no DCP planning, no
-object collectives but the one vote); :meth:`MemoryTier.take_async` blocks
-training only for the copy into host buffers kept from one snapshot to the
-next (the async durable checkpoint's snapshot).
+layout the last one was planned for reuses that plan: each rank lays its files
+out by it (replaying the last layout's byte views, :mod:`.replay`, when the
+state is the host copy's buffers), copies them, and the one vote is also the
+agreement (no DCP planning, one ``all_gather``); a rank whose layout changed
+makes every rank plan with ``dcp.save`` and agree in a second gather.
+:meth:`MemoryTier.take_async` blocks training only for the copy into host
+buffers kept from one snapshot to the next (the async durable checkpoint's
+snapshot, indexed once per layout: :class:`checkpointing.host_copy.HostCopy`).
 
 Memory: at most two own snapshots per rank (the newest restorable one and the
 one being made or copied), the copies held for peers at those steps and, with
@@ -35,7 +40,8 @@ a run's default from the host) is checked before a snapshot is taken, on every
 rank, and one refusal refuses it on all (the result's reason names the rank and
 the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
 replicas, once every rank holds its peers' copies of it (:meth:`replicate_async`,
-which ends with a second agreement on the replica group).
+through :class:`~checkpointing.recovery.transport.PeerCopyTransport`, which ends
+with one all-reduce on the replica group: every rank's copies complete).
 """
 
 from __future__ import annotations
