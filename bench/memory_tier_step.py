@@ -85,6 +85,7 @@ def worker(args) -> None:
     waits = [f.result().phases.get("wait_previous", 0.0) for f in agreed]
     copies = [f.result().phases.get("host_copy", 0.0) for f in agreed]
     background = [f.result().seconds - f.result().blocking_s for f in agreed]
+    cpu = [f.result().phases.get("background_cpu", 0.0) for f in agreed]
     held = tier.held_bytes()
     tier.close()
     if world.is_main:
@@ -92,12 +93,14 @@ def worker(args) -> None:
               f"step {step_off * 1e3:.1f} ms without the tier, {step_on * 1e3:.1f} ms with a snapshot after each "
               f"({ok} of {len(agreed)} agreed and copied to a peer; {held / 2**20:.1f} MiB held per rank)")
         print(f"  rank 0 medians: waited for the previous snapshot {statistics.median(waits) * 1e3:.1f} ms, "
-              f"host copy {statistics.median(copies) * 1e3:.1f} ms, background {statistics.median(background) * 1e3:.1f} ms")
+              f"host copy {statistics.median(copies) * 1e3:.1f} ms, background {statistics.median(background) * 1e3:.1f} ms "
+              f"(of which CPU {statistics.median(cpu) * 1e3:.1f} ms)")
         print(json.dumps({"bench": "memory_tier_step", "world": world.size, "preset": args.preset, "rounds": rounds,
                           "memory_every_steps": args.every,
                           "steps_per_round": per_round, "step_s_on": round(step_on, 5),
                           "step_s_off": round(step_off, 5), "ratio": round(step_on / step_off, 4),
-                          "bytes_per_rank": held, "snapshots": ok, "snapshots_taken": len(agreed)}), flush=True)
+                          "bytes_per_rank": held, "host_copy_ms": round(statistics.median(copies) * 1e3, 2),
+                          "background_cpu_ms": round(statistics.median(cpu) * 1e3, 2), "snapshots": ok, "snapshots_taken": len(agreed)}), flush=True)
     shutdown_distributed()
 
 

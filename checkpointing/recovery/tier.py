@@ -195,12 +195,14 @@ class MemoryTier:
         blocking = time.monotonic() - t0
 
         def run() -> SnapshotResult:
+            cpu = time.thread_time()
             res = self._take(step, pending.wait(), trainer_state, pending.layout)
             res.phases.update(wait_previous=waited, host_copy=blocking - waited)
             res.blocking_s = blocking
             if res.ok and replicate and self.replica_group is not None:
                 res.replication = self._replicate(res.snapshot)
             res.seconds = time.monotonic() - t0
+            res.phases["background_cpu"] = time.thread_time() - cpu  # this thread's CPU, waits excluded
             return res
 
         self._inflight = self._thread.submit(run)
