@@ -198,3 +198,25 @@ def bad_trainer_state(payload: dict) -> dict:
     finally:
         tier.close()
         shutdown_distributed()
+
+
+def replan_one(payload: dict) -> dict:
+    """Two snapshots at world 2; before the second, rank 1 has lost the plan the first left (rank 0, which
+    still holds it, has laid out and copied by it): every rank plans anew. Each snapshot's (status, planned,
+    reason)."""
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=30)
+    try:
+        out = []
+        for step in (1, 2):
+            if step == 2 and world.rank == 1:
+                tier._plans.clear()
+            g = torch.Generator().manual_seed(step * 10 + world.rank)
+            res = tier.take_async(step, {"w": torch.randn(64, 8, generator=g)},
+                                  {"step": step, "samples_consumed": 12 * step}).result()
+            out.append((res.status, res.planned, res.reason))
+        return {"out": out}
+    finally:
+        tier.close()
+        shutdown_distributed()

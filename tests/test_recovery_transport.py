@@ -66,3 +66,10 @@ def test_both_transports_are_the_one_interface_and_refuse_the_other_direction():
     with pytest.raises(TransportError, match="PeerCopyTransport"):
         pull.send(None)
     assert pull.where == {"__0_0.x.distcp": "w0"} and MemoryRestore(SnapshotKey(3, 1), {}).step == 3
+
+
+def test_a_rank_without_the_last_plan_makes_every_rank_plan_anew():
+    from tests.harness import run_ranks
+
+    ranks = run_ranks("tests.memory_tier_jobs:replan_one", 2, {}, timeout=120)
+    assert [r["out"] for r in ranks] == [[("agreed", True, ""), ("agreed", True, "")]] * 2, ranks

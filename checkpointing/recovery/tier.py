@@ -249,6 +249,7 @@ class MemoryTier:
             md = self._plans[layout].metadata
         else:
             t1 = time.monotonic()
+            storage = MemoryStorage()  # what a rank copied by its last plan is not this snapshot's
             ok, why, entries, mine = self._plan_and_copy(writer, storage, step, state_dict, layout)
             phases["plan_and_copy"] = time.monotonic() - t1
             t2 = time.monotonic()
