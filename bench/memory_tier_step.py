@@ -15,7 +15,11 @@ the last snapshot of an "on" round is waited for outside the timing.
 
 Prints the means and, last, one JSON line: ``step_s_on``, ``step_s_off``,
 ``ratio`` (on over off; target <= 1.03), ``bytes_per_rank`` (what the tier
-holds) and ``snapshots`` (how many became restorable).
+holds), ``snapshots`` (how many became restorable), and figures a loaded
+machine moves less: ``host_copy_ms`` (what training waited, rank 0's median),
+``background_cpu_ms`` (the tier thread's CPU per snapshot, rank 0's median) and
+``cpu_ratio`` (the ranks' process CPU, every thread's, in "on" rounds over "off"
+rounds: what the tier costs the cores the ranks share).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -66,13 +71,20 @@ def worker(args) -> None:
         if trainer.step % args.every == 0:
             agreed.append(tier.take_async(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state()))
 
+    cpu = {"on": 0.0, "off": 0.0}  # this process's CPU (every thread's: training, the tier's, gloo's)
+
     def on():
+        c0 = time.process_time()
         times = time_steps(on_step, per_round)
         tier.wait()
+        cpu["on"] += time.process_time() - c0
         return times
 
     def off():
-        return time_steps(trainer.train_step, per_round)
+        c0 = time.process_time()
+        times = time_steps(trainer.train_step, per_round)
+        cpu["off"] += time.process_time() - c0
+        return times
 
     for _ in range(3):  # warm-up: plans, buffers, threads
         on_step()
@@ -85,6 +97,12 @@ def worker(args) -> None:
     waits = [f.result().phases.get("wait_previous", 0.0) for f in agreed]
     copies = [f.result().phases.get("host_copy", 0.0) for f in agreed]
     background = [f.result().seconds - f.result().blocking_s for f in agreed]
+    cpu_thread = [f.result().phases.get("background_cpu", 0.0) for f in agreed]
+    import torch.distributed as dist
+
+    both = torch.tensor([cpu["on"], cpu["off"]], dtype=torch.float64)
+    dist.all_reduce(both)  # the ranks' CPU together
+    cpu_ratio = both[0].item() / both[1].item()
     held = tier.held_bytes()
     tier.close()
     if world.is_main:
@@ -92,12 +110,18 @@ def worker(args) -> None:
               f"step {step_off * 1e3:.1f} ms without the tier, {step_on * 1e3:.1f} ms with a snapshot after each "
               f"({ok} of {len(agreed)} agreed and copied to a peer; {held / 2**20:.1f} MiB held per rank)")
         print(f"  rank 0 medians: waited for the previous snapshot {statistics.median(waits) * 1e3:.1f} ms, "
-              f"host copy {statistics.median(copies) * 1e3:.1f} ms, background {statistics.median(background) * 1e3:.1f} ms")
+              f"host copy {statistics.median(copies) * 1e3:.1f} ms, "
+              f"background {statistics.median(background) * 1e3:.1f} ms "
+              f"(of which the tier thread's CPU {statistics.median(cpu_thread) * 1e3:.1f} ms); CPU of every thread, "
+              f"on over off: {cpu_ratio:.3f}")
         print(json.dumps({"bench": "memory_tier_step", "world": world.size, "preset": args.preset, "rounds": rounds,
                           "memory_every_steps": args.every,
                           "steps_per_round": per_round, "step_s_on": round(step_on, 5),
                           "step_s_off": round(step_off, 5), "ratio": round(step_on / step_off, 4),
-                          "bytes_per_rank": held, "snapshots": ok, "snapshots_taken": len(agreed)}), flush=True)
+                          "bytes_per_rank": held, "host_copy_ms": round(statistics.median(copies) * 1e3, 2),
+                          "background_cpu_ms": round(statistics.median(cpu_thread) * 1e3, 2),
+                          "cpu_ratio": round(cpu_ratio, 4), "snapshots": ok,
+                          "snapshots_taken": len(agreed)}), flush=True)
     shutdown_distributed()
 
 

@@ -105,6 +105,7 @@ class _StagedFile:
     parts: list  # byte views written in order: items, and the zeros that pad each to 64 bytes
     size: int
     keep: list  # the tensors and host buffers the views point into, alive until the upload ends
+    slots: list = dataclasses.field(default_factory=list)  # (index in parts or None, item, data) per item
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview | None:
@@ -141,7 +142,7 @@ class PlannedItems:
             fqn = item.index.fqn
             path = mappings.get(fqn)
             try:
-                obj = _lookup(state_dict, path)
+                obj = lookup(state_dict, path)
             except (KeyError, IndexError, TypeError):
                 return None
             if obj is not flat.get(fqn):
@@ -155,7 +156,7 @@ class PlannedItems:
     def resolve_data(self, item):
         from torch.distributed.tensor import DTensor
 
-        obj = _lookup(self.state_dict, self.paths[item.index.fqn])
+        obj = lookup(self.state_dict, self.paths[item.index.fqn])
         if item.type == WriteItemType.BYTE_IO:
             buf = io.BytesIO()
             torch.save(obj, buf)
@@ -163,7 +164,8 @@ class PlannedItems:
         return obj._local_tensor if isinstance(obj, DTensor) else obj
 
 
-def _lookup(state_dict, path):
+def lookup(state_dict, path):
+    """The item at ``path`` (a sequence of keys) in a nested state dict."""
     obj = state_dict
     for k in path:
         obj = obj[k]
@@ -313,12 +315,15 @@ class EtrainWriter(StorageWriter):
         views: list = []
         copies = []  # (index in views, tensor) of items that need a copy to host
         keep: list = []
-        for _, data, n in group:
+        slots = []
+        for item, data, n in group:
             if isinstance(data, bytes):
+                slots.append((len(views), item, data))
                 views.append(memoryview(data))
             else:
                 env = envelope(data.dtype, tuple(data.shape))
                 views.append(memoryview(env.prefix))
+                slots.append((len(views) if data.numel() else None, item, data))
                 if data.numel():
                     view = _host_bytes(data)
                     if view is None:
@@ -347,7 +352,7 @@ class EtrainWriter(StorageWriter):
                 off += n
             if from_device:
                 torch.cuda.synchronize()  # the upload thread reads this buffer next
-        return _StagedFile(name, views, sum(len(v) for v in views), keep)
+        return _StagedFile(name, views, sum(len(v) for v in views), keep, slots)
 
     def _submit(self, fn, *args) -> Future:
         fut = self._executor.submit(fn, *args)

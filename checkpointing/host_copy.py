@@ -23,6 +23,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch as _torch
+from torch.distributed.tensor import DTensor as _DTensor
+
 
 @dataclass(frozen=True)
 class PlannedLayout:
@@ -46,11 +49,13 @@ class PlannedLayout:
 
 class PendingCopy:
     """A copy queued on the side stream: :meth:`wait` blocks the calling (host) thread until the host
-    buffers hold it and returns the copied state; nothing to wait for when every tensor was on the host."""
+    buffers hold it and returns the copied state; nothing to wait for when every tensor was on the host.
+    ``layout``: the copy's :func:`layout_fingerprint` when known (host state), else None."""
 
-    def __init__(self, state: dict, event=None):
+    def __init__(self, state: dict, event=None, layout: str | None = None):
         self.state = state
         self.event = event  # a CUDA event recorded on the side stream after the last copy, or None
+        self.layout = layout
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -92,6 +97,7 @@ class HostCopy:
         self._slot = 0
         self._stream = None  # the side stream, made at the first CUDA copy
         self._event = None  # recorded after the last queued copy
+        self._index: _Index | None = None  # host state: the buffers of the last layout, in walk order
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.buffers, *self._more) for t in d.values())
@@ -105,8 +111,11 @@ class HostCopy:
         """Queue the copy; for CUDA state, returns before it is done (:class:`PendingCopy`)."""
         import torch
 
-        if not _has_cuda(state_dict):
-            return PendingCopy(self._copy_tree(state_dict, "", 0))
+        leaves: list = []
+        key: list = []
+        tree = _flatten(state_dict, leaves, key)
+        if not any((t._local_tensor if type(t) is _DTensor else t).is_cuda for t in leaves):
+            return self._copy_indexed(state_dict, leaves, key, tree)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._slot = (self._slot + 1) % self.SLOTS
@@ -118,6 +127,25 @@ class HostCopy:
             self._event.record(side)
         _LIVE.add(self)
         return PendingCopy(out, self._event)
+
+    def _copy_indexed(self, state_dict: dict, leaves: list, key: list, tree) -> PendingCopy:
+        """Host state (``leaves``, ``key``, ``tree``: :func:`_flatten`'s): while the layout's key is the last
+        one's, one ``foreach`` copy into the buffers (and DTensor views) indexed for it, else the full copy,
+        which indexes the new layout. The copy carries its layout's fingerprint, computed once per layout."""
+        import torch
+
+        index = self._index
+        if index is None or index.key != key:
+            out = self._copy_tree(state_dict, "", 0)
+            views: list = []
+            _flatten(out, views, [])
+            self._index = _Index(key, views, [v._local_tensor if type(v) is _DTensor else v for v in views],
+                                 layout_fingerprint(out))
+            return PendingCopy(out, layout=self._index.layout)
+        if leaves:
+            torch._foreach_copy_(index.buffers, [(t._local_tensor if type(t) is _DTensor else t).detach()
+                                                 for t in leaves])
+        return PendingCopy(_fill(tree, index.views), layout=index.layout)
 
     def fence(self) -> None:
         """The current stream waits for this copy's reads (:func:`fence_writes`)."""
@@ -156,15 +184,49 @@ class HostCopy:
         return view
 
 
-def _has_cuda(obj) -> bool:
-    import torch
-    from torch.distributed.tensor import DTensor
+@dataclass
+class _Index:
+    """The host buffers of one layout, in the order :func:`_flatten` walks a state of it."""
 
+    key: list  # per tensor (walk order) what its buffer and view depend on; per dict its keys
+    views: list  # the copy's tensors: the buffers, or DTensors over them
+    buffers: list  # the buffers
+    layout: str  # layout_fingerprint of the copy
+
+
+class _Slot(int):
+    """A tensor's place in the flattened list (in a tree made by :func:`_flatten`)."""
+
+
+def _flatten(obj, leaves: list, key: list):
+    """``obj``'s dicts rebuilt with every tensor replaced by its :class:`_Slot` in ``leaves`` (appended to);
+    ``key`` gets what the layout depends on: each dict's keys, each tensor's type, shapes, dtype, sharding."""
     if isinstance(obj, dict):
-        return any(_has_cuda(v) for v in obj.values())
-    if isinstance(obj, DTensor):
-        return obj._local_tensor.is_cuda
-    return isinstance(obj, torch.Tensor) and obj.is_cuda
+        key.append(tuple(obj))
+        return {k: _flatten(v, leaves, key) for k, v in obj.items()}
+    if isinstance(obj, _DTensor):
+        local = obj._local_tensor
+        key.append((id(obj.device_mesh), obj.device_mesh, obj.placements, obj.shape, obj.stride(), local.shape,
+                    local.dtype, local.device, obj.requires_grad))
+    elif isinstance(obj, _torch.Tensor):
+        key.append((type(obj), obj.shape, obj.dtype, obj.device, obj.layout, obj.requires_grad))
+    else:
+        if isinstance(obj, (list, tuple)):
+            key.append((type(obj), len(obj)))
+            for v in obj:  # their structure is part of the layout (never copied: kept as they are)
+                _flatten(v, [], key)
+        else:
+            key.append(type(obj))
+        return obj
+    leaves.append(obj)
+    return _Slot(len(leaves) - 1)
+
+
+def _fill(tree, views: list):
+    """``tree`` (from :func:`_flatten`) with each slot replaced by its view."""
+    if isinstance(tree, dict):
+        return {k: _fill(v, views) for k, v in tree.items()}
+    return views[tree] if type(tree) is _Slot else tree
 
 
 def layout_fingerprint(state_dict) -> str:

@@ -18,6 +18,7 @@ import secrets
 from .config import GroupTier
 from .policies import ScalingStatus
 from .restore_plan import flush_outcome, group_restore_plan, restore_outcome
+from .tier_restore import MemoryRestore
 from .store import HistoryRow
 from .worker_group import GroupFailure
 
@@ -158,7 +159,7 @@ class Membership:
             self.event("memory_tier", **e)
         return step
 
-    def memory_plan(self, chosen: list[str]) -> tuple[dict | None, str]:
+    def memory_plan(self, chosen: list[str]) -> tuple[MemoryRestore | None, str]:
         """Where the new group restores from in the memory tier (:func:`group_restore_plan`), asking the
         members and the spares that are up; (None, why) when it restores from storage instead."""
         if not self.recovery.enabled:
@@ -177,7 +178,7 @@ class Membership:
         if not why:
             plan, why = self.memory_plan(self.members)
             if plan is not None:
-                why = "" if plan["key"][0] == step else f"the newest step held completely is {plan['key'][0]}"
+                why = "" if plan.step == step else f"the newest step held completely is {plan.step}"
         for e in events:
             self.event("memory_tier", **e)
         if why:

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from checkpointing.recovery.restore import SnapshotKey, plan_restore
 
+from .tier_restore import MemoryRestore
 from .worker_group import WorkerGroup
 from .worker_results import Restored
 
 
 def group_restore_plan(group: WorkerGroup, holders: list[str], committed_step: int | None = None,
-                        timeout_s: float = 10.0) -> tuple[dict | None, str]:
+                        timeout_s: float = 10.0) -> tuple[MemoryRestore | None, str]:
     """The newest memory-tier snapshot every file of which one of ``holders`` holds (each file from the
     first holder listed that has it), unless the durable checkpoint (``committed_step``) is newer:
-    ``({"key", "where", "handles"}, why)`` for ``TrainWorker.restore``, or ``(None, why not)``."""
+    ``(MemoryRestore, why)`` for ``TrainWorker.restore``, or ``(None, why not)``."""
 
     calls = [group.submit(w, "memory_holdings") for w in holders]
     done = {id(c) for c in group.wait(calls, timeout=timeout_s)}
@@ -56,7 +57,7 @@ def group_restore_plan(group: WorkerGroup, holders: list[str], committed_step: i
     if committed_step is not None and plan.step < committed_step:
         return None, f"the durable checkpoint (step {committed_step}) is newer than memory (step {plan.step})"
     handles = {w: group.handle(w) for w in set(plan.where.values())}
-    return {"key": plan.key, "where": plan.where, "handles": handles}, plan.reason
+    return MemoryRestore(plan.key, plan.where, handles), plan.reason
 
 
 def restore_outcome(restored: list[Restored], why: str, recovering: bool) -> tuple[str, list[dict], dict | None]:

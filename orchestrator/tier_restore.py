@@ -1,6 +1,6 @@
 """A group's restore from the memory tier, on each of its workers (``TrainWorker.restore(plan)``).
 
-    plan = {"key": (step, epoch), "where": {file name: holder worker id}, "handles": {worker id: actor}}
+    plan = MemoryRestore(SnapshotKey(step, epoch), {file name: holder worker id}, {worker id: actor})
     reason, state = restore_from_memory(worker, plan)   # collective; "" when restored (state: the
                                                         # snapshot's trainer state), else why not
 
@@ -14,8 +14,9 @@ itself are read in place, the others are fetched from their holder by a Ray acto
 call (``memory_file``) when DCP reads them, and every byte is checked against the
 step's agreed table first. Ray's object transfer moves a restore's files because
 the group that made the snapshot is gone and the new one may include workers that
-were never in it; the copies to peers while training use a gloo group of their own
-(``checkpointing.recovery.peer_copy``).
+were never in it (:class:`RayFetchTransport`); the copies to peers while training use a gloo
+group of their own (``PeerCopyTransport``): two implementations of one interface,
+:class:`checkpointing.recovery.transport.SnapshotTransport`.
 
 Every rank agrees before loading (an all-reduce), and DCP raises a failed read on
 every rank, so the whole group falls back to the durable checkpoint together.
@@ -24,13 +25,16 @@ every rank, so the whole group falls back to the durable checkpoint together.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkpointing.manifest import METADATA_NAME
-from checkpointing.recovery.restore import load_from_memory
+from checkpointing.recovery.restore import SnapshotKey, load_from_memory
 from checkpointing.recovery.snapshot import MemorySnapshot, check_trainer_state
+from checkpointing.recovery.transport import TransportError
 from checkpointing.retry import describe
 
 log = logging.getLogger("etrain")
@@ -38,26 +42,40 @@ log = logging.getLogger("etrain")
 FETCH_TIMEOUT_S = 120.0
 
 
-def restore_from_memory(worker, plan: dict) -> tuple[str, dict]:
-    """Restore ``plan["key"]`` into ``worker.trainer`` (collective on the training group): ("", the
+@dataclass(frozen=True)
+class MemoryRestore:
+    """A group's restore from the memory tier, as the controller planned it (``orchestrator.restore_plan``):
+    the snapshot ``key`` (step, epoch), the live worker that gives each of its files, and those workers'
+    actor handles."""
+
+    key: SnapshotKey
+    where: dict[str, str]  # file name -> holder worker id
+    handles: dict[str, Any] = field(default_factory=dict)  # holder worker id -> its actor
+
+    @property
+    def step(self) -> int:
+        return self.key.step
+
+
+def restore_from_memory(worker, plan: MemoryRestore) -> tuple[str, dict]:
+    """Restore ``plan.key`` into ``worker.trainer`` (collective on the training group): ("", the
     snapshot's trainer state) when done, else (the reason it was not, {}), the same on every rank: the
     caller then loads the durable checkpoint."""
-    key = tuple(plan["key"])
+    key = plan.key
     tr = worker.trainer
     reason = ""
     try:
+        transport = RayFetchTransport(plan)
         view = worker.memory_view()
         snap = view.snapshot(key)
         if snap is None:  # a worker new to that step: the table and metadata from a holder, checked
-            holder = plan["where"][METADATA_NAME]
-            snap = MemorySnapshot.from_bytes(_fetch(plan, key, METADATA_NAME, "memory_header"),
-                                             f"the memory snapshot of step {key[0]} from {holder}")
+            snap = transport.header(key)
         # What the trainer will apply, checked before any rank loads (a bad one falls back on every rank).
         state = check_trainer_state(snap.trainer_state, snap.step, f"the trainer state of step {snap.step}",
                                     required=True)
         local = view.sources(key)
-        sources = {name: local[name] if name in local else _fetcher(plan, key, name)
-                   for name in plan["where"] if name != METADATA_NAME}
+        sources = {name: local[name] if name in local else transport.fetcher(key, name)
+                   for name in plan.where if name != METADATA_NAME}
     except Exception as e:
         reason = f"rank {tr.world.rank}: {describe(e)}"
     if not everyone(not reason, device=tr.device)[0]:
@@ -86,14 +104,31 @@ def everyone(*flags: bool, device) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def _fetch(plan: dict, key: tuple, name: str, method: str = "memory_file") -> bytes:
-    import ray
+class RayFetchTransport:
+    """The restore's transport (:class:`checkpointing.recovery.transport.SnapshotTransport`): each file of
+    the planned snapshot fetched from the live worker the plan names for it, by a Ray actor call; it pulls
+    only (the copies to peers while training are pushed by ``PeerCopyTransport``)."""
 
-    holder = plan["where"][name]
-    actor = plan["handles"][holder]
-    args = (key,) if method == "memory_header" else (key, name)
-    return ray.get(getattr(actor, method).remote(*args), timeout=FETCH_TIMEOUT_S)
+    def __init__(self, plan: MemoryRestore, timeout_s: float = FETCH_TIMEOUT_S):
+        self.where, self.handles, self.timeout_s = plan.where, plan.handles, timeout_s
 
+    def send(self, snapshot: MemorySnapshot) -> dict[int, MemorySnapshot]:
+        raise TransportError("a restore fetches files from their holders; copies to peers are pushed while "
+                             "training through checkpointing.recovery.transport.PeerCopyTransport")
 
-def _fetcher(plan: dict, key: tuple, name: str):
-    return lambda: _fetch(plan, key, name)
+    def fetch(self, key: SnapshotKey, name: str) -> bytes:
+        return self._call(self.where[name], "memory_file", key, name)
+
+    def header(self, key: SnapshotKey) -> MemorySnapshot:
+        holder = self.where[METADATA_NAME]
+        return MemorySnapshot.from_bytes(self._call(holder, "memory_header", key),
+                                         f"the memory snapshot of step {key[0]} from {holder}")
+
+    def fetcher(self, key: SnapshotKey, name: str):
+        """A source for the reader: fetches ``name`` when DCP reads it."""
+        return lambda: self.fetch(key, name)
+
+    def _call(self, holder, method: str, *args) -> bytes:
+        import ray
+
+        return ray.get(getattr(self.handles[holder], method).remote(*args), timeout=self.timeout_s)

@@ -56,7 +56,7 @@ from trainer.world import World, init_distributed, listening_store, shutdown_dis
 
 from .config import GroupTier
 from .store import HistoryRow
-from .tier_restore import everyone, restore_from_memory
+from .tier_restore import MemoryRestore, everyone, restore_from_memory
 from .worker_results import Formed, Restored, TrainResult
 
 log = logging.getLogger("etrain")
@@ -242,7 +242,7 @@ class TrainWorker:
         return lambda: store.current_epoch(run_id)
 
     @on_torch_thread
-    def restore(self, plan: dict | None = None) -> Restored:
+    def restore(self, plan: MemoryRestore | None = None) -> Restored:
         """Load the step ``plan`` names from the memory tier (see :func:`restore_from_memory`), else (no
         plan, or it failed on some rank: every rank falls back together) the newest valid checkpoint,
         resharded to this layout (collective). Step 0 if there is none. ``tier`` says which."""

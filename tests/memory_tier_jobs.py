@@ -176,7 +176,8 @@ def bad_trainer_state(payload: dict) -> dict:
     from types import SimpleNamespace
 
     from checkpointing.recovery.held import HeldView
-    from orchestrator.tier_restore import restore_from_memory
+    from checkpointing.recovery.restore import SnapshotKey
+    from orchestrator.tier_restore import MemoryRestore, restore_from_memory
 
     world = World.from_env()
     init_distributed(world, CPU)
@@ -187,13 +188,35 @@ def bad_trainer_state(payload: dict) -> dict:
         res = tier.take(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
         assert res.ok, res.reason
         res.snapshot.trainer_state = payload["trainer_state"]
-        key = (res.snapshot.step, 0)
+        key = SnapshotKey(res.snapshot.step, 0)
         worker = SimpleNamespace(trainer=_trainer(payload, world),
                                  memory_view=lambda: HeldView({key: (res.snapshot, {})}))
-        plan = {"key": key, "where": {n: "w0" for n in res.snapshot.file_table()}, "handles": {}}
+        plan = MemoryRestore(key, {n: "w0" for n in res.snapshot.file_table()})
         reason, state = restore_from_memory(worker, plan)
         return {"reason": reason, "state": state, "step": worker.trainer.step,
                 "samples_consumed": worker.trainer.samples_consumed}
+    finally:
+        tier.close()
+        shutdown_distributed()
+
+
+def replan_one(payload: dict) -> dict:
+    """Two snapshots at world 2; before the second, rank 1 has lost the plan the first left (rank 0, which
+    still holds it, has laid out and copied by it): every rank plans anew. Each snapshot's (status, planned,
+    reason)."""
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=30)
+    try:
+        out = []
+        for step in (1, 2):
+            if step == 2 and world.rank == 1:
+                tier._plans.clear()
+            g = torch.Generator().manual_seed(step * 10 + world.rank)
+            res = tier.take_async(step, {"w": torch.randn(64, 8, generator=g)},
+                                  {"step": step, "samples_consumed": 12 * step}).result()
+            out.append((res.status, res.planned, res.reason))
+        return {"out": out}
     finally:
         tier.close()
         shutdown_distributed()

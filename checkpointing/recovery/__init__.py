@@ -6,6 +6,10 @@ One module per concept:
 - ``snapshot``: one rank's snapshot of a step (the standard-DCP files of that step), its wire format
   and which peers hold copies of it;
 - ``tier``: :class:`~checkpointing.recovery.tier.MemoryTier`, taking, agreeing and holding snapshots;
+- ``replay``: a snapshot's files laid out again by the last layout, without DCP (the per-step path);
+- ``transport``: how a held snapshot moves (:class:`~checkpointing.recovery.transport.SnapshotTransport`):
+  pushed to peers while training (``PeerCopyTransport``), fetched from holders on restore
+  (``orchestrator.tier_restore.RayFetchTransport``);
 - ``peer_copy``: the copies to peers, over a gloo group of the tier's own;
 - ``held``: what a worker keeps of the tier across its process groups, and what it answers a restore;
 - ``restore``: the plan of a restore (which holder gives each file of which snapshot) and the load;

@@ -26,7 +26,6 @@ from ..manifest import METADATA_NAME
 from .restore import SnapshotKey
 from .snapshot import MemorySnapshot
 
-Key = SnapshotKey
 Entry = tuple[MemorySnapshot | None, dict[int, MemorySnapshot]]  # own snapshot, copies held for peers
 
 
@@ -34,7 +33,7 @@ class HeldSnapshots:
     """Steps of earlier groups this worker still holds in memory (see the module docstring)."""
 
     def __init__(self):
-        self.entries: dict[Key, Entry] = {}
+        self.entries: dict[SnapshotKey, Entry] = {}
         self._lock = threading.Lock()
 
     def keep(self, epoch: int, steps: dict[int, Entry]) -> None:

@@ -4,9 +4,9 @@
     received = replicate(snapshot, replica_group, peers)   # {source rank: MemorySnapshot}, each checked
 
 Every rank calls :func:`replicate` with its own agreed snapshot of the same step:
-it sends its snapshot's bytes (:meth:`MemorySnapshot.to_bytes`) to each of its
-peers and receives the snapshots of the ranks whose peer it is, with
-point-to-point sends of byte tensors (sizes first, then the bytes, all
+it sends its snapshot's bytes (:meth:`MemorySnapshot.to_bytes`, in pieces: the
+header, then each file raw as it is held) to each of its peers and receives the
+snapshots of the ranks whose peer it is, with point-to-point sends of byte tensors (sizes first, then the bytes, all
 non-blocking so no pair waits on another).
 
 Why this transport: a process group of its own (a gloo group made with
@@ -43,10 +43,10 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
     sender's of this step, with this rank's table (:meth:`MemorySnapshot.check_same_step`). A bad one
     raises CorruptCheckpointError naming its source."""
     me = dist.get_rank(group)
-    payload = _as_tensor(snapshot.to_bytes())
+    parts = [_as_tensor(p) for p in snapshot.wire_parts() if len(p)]
     sources = senders_to(me, peers)
     dsts = [d for d in peers.get(me, ()) if d != me]
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    size = torch.tensor([sum(p.numel() for p in parts)], dtype=torch.int64)
     sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
     _exchange([(size, d) for d in dsts], list(sizes.items()), group)
     for s, n in sizes.items():
@@ -54,9 +54,22 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
         if not 0 < int(n.item()) <= bound:
             raise CorruptCheckpointError(f"rank {s} announced a copy of {int(n.item())} bytes; its snapshot of step "
                                          f"{snapshot.step} takes at most {bound}: nothing allocated, none kept")
-    # Received straight into the buffers the copies keep (their files are views of them).
+    # Received straight into the buffers the copies keep (their files are views of them), in the pieces the
+    # sender sends (its header, then its files by the agreed table's sizes: raw, never joined on its side).
     bufs = {s: bytearray(int(n.item())) for s, n in sizes.items()}
-    _exchange([(payload, d) for d in dsts], [(s, _as_tensor(b)) for s, b in bufs.items()], group)
+    recvs = []
+    for s, buf in bufs.items():
+        files = snapshot.own_sizes(s)
+        cuts = [len(buf) - sum(files), *files]
+        if cuts[0] <= 0:
+            raise CorruptCheckpointError(f"rank {s} announced a copy of {len(buf)} bytes, less than its files of "
+                                         f"step {snapshot.step}: nothing kept")
+        whole, pos = _as_tensor(buf), 0
+        for n in cuts:
+            if n:
+                recvs.append((s, whole[pos : pos + n]))
+            pos += n
+    _exchange([(p, d) for d in dsts for p in parts], recvs, group)
     out = {}
     for s, buf in bufs.items():
         where = f"the copy of rank {s}'s snapshot"
@@ -66,6 +79,18 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
         snapshot.check_same_step(snap, where)
         out[s] = snap
     return out
+
+
+def failed_copies(why: str, group) -> dict[int, str]:
+    """The agreement on a step's copies (collective over ``group``): every rank's reason its copies failed,
+    by rank ({} when all succeeded). One all-reduce of a flag; the reasons are gathered only on a failure."""
+    failed = torch.tensor([1 if why else 0], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return {}
+    votes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, why, group=group)
+    return {r: w for r, w in enumerate(votes) if w}
 
 
 def _as_tensor(buf: bytes | bytearray) -> torch.Tensor:

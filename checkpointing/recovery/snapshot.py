@@ -161,6 +161,11 @@ class MemorySnapshot:
     def to_bytes(self) -> bytes:
         """``MAGIC``, the length and crc32c of a JSON header, the header, then the metadata and this rank's
         files in the header's order. No pickle: the receiver parses data, never code."""
+        return b"".join(self.wire_parts())
+
+    def wire_parts(self) -> list:
+        """:meth:`to_bytes` in pieces, not joined: the frame, header and metadata, then each own file (sorted
+        by name) as it is held (the copies to peers send them so: raw, no second copy of the state)."""
         own = sorted(self.files)
         header = {"version": WIRE_VERSION, "step": self.step, "rank": self.rank, "world_size": self.world_size,
                   "agreed": self.agreed, "trainer_state": self.trainer_state,
@@ -168,8 +173,12 @@ class MemorySnapshot:
                   "table": [[e.path, e.size, e.crc32c, self.owners[e.path]] for e in self.table.values()],
                   "own": own}
         head = json.dumps(header, sort_keys=True).encode()
-        return b"".join([MAGIC, _FRAME.pack(len(head), int(checksum(head), 16)), head, self.metadata,
-                         *(self.files[n] for n in own)])
+        return [b"".join([MAGIC, _FRAME.pack(len(head), int(checksum(head), 16)), head, self.metadata]),
+                *(self.files[n] for n in own)]
+
+    def own_sizes(self, rank: int) -> list[int]:
+        """The sizes of ``rank``'s files of this step by the agreed table, in :meth:`wire_parts`' order."""
+        return [self.table[p].size for p in sorted(p for p, o in self.owners.items() if o == rank)]
 
     def wire_bound(self, rank: int) -> int:
         """The most bytes :meth:`to_bytes` of ``rank``'s snapshot of this step can take, by this snapshot's

@@ -17,15 +17,20 @@ writer (:class:`checkpointing.dcp_io.EtrainWriter`) into a
 (format 3, standard DCP) and the same DCP metadata, as ``{name: bytes}`` in
 this rank's memory. Then one ``all_gather`` over the tier's own gloo group is
 the agreement, as the manifest is for a durable save: every rank's (step, ok,
-files with size and crc32c), and the coordinator's metadata. A step is agreed
+files with size and crc32c), and the coordinator's metadata (kept by every rank
+once agreed, never sent again while the layout holds). A step is agreed
 only when every rank copied its files completely for that same step; every
 rank then holds the whole step's table, which a restore checks every byte
 against. A snapshot that did not reach agreement is dropped and never used.
 As the checkpoint manager does, a snapshot whose every rank still holds the
-layout the last one was planned for reuses that plan (no DCP planning, no
-object collectives but the one vote); :meth:`MemoryTier.take_async` blocks
-training only for the copy into host buffers kept from one snapshot to the
-next (the async durable checkpoint's snapshot).
+layout the last one was planned for reuses that plan: each rank lays its files
+out by it (replaying the last layout's byte views, :mod:`.replay`, when the
+state is the host copy's buffers), copies them, and the one vote is also the
+agreement (no DCP planning, one ``all_gather``); a rank whose layout changed
+makes every rank plan with ``dcp.save`` and agree in a second gather.
+:meth:`MemoryTier.take_async` blocks training only for the copy into host
+buffers kept from one snapshot to the next (the async durable checkpoint's
+snapshot, indexed once per layout: :class:`checkpointing.host_copy.HostCopy`).
 
 Memory: at most two own snapshots per rank (the newest restorable one and the
 one being made or copied), the copies held for peers at those steps and, with
@@ -35,11 +40,13 @@ a run's default from the host) is checked before a snapshot is taken, on every
 rank, and one refusal refuses it on all (the result's reason names the rank and
 the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
 replicas, once every rank holds its peers' copies of it (:meth:`replicate_async`,
-which ends with a second agreement on the replica group).
+through :class:`~checkpointing.recovery.transport.PeerCopyTransport`, which ends
+with one all-reduce on the replica group: every rank's copies complete).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import threading
@@ -52,6 +59,7 @@ from typing import Any
 
 from ..manifest import FileEntry
 from .held import Entry, HeldView
+from .replay import Replay, Replayed
 from .restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
 from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from ..retry import describe
@@ -154,6 +162,7 @@ class MemoryTier:
         # The last planned snapshot of each of the last two layouts (the live state's, take; the host
         # copy's, take_async), reused while that layout holds.
         self._plans: dict[str, PlannedLayout] = {}
+        self._replays: dict[str, Replay] = {}  # the files of each of those layouts, to lay out again
         self._host = HostCopy()
 
     # --- taking a snapshot -------------------------------------------------------------
@@ -186,12 +195,14 @@ class MemoryTier:
         blocking = time.monotonic() - t0
 
         def run() -> SnapshotResult:
-            res = self._take(step, pending.wait(), trainer_state)
+            cpu = time.thread_time()
+            res = self._take(step, pending.wait(), trainer_state, pending.layout)
             res.phases.update(wait_previous=waited, host_copy=blocking - waited)
             res.blocking_s = blocking
             if res.ok and replicate and self.replica_group is not None:
                 res.replication = self._replicate(res.snapshot)
             res.seconds = time.monotonic() - t0
+            res.phases["background_cpu"] = time.thread_time() - cpu  # this thread's CPU, waits excluded
             return res
 
         self._inflight = self._thread.submit(run)
@@ -202,71 +213,55 @@ class MemoryTier:
         """Whether a snapshot or a copy is still running in the background (a caller may skip a step)."""
         return self._inflight is not None and not self._inflight.done()
 
-    def _take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None) -> SnapshotResult:
-        """Lay out (by the last plan when every rank's layout still matches it, else with ``dcp.save``),
-        copy into files, agree. Collective on ``self.group``; never raises for one rank's failure."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from ..dcp_io import EtrainWriter, PlannedItems
-
+    def _take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None,
+              layout: str | None = None) -> SnapshotResult:
+        """Lay out and copy by the last plan when this rank's layout still matches it, then one vote that is
+        also the agreement when every rank did so; else lay out with ``dcp.save`` (planning) and agree in a
+        second vote. ``layout``: the state's fingerprint when known (the host copy's). Collective on
+        ``self.group``; never raises for one rank's failure."""
         t0 = time.monotonic()
         phases: dict[str, float] = {}
         self._prune()
         storage = MemoryStorage()
         refusal, after = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ("", 0)
-        layout = layout_fingerprint(state_dict)
+        layout = layout or layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
+        ok, why, entries = True, "", []
+        if writer is not None:  # laid out by the last plan: copied now, agreed by the vote
+            ok, why, entries = self._copy(writer)
+        phases["lay_out"] = time.monotonic() - t0
         try:
-            votes = self._gather((refusal, plan_id, (after, self.memory_budget_bytes)))
+            votes = self._gather((refusal, plan_id, (after, self.memory_budget_bytes), step, ok, why,
+                                  [(e.path, e.size, e.crc32c) for e in entries]))
         except Exception as e:  # a rank gone: this step is never agreed
-            return self._unagreed(step, writer, f"the vote before it failed ({describe(e)})", t0, phases)
-        refusals = [r for r, _, _ in votes if r]
+            what = "the agreement" if plan_id is not None else "the vote before it"
+            return self._unagreed(step, writer, f"{what} failed ({describe(e)})", t0, phases)
+        refusals = [v[0] for v in votes if v[0]]
         if refusals:
             if writer is not None:
                 writer.release()
             self.last_reason = f"memory snapshot of step {step} not taken: {'; '.join(refusals)}"
             return SnapshotResult(step, "refused", self.last_reason, seconds=time.monotonic() - t0, phases=phases,
-                                  over_budget={r: b for r, (why, _, b) in enumerate(votes) if why})
-        reuse = plan_id is not None and all(p == plan_id for _, p, _ in votes)
-        ok, why, entries = True, "", []
-        t1 = time.monotonic()
-        phases["lay_out"] = t1 - t0
-        try:
-            if not reuse:
-                if writer is not None:
-                    writer.release()
-                self._plans.pop(layout, None)
-                writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
-                planner = DefaultSavePlanner()
-                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.group,
-                         no_dist=self.group is None)
-                paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
-                md = pickle.dumps(writer.metadata) if writer.is_coordinator else None
-                if paths is not None:
-                    self._plans[layout] = PlannedLayout(f"planned at step {step}", layout, writer.plan, paths,
-                                                         writer.results, writer.is_coordinator, md, ())
-                    while len(self._plans) > 2:
-                        del self._plans[next(iter(self._plans))]
-            phases["plan"] = time.monotonic() - t1
-            entries = writer.upload()  # the copy: every file joined into bytes in this rank's memory
-            metadata = self._plans[layout].metadata if reuse else md
-        except (Exception, CheckpointException) as e:
-            ok, why, metadata = False, describe(e), None
-            self._plans.pop(layout, None)
-        finally:
-            if writer is not None:
-                writer.release()
-        phases["copy"] = time.monotonic() - t1 - phases.get("plan", 0.0)
-        t2 = time.monotonic()
-        try:
-            everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], metadata))
-        except Exception as e:
-            return self._unagreed(step, None, f"the agreement failed ({describe(e)})", t0, phases)
-        phases["agree"] = time.monotonic() - t2
+                                  over_budget={r: v[2] for r, v in enumerate(votes) if v[0]})
+        reuse = plan_id is not None and all(v[1] == plan_id for v in votes)
+        if reuse:
+            everyone = [(s, o, w, files, None) for _, _, _, s, o, w, files in votes]
+            md = self._plans[layout].metadata
+        else:
+            t1 = time.monotonic()
+            storage = MemoryStorage()  # what a rank copied by its last plan is not this snapshot's
+            ok, why, entries, mine = self._plan_and_copy(writer, storage, step, state_dict, layout)
+            phases["plan_and_copy"] = time.monotonic() - t1
+            t2 = time.monotonic()
+            try:
+                everyone = self._gather((step, ok, why, [(e.path, e.size, e.crc32c) for e in entries], mine))
+            except Exception as e:
+                return self._unagreed(step, None, f"the agreement failed ({describe(e)})", t0, phases)
+            phases["agree"] = time.monotonic() - t2
+            md = everyone[0][4]
+            if layout in self._plans and md is not None:  # every rank keeps the metadata: never sent again
+                self._plans[layout] = dataclasses.replace(self._plans[layout], metadata=md)
         failed = {r: f"{w or 'not ok'}" for r, (s, o, w, _, _) in enumerate(everyone) if not o or s != step}
-        md = everyone[0][4]
         if not failed and md is None:
             failed = {0: "the coordinator has no DCP metadata"}
         if failed:
@@ -288,6 +283,52 @@ class MemoryTier:
         return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases,
                               planned=not reuse)
 
+    def _plan_and_copy(self, writer, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
+        """Lay out with ``dcp.save`` (DCP's planning: collective) and copy: (ok, why, entries, this rank's
+        DCP metadata if it is the coordinator). Keeps the plan and its replay for the next snapshots."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ..dcp_io import EtrainWriter, PlannedItems
+
+        if writer is not None:
+            writer.release()
+        self._plans.pop(layout, None)
+        self._replays.pop(layout, None)
+        writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
+        try:
+            planner = DefaultSavePlanner()
+            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.group,
+                     no_dist=self.group is None)
+            paths = PlannedItems.paths_of(writer.plan, planner, state_dict)
+            md = pickle.dumps(writer.metadata) if writer.is_coordinator else None
+            if paths is not None:
+                self._plans[layout] = PlannedLayout(f"planned at step {step}", layout, writer.plan, paths,
+                                                     writer.results, writer.is_coordinator, md, ())
+                replay = Replay.of(writer, paths)
+                if replay is not None:
+                    self._replays[layout] = replay
+                while len(self._plans) > 2:
+                    self._replays.pop(next(iter(self._plans)), None)
+                    del self._plans[next(iter(self._plans))]
+            return (*self._copy(writer), md)
+        except (Exception, CheckpointException) as e:
+            self._plans.pop(layout, None)
+            self._replays.pop(layout, None)
+            writer.release()
+            return False, describe(e), [], None
+
+    @staticmethod
+    def _copy(writer) -> tuple[bool, str, list]:
+        """The copy into this rank's memory (every file joined into bytes, checksummed): (ok, why, entries)."""
+        try:
+            return True, "", writer.upload()
+        except Exception as e:
+            return False, describe(e), []
+        finally:
+            writer.release()
+
     def _unagreed(self, step: int, writer, why: str, t0: float, phases: dict) -> SnapshotResult:
         if writer is not None:
             writer.release()
@@ -297,17 +338,28 @@ class MemoryTier:
 
     def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
         """This rank's files laid out by the last plan (views of the state, nothing copied yet) when its
-        layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote."""
+        layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote. The
+        replay of the last layout's files first (no DCP, no per-item work), else the writer's ``write_data``."""
         from ..dcp_io import EtrainWriter, PlannedItems, same_results
 
         planned = self._plans.get(layout)
         if planned is None:
             return None, None
+        replay = self._replays.get(layout)
+        try:
+            files = replay.files(state_dict) if replay is not None else None
+            if files is not None:
+                return Replayed(storage, step_rel(step), files), planned.plan_id
+        except Exception as e:
+            log.debug("memory snapshot of step %d: cannot replay the last layout (%s)", step, describe(e))
         writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
         try:
             writer.is_coordinator = planned.is_coordinator
             writer.write_data(planned.plan, PlannedItems(planned.paths, state_dict))
             if same_results(writer.results, planned.results):
+                replay = Replay.of(writer, planned.paths)
+                if replay is not None:
+                    self._replays[layout] = replay
                 return writer, planned.plan_id
         except Exception as e:
             log.debug("memory snapshot of step %d: cannot reuse the last plan (%s)", step, describe(e))
@@ -362,21 +414,18 @@ class MemoryTier:
         return self._inflight
 
     def _replicate(self, snapshot: MemorySnapshot) -> ReplicationResult:
-        import torch.distributed as dist
-
-        from .peer_copy import replicate
+        from .transport import PeerCopyTransport
 
         t0 = time.monotonic()
+        transport = PeerCopyTransport(self.replica_group, self.peers)
         got: dict[int, MemorySnapshot] = {}
         why = ""
         try:
-            got = replicate(snapshot, self.replica_group, self.peers)
+            got = transport.send(snapshot)
         except Exception as e:  # a failed copy leaves the previous restorable step in place
             why = describe(e)
-        votes = [None] * self.world_size
         try:
-            dist.all_gather_object(votes, why, group=self.replica_group)
-            bad = {r: w for r, w in enumerate(votes) if w}
+            bad = transport.agree(why)
         except Exception as e:  # a rank gone: the copies of this step are not complete everywhere
             bad = {self.rank: why or f"the agreement on the copies failed ({describe(e)})"}
         with self._lock:
