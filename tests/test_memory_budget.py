@@ -9,12 +9,15 @@ controller is stepped against a fake worker group whose workers report what the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import available_bytes, tier_budget
 from orchestrator.config import RecoveryConfig, recovery_from_raw
 from orchestrator.progress import describe_event, tier_status_line
+from orchestrator.worker_results import Restored
 from tests.fake_group import FakeGroup
 from tests.test_controller import Rig
 
@@ -101,8 +104,8 @@ class TierGroup(FakeGroup):
     def _execute(self, w, call, method, args):
         super()._execute(w, call, method, args)
         value = call.ref.value if call.ref.done else None
-        if method == "restore" and isinstance(value, dict):
-            value["memory_tier"] = {**BUDGET, "rank": w.rank}
+        if method == "restore" and isinstance(value, Restored):
+            call.ref.value = replace(value, memory_tier={**BUDGET, "rank": w.rank})
         if method == "progress" and isinstance(value, dict) and w.rank == 0 and w.step >= OFF_AT and not self.told:
             TierGroup.told = True
             value["memory_tier"] = [{"action": "off", "step": OFF_AT, "rank": 1, "bytes": 150_000,
@@ -156,7 +159,7 @@ class RefusingGroup(FakeGroup):
     def _execute(self, w, call, method, args):
         super()._execute(w, call, method, args)
         if method == "restore":
-            call.ref.value["memory_tier"] = {**BUDGET, "rank": w.rank}
+            call.ref.value = replace(call.ref.value, memory_tier={**BUDGET, "rank": w.rank})
         if method == "memory_flush":
             call.ref.value.update(reason="memory snapshot of step 6 not taken: ...", refused={
                 "action": "refused", "step": w.step, "rank": 0, "bytes": 150_000, "budget_bytes": 100_000,
