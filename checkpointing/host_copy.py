@@ -23,8 +23,20 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch as _torch
-from torch.distributed.tensor import DTensor as _DTensor
+
+def _tensor_types() -> tuple[type, type]:
+    """(torch.Tensor, DTensor), imported at the first copy: `etrain ckpt --help` and the other commands that
+    import this module without copying anything never load torch."""
+    global _TENSOR_TYPES
+    if _TENSOR_TYPES is None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        _TENSOR_TYPES = (torch.Tensor, DTensor)
+    return _TENSOR_TYPES
+
+
+_TENSOR_TYPES: tuple[type, type] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,8 @@ class HostCopy:
         leaves: list = []
         key: list = []
         tree = _flatten(state_dict, leaves, key)
-        if not any((t._local_tensor if type(t) is _DTensor else t).is_cuda for t in leaves):
+        _, dtensor = _tensor_types()
+        if not any((t._local_tensor if type(t) is dtensor else t).is_cuda for t in leaves):
             return self._copy_indexed(state_dict, leaves, key, tree)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -134,16 +147,17 @@ class HostCopy:
         which indexes the new layout. The copy carries its layout's fingerprint, computed once per layout."""
         import torch
 
+        _, dtensor = _tensor_types()
         index = self._index
         if index is None or index.key != key:
             out = self._copy_tree(state_dict, "", 0)
             views: list = []
             _flatten(out, views, [])
-            self._index = _Index(key, views, [v._local_tensor if type(v) is _DTensor else v for v in views],
+            self._index = _Index(key, views, [v._local_tensor if type(v) is dtensor else v for v in views],
                                  layout_fingerprint(out))
             return PendingCopy(out, layout=self._index.layout)
         if leaves:
-            torch._foreach_copy_(index.buffers, [(t._local_tensor if type(t) is _DTensor else t).detach()
+            torch._foreach_copy_(index.buffers, [(t._local_tensor if type(t) is dtensor else t).detach()
                                                  for t in leaves])
         return PendingCopy(_fill(tree, index.views), layout=index.layout)
 
@@ -198,23 +212,24 @@ class _Slot(int):
     """A tensor's place in the flattened list (in a tree made by :func:`_flatten`)."""
 
 
-def _flatten(obj, leaves: list, key: list):
+def _flatten(obj, leaves: list, key: list, types: tuple[type, type] | None = None):
     """``obj``'s dicts rebuilt with every tensor replaced by its :class:`_Slot` in ``leaves`` (appended to);
     ``key`` gets what the layout depends on: each dict's keys, each tensor's type, shapes, dtype, sharding."""
+    tensor, dtensor = types = types or _tensor_types()
     if isinstance(obj, dict):
         key.append(tuple(obj))
-        return {k: _flatten(v, leaves, key) for k, v in obj.items()}
-    if isinstance(obj, _DTensor):
+        return {k: _flatten(v, leaves, key, types) for k, v in obj.items()}
+    if isinstance(obj, dtensor):
         local = obj._local_tensor
         key.append((id(obj.device_mesh), obj.device_mesh, obj.placements, obj.shape, obj.stride(), local.shape,
                     local.dtype, local.device, obj.requires_grad))
-    elif isinstance(obj, _torch.Tensor):
+    elif isinstance(obj, tensor):
         key.append((type(obj), obj.shape, obj.dtype, obj.device, obj.layout, obj.requires_grad))
     else:
         if isinstance(obj, (list, tuple)):
             key.append((type(obj), len(obj)))
             for v in obj:  # their structure is part of the layout (never copied: kept as they are)
-                _flatten(v, [], key)
+                _flatten(v, [], key, types)
         else:
             key.append(type(obj))
         return obj
