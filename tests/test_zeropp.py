@@ -104,6 +104,11 @@ LAYOUTS = [
 ]
 
 
+# The world-4 runs (9 layouts, 4 processes) take about half a minute: they run with the slow tier (make test-ray)
+# and, where marked compat, on the oldest torch (make test-compat).
+WORLD4_TIER = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def world4():
     return run_ranks("tests.zeropp_jobs:train_zeropp", 4, {"base": BASE, "layouts": LAYOUTS}, timeout=600)
@@ -117,6 +122,7 @@ def comm(res, name: str, key: str) -> float:
     return res[0][name]["comm"][key]["bytes"]
 
 
+@WORLD4_TIER
 @pytest.mark.compat  # FSDP2's custom all-gather / reduce-scatter hooks and reshard_after_forward=<int> on 2.11 too
 @pytest.mark.parametrize("z", [2, 3])
 def test_qwz_all_gather_sends_int8_blocks_and_follows_the_unquantized_losses(world4, z):
@@ -131,6 +137,7 @@ def test_qwz_all_gather_sends_int8_blocks_and_follows_the_unquantized_losses(wor
     assert world4[0][f"z{z}_qw"]["losses"] != world4[0][f"z{z}"]["losses"]  # the weights were quantized
 
 
+@WORLD4_TIER
 def test_qwz_replicas_never_drift_apart(world4):
     """ZeRO-2 keeps whole parameters on every rank: after 20 quantized steps they are bitwise identical
     (the owner of each chunk computes with the dequantized values every other rank received)."""
@@ -138,6 +145,7 @@ def test_qwz_replicas_never_drift_apart(world4):
     assert len({r["z1_qw_qg"]["digest"] for r in world4}) == 1
 
 
+@WORLD4_TIER
 def test_zero1_quantizes_both_collectives_and_memory_counts_the_separate_master(world4):
     res = world4[0]["z1_qw_qg"]
     assert {"all_to_all/dp_shard", "all_gather/dp_shard"} <= res["comm"].keys()
@@ -148,6 +156,7 @@ def test_zero1_quantizes_both_collectives_and_memory_counts_the_separate_master(
             assert abs(m["optimizer"] - p["optimizer"]) <= 0.05 * p["optimizer"], (name, m, p)
 
 
+@WORLD4_TIER
 @pytest.mark.parametrize("z", [2, 3])
 def test_qgz_reduce_scatters_int8_by_all_to_all(world4, z):
     base = comm(world4, f"z{z}", "reduce_scatter/dp_shard")
@@ -158,6 +167,7 @@ def test_qgz_reduce_scatters_int8_by_all_to_all(world4, z):
     assert close(res["losses"], world4[0][f"z{z}"]["losses"])
 
 
+@WORLD4_TIER
 @pytest.mark.compat
 def test_all_three_keep_the_backward_all_gather_inside_each_group(world4):
     """World 4 as two "nodes" of 2 ranks (hpz_partition_size=2): the forward all-gathers go across all
@@ -174,9 +184,9 @@ def test_all_three_keep_the_backward_all_gather_inside_each_group(world4):
     assert close(world4[0]["z3_all"]["losses"], world4[0]["z3"]["losses"])
 
 
-def test_step_log_has_comm_bytes_per_kind(world4, tmp_path):
+def test_step_log_has_comm_bytes_per_kind(tmp_path):
     """``--log-file`` rows carry this step's bytes per collective kind; qwZ's all-gather is the int8 rows
-    (trainer.cli's run, in the 4 processes of the fixture)."""
+    (trainer.cli's run in 4 processes: qwZ end to end in the fast tier)."""
     log = tmp_path / "steps.jsonl"
     over = ["parallel.zero_stage=2", QW, "train.steps=3", "data.max_bytes=300000", 'parallel.mixed_precision="fp32"',
             "train.global_batch=8", "train.micro_batch=1"]
