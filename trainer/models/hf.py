@@ -24,6 +24,7 @@ from checkpointing.names import redact
 from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
 from .hf_cp import cp_refusal, global_positions, route_attention
+from .hf_moe import moe_family, moe_forward, router_aux_loss, sparse_blocks
 from .spec import ModelInfo
 
 
@@ -74,6 +75,7 @@ class HFSpec(UserModelSpec):
 
     def preflight(self, cfg: RunConfig) -> ModelInfo:
         info = super().preflight(cfg)
+        self.check_moe(cfg)
         cp = cfg.parallel.cp
         if cp > 1:
             reason = self.cp_refusal(cfg.data.seq_len)
@@ -86,6 +88,27 @@ class HFSpec(UserModelSpec):
                                   f"model's num_attention_heads={heads} is not divisible by parallel.cp={cp}; "
                                   'use parallel.cp_style="ring"')
         return info
+
+    def moe_family(self) -> str | None:
+        """The model_type of a mapped transformers MoE (:mod:`.hf_moe`), None when dense; ConfigError when unmapped."""
+        return moe_family(self.hf_config())
+
+    def check_moe(self, cfg: RunConfig) -> None:
+        """A transformers MoE against the layout (ConfigError, exit 2, before any process group)."""
+        ep, kind = cfg.parallel.ep, self.moe_family()
+        if kind is None:
+            if ep > 1:
+                raise ConfigError(f"parallel.ep={ep} splits the experts of a Mixture of Experts, and "
+                                  f"model.hf_config={self.mcfg.hf_config!r} is a dense model; set parallel.ep=1")
+            return
+        sparse_blocks(self.build("meta"))
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp}: a {kind} model's balancing loss needs the router "
+                              "logits of every layer in one forward, which pipeline stages split; set parallel.pp=1")
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep}: expert parallelism is not mapped for transformers' {kind} "
+                              "experts yet (they run whole on every data-parallel rank); set parallel.ep=1, or "
+                              'use the built-in MoE (model.preset="moe-tiny") for expert parallelism')
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every attention layer over the cp group (:mod:`.hf_cp`); position ids the global ones."""
@@ -122,7 +145,10 @@ class HFSpec(UserModelSpec):
                 f"use a model config with vocab_size >= {have}, or another data.tokenizer")
 
     def forward_fn(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-        return hf_forward
+        return moe_forward if self.moe_family() else hf_forward
+
+    def aux_loss_fn(self) -> Callable[[nn.Module], torch.Tensor | None] | None:
+        return router_aux_loss if self.moe_family() else None
 
     def inference_model(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, int]:
         from transformers import AutoModelForCausalLM

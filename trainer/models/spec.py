@@ -172,6 +172,11 @@ class ModelSpec(ABC):
         """The training loss of (logits, targets); None: the language-model loss."""
         return None
 
+    def aux_loss_fn(self) -> Callable[[nn.Module], torch.Tensor | None] | None:
+        """A Mixture of Experts of the model's own: its weighted balancing loss after a forward (added to the
+        loss); None: the built-in MoE layers' (trainer.models.moe), if any."""
+        return None
+
     def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         fn = self.forward_fn()
         return fn(module, tokens) if fn is not None else module(tokens)

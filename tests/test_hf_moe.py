@@ -1,0 +1,97 @@
+"""transformers' Mixture-of-Experts models from a local config (``model.source = "hf"``).
+
+The reference is a plain single-process loop written here: transformers' own Mixtral (from_config under the
+same seed), its own balancing loss (``output_router_logits=True``: ``out.aux_loss`` times the config's
+``router_aux_loss_coef``, added to the language-model loss of each micro-batch), torch's AdamW and clipping,
+the run's batches in the run's micro-batches; no etrain training code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.test_input_safety import run_module
+from tests.test_models import STEPS, TRAIN, hf, plain_setup
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05,
+           "tie_word_embeddings": False}
+
+
+def write(tmp, doc: dict) -> str:
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(doc, f)
+    return str(tmp)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("mixtral"), MIXTRAL)
+
+
+def reference_losses(hf_dir: str) -> tuple[list[float], list[float]]:
+    """(losses, aux losses) of the plain loop: 8 samples a step in micro-batches of 2, as the run takes them."""
+    model, opt, batcher = plain_setup(hf_dir)
+    coef = model.config.router_aux_loss_coef
+    losses, auxes = [], []
+    for step in range(STEPS):
+        x, y = batcher.tokens(batcher.local_positions(step * 8))
+        total = aux_total = 0.0
+        for i in range(0, 8, 2):
+            out = model(input_ids=x[i:i + 2], output_router_logits=True)
+            aux = coef * out.aux_loss
+            loss = (torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), y[i:i + 2].flatten())
+                    + aux) / 4
+            loss.backward()
+            total += loss.item()
+            aux_total += aux.item() / 4
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        auxes.append(aux_total)
+    return losses, auxes
+
+
+def close(name: str, got: list[float], ref: list[float], tol: float = 1e-4) -> None:
+    assert len(got) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert abs(a - b) <= tol * abs(b), f"{name} step {step + 1}: {a} vs {b}"
+
+
+def test_mixtral_matches_a_plain_transformers_loop_with_its_router_loss(mixtral):
+    """World 1 (ZeRO 0) equals the plain loop with Mixtral's own balancing loss; ZeRO-3 at world 2 (dp 2)
+    equals world 1. Without the balancing loss the run's losses would differ by coef x aux (~0.1 here)."""
+    layouts = [("zero3", hf(mixtral) + ["parallel.zero_stage=3"])]
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "layouts": layouts},
+                    timeout=300)
+    ref, ref_aux = reference_losses(mixtral)
+    assert ref[-1] < ref[0]
+    assert min(ref_aux) > 0.05  # coef 0.05 x a loss near top_k: a term the match would notice
+    close("world 1", one["losses"], ref)
+    close("world 1 aux", one["aux"], ref_aux, 1e-3)
+    close("zero3 world 2", two[0]["zero3"]["losses"], one["losses"])
+    assert two[0]["zero3"]["losses"] == two[1]["zero3"]["losses"]
+    close("zero3 world 2 aux", two[0]["zero3"]["aux"], one["aux"], 1e-3)
+
+
+def test_unmapped_moe_and_ep_exit_2(tmp_path, mixtral):
+    """An MoE family etrain cannot map, and expert parallelism of a mapped one, exit 2 naming the fix."""
+    deepseek = write(tmp_path / "ds", {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+                                       "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                       "num_experts_per_tok": 2, "max_position_embeddings": 64})
+    r = run_module("trainer", [a for o in hf(deepseek) for a in ("--set", o)])
+    assert r.returncode == 2 and "model_type 'deepseek_v3' is a Mixture of Experts" in r.stderr, r.stderr
+    assert "mixtral, qwen2_moe, qwen3_moe" in r.stderr and "Traceback" not in r.stderr
+    r = run_module("trainer", [a for o in hf(mixtral) + ["parallel.ep=2"] for a in ("--set", o)])
+    assert r.returncode == 2 and "parallel.ep=2" in r.stderr and "mixtral" in r.stderr, r.stderr
