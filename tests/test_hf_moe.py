@@ -66,26 +66,50 @@ def close(name: str, got: list[float], ref: list[float], tol: float = 1e-4) -> N
         assert abs(a - b) <= tol * abs(b), f"{name} step {step + 1}: {a} vs {b}"
 
 
-def test_mixtral_matches_a_plain_transformers_loop_with_its_router_loss(mixtral):
+@pytest.fixture(scope="module")
+def runs(mixtral):
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero3", hf(mixtral) + ["parallel.zero_stage=3"]),
+        ("ep2_zero3", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2"]),
+        ("ep2_zero1", hf(mixtral) + ["parallel.zero_stage=1", "parallel.ep=2"])]}, timeout=300)
+    return one, two
+
+
+def test_mixtral_matches_a_plain_transformers_loop_with_its_router_loss(mixtral, runs):
     """World 1 (ZeRO 0) equals the plain loop with Mixtral's own balancing loss; ZeRO-3 at world 2 (dp 2)
     equals world 1. Without the balancing loss the run's losses would differ by coef x aux (~0.1 here)."""
-    layouts = [("zero3", hf(mixtral) + ["parallel.zero_stage=3"])]
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "layouts": [
-        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
-    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "layouts": layouts},
-                    timeout=300)
+    one, two = runs
     ref, ref_aux = reference_losses(mixtral)
     assert ref[-1] < ref[0]
     assert min(ref_aux) > 0.05  # coef 0.05 x a loss near top_k: a term the match would notice
-    close("world 1", one["losses"], ref)
-    close("world 1 aux", one["aux"], ref_aux, 1e-3)
-    close("zero3 world 2", two[0]["zero3"]["losses"], one["losses"])
+    close("world 1", one["zero0"]["losses"], ref)
+    close("world 1 aux", one["zero0"]["aux"], ref_aux, 1e-3)
+    close("zero3 world 2", two[0]["zero3"]["losses"], one["zero0"]["losses"])
     assert two[0]["zero3"]["losses"] == two[1]["zero3"]["losses"]
-    close("zero3 world 2 aux", two[0]["zero3"]["aux"], one["aux"], 1e-3)
+    close("zero3 world 2 aux", two[0]["zero3"]["aux"], one["zero0"]["aux"], 1e-3)
 
 
-def test_unmapped_moe_and_ep_exit_2(tmp_path, mixtral):
-    """An MoE family etrain cannot map, and expert parallelism of a mapped one, exit 2 naming the fix."""
+@pytest.mark.parametrize("layout", ["ep2_zero3", "ep2_zero1"])
+def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
+    """ep 2 at world 2: each rank holds 2 of the 4 experts of every layer (ep-sharded DTensors), the routed
+    slots travel by all-to-all on the ep axis, and the losses and the first step's expert gradients equal
+    world 1's (the gradient divide: a naive factor gives 2x)."""
+    one, two = runs
+    for rank in (0, 1):
+        got = two[rank][layout]
+        close(f"{layout} rank {rank}", got["losses"], one["zero0"]["losses"])
+        assert got["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
+        assert got["comm"]["all_to_all/ep"]["calls"] > 0
+    grads, ref = two[0][layout]["grads"], one["zero0"]["grads"]
+    assert len(grads) == 4 and set(grads) <= set(ref)  # gate_up_proj and down_proj of both layers
+    for name, g in grads.items():
+        assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
+
+
+def test_unmapped_moe_and_ep_exit_2(tmp_path):
+    """An MoE family etrain cannot map, and an ep that does not divide the experts, exit 2 naming the fix."""
     deepseek = write(tmp_path / "ds", {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
                                        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
@@ -93,5 +117,6 @@ def test_unmapped_moe_and_ep_exit_2(tmp_path, mixtral):
     r = run_module("trainer", [a for o in hf(deepseek) for a in ("--set", o)])
     assert r.returncode == 2 and "model_type 'deepseek_v3' is a Mixture of Experts" in r.stderr, r.stderr
     assert "mixtral, qwen2_moe, qwen3_moe" in r.stderr and "Traceback" not in r.stderr
-    r = run_module("trainer", [a for o in hf(mixtral) + ["parallel.ep=2"] for a in ("--set", o)])
-    assert r.returncode == 2 and "parallel.ep=2" in r.stderr and "mixtral" in r.stderr, r.stderr
+    three = write(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
+    r = run_module("trainer", [a for o in hf(three) + ["parallel.ep=2"] for a in ("--set", o)])
+    assert r.returncode == 2 and "parallel.ep=2 does not divide the model's 3 experts" in r.stderr, r.stderr

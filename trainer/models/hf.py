@@ -24,7 +24,7 @@ from checkpointing.names import redact
 from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
 from .hf_cp import cp_refusal, global_positions, route_attention
-from .hf_moe import moe_family, moe_forward, router_aux_loss, sparse_blocks
+from .hf_moe import ExpertLayer, moe_family, moe_forward, router_aux_loss, sparse_blocks
 from .spec import ModelInfo
 
 
@@ -105,10 +105,17 @@ class HFSpec(UserModelSpec):
         if cfg.parallel.pp > 1:
             raise ConfigError(f"parallel.pp={cfg.parallel.pp}: a {kind} model's balancing loss needs the router "
                               "logits of every layer in one forward, which pipeline stages split; set parallel.pp=1")
-        if ep > 1:
-            raise ConfigError(f"parallel.ep={ep}: expert parallelism is not mapped for transformers' {kind} "
-                              "experts yet (they run whole on every data-parallel rank); set parallel.ep=1, or "
-                              'use the built-in MoE (model.preset="moe-tiny") for expert parallelism')
+        n = int(self.hf_config().num_experts)
+        if ep > 1 and n % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the model's {n} experts (model.hf_config="
+                              f"{self.mcfg.hf_config!r}); use a divisor of {n}")
+        if ep > 1 and (cfg.parallel.tp > 1 or cfg.parallel.cp > 1):
+            raise ConfigError(f"parallel.ep={ep}: a transformers MoE takes expert parallelism with data parallelism "
+                              "only; set parallel.tp=1 and parallel.cp=1, or parallel.ep=1")
+
+    def expert_layers(self, module: nn.Module) -> list:
+        """The sparse blocks of a mapped transformers MoE, for expert parallelism (:mod:`.hf_moe`)."""
+        return [ExpertLayer(b) for b in sparse_blocks(module)] if self.moe_family() else []
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every attention layer over the cp group (:mod:`.hf_cp`); position ids the global ones."""

@@ -73,3 +73,49 @@ def moe_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
 def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The weighted balancing loss of ``model``'s last :func:`moe_forward` (None before any)."""
     return getattr(model, "etrain_aux_loss", None)
+
+
+class ExpertLayer:
+    """A sparse block as expert parallelism sees it (trainer.parallel.expert): its ``experts`` module, their
+    number, and ``ep``: once set, the experts' forward routes each (token, choice) slot to its expert's rank
+    (:meth:`ExpertParallel.run`) and combines the outputs by the router's weights, as transformers does."""
+
+    def __init__(self, block: nn.Module):
+        self.experts = block.experts
+        self.n_experts = int(block.experts.num_experts)
+        self._ep = None
+
+    @property
+    def ep(self):
+        return self._ep
+
+    @ep.setter
+    def ep(self, ep) -> None:
+        self._ep = ep
+        experts = self.experts
+        experts.forward = lambda hidden, index, weights: dispatch(experts, ep, hidden, index, weights)
+
+
+def dispatch(experts: nn.Module, ep, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (``hidden`` (tokens, dim), the chosen experts and their weights (tokens,
+    k)) with the slots sorted by expert and computed on their experts' ranks."""
+    k = index.shape[-1]
+    flat = index.flatten()
+    order = flat.argsort(stable=True)  # slots sorted by expert, token order within one
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    out_sorted = ep.run(lambda x, c: local_experts(experts, x, c), hidden[order // k], counts)
+    out = hidden.new_zeros(flat.numel(), hidden.shape[-1]).index_copy(0, order, out_sorted)
+    return (out.view(-1, k, hidden.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
+def local_experts(experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """This rank's experts (its block of the ep-split ``gate_up_proj``/``down_proj``) on ``x``, sorted by
+    local expert, ``counts[i]`` slots for the ``i``-th."""
+    from torch.distributed.tensor import DTensor
+
+    gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.gate_up_proj, experts.down_proj))
+    outs = []
+    for e, chunk in enumerate(x.split(counts)):
+        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+        outs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+    return torch.cat(outs) if outs else x[:0]

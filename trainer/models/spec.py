@@ -177,6 +177,13 @@ class ModelSpec(ABC):
         loss); None: the built-in MoE layers' (trainer.models.moe), if any."""
         return None
 
+    def expert_layers(self, module: nn.Module) -> list:
+        """The Mixture-of-Experts layers expert parallelism splits (trainer.parallel.expert: each has ``experts``,
+        ``n_experts`` and a settable ``ep``); the built-in MoE layers by default."""
+        from .moe import moe_layers
+
+        return moe_layers(module)
+
     def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         fn = self.forward_fn()
         return fn(module, tokens) if fn is not None else module(tokens)

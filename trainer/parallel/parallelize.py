@@ -179,13 +179,14 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
-        emesh = apply_ep(model, dims, mesh)
+        layers = spec.expert_layers(model)
+        emesh = apply_ep(layers, dims, mesh)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
         if emesh is not None:  # the experts' own FSDP units, at every ZeRO stage; first: the blocks' leave them out
-            shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
+            shard_experts(layers, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
             if not use_fsdp:
-                expert_units += [moe.experts for moe in moe_layers(model)]
+                expert_units += [moe.experts for moe in layers]
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
