@@ -120,3 +120,28 @@ def test_unmapped_moe_and_ep_exit_2(tmp_path):
     three = write(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
     r = run_module("trainer", [a for o in hf(three) + ["parallel.ep=2"] for a in ("--set", o)])
     assert r.returncode == 2 and "parallel.ep=2 does not divide the model's 3 experts" in r.stderr, r.stderr
+
+
+QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05, "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [dict(QWEN, model_type="qwen2_moe", shared_expert_intermediate_size=64),
+                                 dict(QWEN, model_type="qwen3_moe", head_dim=16, norm_topk_prob=True)],
+                         ids=["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_matches_the_plain_loop_and_splits_by_ep(tmp_path, doc):
+    """Qwen2-MoE (a shared expert beside the routed ones) and Qwen3-MoE: world 1 equals the plain transformers
+    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients)."""
+    d = write(tmp_path / doc["model_type"], doc)
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(d) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"])]}, timeout=300)[0]["ep2"]
+    ref, _ = reference_losses(d)
+    close("world 1", one["losses"], ref)
+    close("ep 2", two["losses"], one["losses"])
+    assert two["experts"] == {"placement": "Shard(dim=0)", "first": 0, "n": 2}
+    for name, g in two["grads"].items():
+        assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
