@@ -145,3 +145,43 @@ def test_qwen_moe_matches_the_plain_loop_and_splits_by_ep(tmp_path, doc):
     assert two["experts"] == {"placement": "Shard(dim=0)", "first": 0, "n": 2}
     for name, g in two["grads"].items():
         assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
+
+
+MOE = ['model.preset="moe-tiny"', "model.dim=64", "model.ffn_hidden=48", "model.n_layers=2", "model.n_experts=4",
+       "model.top_k=2", "data.max_bytes=200000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
+       "train.warmup_steps=0", "train.lr=3e-3", "metrics.enabled=false", 'parallel.mixed_precision="fp32"']
+
+
+def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp_path):
+    """2 steps of the built-in MoE at ep 2 (world 2, ZeRO-3), saved; `etrain ckpt export --format hf` writes a
+    Mixtral (config.json, fused gate_up_proj) that AutoModelForCausalLM loads, with the logits of the
+    checkpoint's own model (the built-in decoder loaded from the safetensors export)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.cli import main as etrain
+    from trainer.export import export
+    from trainer.models.decoder import Transformer
+
+    url = f"file://{tmp_path}/ck"
+    res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": MOE + [f'checkpoint.url="{url}"'], "actions": [
+        {"layout": ["parallel.zero_stage=3", "parallel.ep=2"], "train": 2, "save": "moe", "state": False}]})
+    assert res[0][0]["saves"] == [(2, "committed", "")], res[0][0]
+    step = f"{url}/moe/checkpoints/step_000000002"
+    out = str(tmp_path / "hf")
+    assert etrain(["ckpt", "export", step, out, "--format", "hf"]) == 0
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    theirs_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs_model).__name__ == "MixtralForCausalLM"
+    fused = theirs_model.model.layers[1].mlp.experts.gate_up_proj
+    assert tuple(fused.shape) == (4, 96, 64)
+    export(step, str(tmp_path / "moe.safetensors"), "safetensors")
+    from trainer.config_load import load_config
+
+    ours_model = Transformer(load_config(None, MOE).model).eval()
+    ours_model.load_state_dict(load_file(str(tmp_path / "moe.safetensors")))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = ours_model(tokens), theirs_model(input_ids=tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4

@@ -72,6 +72,9 @@ class HFNames(Protocol):
         """config.json of the export; ``tokenizer``: "bytes" or "files" (``etrain_tokenizer``)."""
         ...
 
+    # Where several tensors map to one transformers name (hf_name), a family also has
+    # merged_shape(name, {fqn: shape}) -> shape and merge(name, {fqn: tensor in the HF layout}) -> tensor.
+
 
 class ModelSpec(ABC):
     """A model family: built from the ``[model]`` section, asked by everything that needs the model."""
