@@ -2,7 +2,7 @@
 
     names = MixtralNames(mcfg)         # what DecoderSpec.hf_names() returns for model.n_experts > 0
     names.hf_name("layers.0.feed_forward.experts.w1")   # "model.layers.0.mlp.experts.gate_up_proj"
-    names.merge(name, {fqn: tensor})   # w1, w3 (experts, ffn_hidden, dim) -> gate_up_proj (experts, 2 x ffn_hidden, dim)
+    names.merge(name, {fqn: t})        # w1, w3 (experts, hidden, dim) -> gate_up_proj (experts, 2 x hidden, dim)
 
 Attention, norms and embeddings are the Llama mapping (:mod:`.llama_names`, q/k rows permuted for
 ``rotate_half``). Each MoE layer: ``router.weight`` -> ``mlp.gate.weight``; the stacked experts' ``w1`` (the
