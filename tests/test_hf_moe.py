@@ -89,6 +89,11 @@ def test_mixtral_matches_a_plain_transformers_loop_with_its_router_loss(mixtral,
     close("zero3 world 2", two[0]["zero3"]["losses"], one["zero0"]["losses"])
     assert two[0]["zero3"]["losses"] == two[1]["zero3"]["losses"]
     close("zero3 world 2 aux", two[0]["zero3"]["aux"], one["zero0"]["aux"], 1e-3)
+    # The step log's loads: each layer's routed slots (8 samples x 32 tokens x top 2), over the dp ranks.
+    loads = one["zero0"]["tokens_per_expert"][0]
+    assert set(loads) == {"0", "1"} and all(sum(v) == 8 * 32 * 2 for v in loads.values())
+    assert two[0]["zero3"]["tokens_per_expert"][0] == loads
+    assert one["zero0"]["imbalance"][0] == max(max(v) / (sum(v) / 4) for v in loads.values()) > 1
 
 
 @pytest.mark.parametrize("layout", ["ep2_zero3", "ep2_zero1"])
@@ -102,6 +107,7 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
         close(f"{layout} rank {rank}", got["losses"], one["zero0"]["losses"])
         assert got["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
         assert got["comm"]["all_to_all/ep"]["calls"] > 0
+        assert got["tokens_per_expert"] == one["zero0"]["tokens_per_expert"]
     grads, ref = two[0][layout]["grads"], one["zero0"]["grads"]
     assert len(grads) == 4 and set(grads) <= set(ref)  # gate_up_proj and down_proj of both layers
     for name, g in grads.items():

@@ -24,8 +24,8 @@ from checkpointing.names import redact
 from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
 from .hf_cp import cp_refusal, global_positions, route_attention
-from .hf_moe import ExpertLayer, moe_family, moe_forward, router_aux_loss, sparse_blocks
-from .spec import ModelInfo
+from .hf_moe import ExpertLayer, count_load, moe_family, moe_forward, router_aux_loss, sparse_blocks
+from .spec import ModelInfo, Stage
 
 
 def load_hf_config(mcfg: ModelConfig):
@@ -112,6 +112,12 @@ class HFSpec(UserModelSpec):
         if ep > 1 and (cfg.parallel.tp > 1 or cfg.parallel.cp > 1):
             raise ConfigError(f"parallel.ep={ep}: a transformers MoE takes expert parallelism with data parallelism "
                               "only; set parallel.tp=1 and parallel.cp=1, or parallel.ep=1")
+
+    def build_stage(self, cfg: RunConfig, stage: int, n_stages: int, device: torch.device) -> Stage:
+        built = super().build_stage(cfg, stage, n_stages, device)
+        if self.moe_family():
+            count_load(built.module)  # the step log's tokens per expert and imbalance
+        return built
 
     def expert_layers(self, module: nn.Module) -> list:
         """The sparse blocks of a mapped transformers MoE, for expert parallelism (:mod:`.hf_moe`)."""

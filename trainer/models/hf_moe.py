@@ -119,3 +119,19 @@ def local_experts(experts: nn.Module, x: torch.Tensor, counts: list[int]) -> tor
         gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
         outs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
     return torch.cat(outs) if outs else x[:0]
+
+
+def count_load(model: nn.Module) -> None:
+    """Every sparse block counts the slots its router sends to each expert (``tokens_per_expert``, read and
+    cleared after each step by :func:`trainer.models.moe.balance_step`: the step log's imbalance and loads)."""
+    for block in sparse_blocks(model):
+        n = int(block.experts.num_experts)
+        block.register_buffer("tokens_per_expert", torch.zeros(n), persistent=False)
+        block.dropped = 0  # transformers' experts are dropless
+        block.etrain_counts_load = True
+        block.gate.register_forward_hook(lambda _m, _inp, out, block=block, n=n: add_load(block, out[2], n))
+
+
+@torch.no_grad()
+def add_load(block: nn.Module, index: torch.Tensor, n: int) -> None:
+    block.tokens_per_expert += torch.bincount(index.flatten(), minlength=n).to(block.tokens_per_expert)
