@@ -115,7 +115,8 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
 
 
 def test_unmapped_moe_and_ep_exit_2(tmp_path):
-    """An MoE family etrain cannot map, and an ep that does not divide the experts, exit 2 naming the fix."""
+    """An MoE family etrain cannot map, an ep that does not divide the experts, and pipeline stages (the
+    balancing loss needs every layer's router logits) exit 2 naming the fix."""
     deepseek = write(tmp_path / "ds", {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
                                        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
@@ -126,6 +127,9 @@ def test_unmapped_moe_and_ep_exit_2(tmp_path):
     three = write(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
     r = run_module("trainer", [a for o in hf(three) + ["parallel.ep=2"] for a in ("--set", o)])
     assert r.returncode == 2 and "parallel.ep=2 does not divide the model's 3 experts" in r.stderr, r.stderr
+    r = run_module("trainer", [a for o in hf(three) + ["parallel.pp=2", 'model.pp_split_points=["model.layers.1"]']
+                               for a in ("--set", o)])
+    assert r.returncode == 2 and "parallel.pp=2: a mixtral model's balancing loss" in r.stderr, r.stderr
 
 
 QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
