@@ -195,3 +195,11 @@ def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp
     with torch.no_grad():
         ours, theirs = ours_model(tokens), theirs_model(input_ids=tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
+    # model.init_from reads the Mixtral directory back into the built-in names (gate_up_proj split in two).
+    from trainer.export import WeightSource
+
+    src = WeightSource(out, load_config(None, MOE).model)
+    expected = {n: tuple(t.shape) for n, t in ours_model.state_dict().items()}
+    src.check(expected)
+    for name, t in ours_model.state_dict().items():
+        assert torch.equal(src.read(name), t), name

@@ -256,7 +256,9 @@ class WeightSource:
             spec = self.ckpt.specs().get(fqn)
             return None if spec is None else spec[1]
         entry = self.weights.entries.get(name)
-        return None if entry is None else entry.shape
+        if entry is None or not self.hf_names or not hasattr(self.names, "from_hf_shape"):
+            return None if entry is None else entry.shape
+        return self.names.from_hf_shape(fqn, tuple(entry.shape))  # one part of a merged tensor (Mixtral's)
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """ConfigError naming the first tensor the source lacks or holds in another shape."""

@@ -2,6 +2,7 @@
 
     names = MixtralNames(mcfg)         # what DecoderSpec.hf_names() returns for model.n_experts > 0
     names.hf_name("layers.0.feed_forward.experts.w1")   # "model.layers.0.mlp.experts.gate_up_proj"
+    names.from_hf(fqn, t)              # init_from a Mixtral directory: w1, w3 their halves of gate_up_proj
     names.merge(name, {fqn: t})        # w1, w3 (experts, hidden, dim) -> gate_up_proj (experts, 2 x hidden, dim)
 
 Attention, norms and embeddings are the Llama mapping (:mod:`.llama_names`, q/k rows permuted for
@@ -72,6 +73,12 @@ class MixtralNames:
         if fqn.endswith(("experts.w1", "experts.w3")) and t.shape[1] == 2 * self.mcfg.ffn_hidden:
             return t[:, : self.mcfg.ffn_hidden] if fqn.endswith("w1") else t[:, self.mcfg.ffn_hidden :]
         return llama_names.from_hf(fqn, t, self.mcfg)
+
+    def from_hf_shape(self, fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of built-in ``fqn`` in the HF tensor of ``shape`` (w1, w3: their half of gate_up_proj)."""
+        if fqn.endswith(("experts.w1", "experts.w3")) and len(shape) == 3 and shape[1] == 2 * self.mcfg.ffn_hidden:
+            return (shape[0], self.mcfg.ffn_hidden, shape[2])
+        return shape
 
     @staticmethod
     def merged_shape(name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
