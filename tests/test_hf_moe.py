@@ -203,3 +203,18 @@ def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp
     src.check(expected)
     for name, t in ours_model.state_dict().items():
         assert torch.equal(src.read(name), t), name
+
+
+@pytest.mark.slow
+def test_mixtral_checkpoint_at_ep2_resumes_at_world1(tmp_path, mixtral):
+    """3 steps at ep 2 under ZeRO-3 (world 2), saved; resumed at world 1 (ZeRO 0) for 2 more: the 5 losses of
+    an uninterrupted world-1 run (DCP reshards the ep-split gate_up_proj and down_proj by their names)."""
+    base = TRAIN + hf(mixtral) + [f'checkpoint.url="file://{tmp_path}"']
+    plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
+    first = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": ["parallel.ep=2", "parallel.zero_stage=3"], "train": 3, "save": "moe", "state": False}]})[0][0]
+    second = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
+    assert second["loaded_step"] == 3
+    close("resumed", first["losses"] + second["losses"], plain)
