@@ -130,6 +130,8 @@ def test_unmapped_moe_and_ep_exit_2(tmp_path):
     r = run_module("trainer", [a for o in hf(three) + ["parallel.pp=2", 'model.pp_split_points=["model.layers.1"]']
                                for a in ("--set", o)])
     assert r.returncode == 2 and "parallel.pp=2: a mixtral model's balancing loss" in r.stderr, r.stderr
+    r = run_module("trainer", [a for o in hf(three) + ["parallel.cp=2"] for a in ("--set", o)])
+    assert r.returncode == 2 and "parallel.cp=2 is not supported with a mixtral model" in r.stderr, r.stderr
 
 
 QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
@@ -218,3 +220,18 @@ def test_mixtral_checkpoint_at_ep2_resumes_at_world1(tmp_path, mixtral):
         {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
     assert second["loaded_step"] == 3
     close("resumed", first["losses"] + second["losses"], plain)
+
+
+def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
+    """The planner accounts a Mixtral as the built-in MoE of its sizes: the same parameters, experts apart."""
+    from trainer.config_load import load_config
+    from trainer.models import spec_for
+
+    spec = spec_for(load_config(None, TRAIN + hf(mixtral)).model)
+    m = spec.planning_model(32)
+    assert (m.source, m.n_experts, m.top_k, m.moe_every, m.ffn_hidden, m.n_shared_experts) == ("builtin", 4, 2, 1,
+                                                                                                96, 0)
+    assert spec.allows() == ()  # data and expert parallelism only
+    shape = spec_for(m).shape()
+    assert shape.n_params == sum(p.numel() for p in spec.build("meta").parameters())
+    assert shape.experts == 2 * 4 * 3 * 64 * 96

@@ -12,6 +12,7 @@ is routed through etrain's (:mod:`.hf_cp`) and its positions are the global ones
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 
@@ -71,6 +72,8 @@ class HFSpec(UserModelSpec):
         return self._cp_refusals[seq_len]
 
     def allows(self) -> tuple[str, ...]:
+        if self.moe_family():
+            return ()  # a Mixture of Experts: data and expert parallelism only (check_moe)
         return super().allows() + (() if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
 
     def preflight(self, cfg: RunConfig) -> ModelInfo:
@@ -109,15 +112,30 @@ class HFSpec(UserModelSpec):
         if ep > 1 and n % ep:
             raise ConfigError(f"parallel.ep={ep} does not divide the model's {n} experts (model.hf_config="
                               f"{self.mcfg.hf_config!r}); use a divisor of {n}")
-        if ep > 1 and (cfg.parallel.tp > 1 or cfg.parallel.cp > 1):
-            raise ConfigError(f"parallel.ep={ep}: a transformers MoE takes expert parallelism with data parallelism "
-                              "only; set parallel.tp=1 and parallel.cp=1, or parallel.ep=1")
+        for name in ("tp", "cp"):
+            if getattr(cfg.parallel, name) > 1:
+                raise ConfigError(f"parallel.{name}={getattr(cfg.parallel, name)} is not supported with a {kind} model "
+                                  f"(Mixture of Experts); set parallel.{name}=1 and use data or expert parallelism "
+                                  "(parallel.ep)")
 
     def build_stage(self, cfg: RunConfig, stage: int, n_stages: int, device: torch.device) -> Stage:
         built = super().build_stage(cfg, stage, n_stages, device)
         if self.moe_family():
             count_load(built.module)  # the step log's tokens per expert and imbalance
         return built
+
+    def planning_model(self, seq_len: int) -> ModelConfig:
+        """A mapped MoE is planned as the built-in MoE of its sizes (experts of its expert width, top k, its
+        sparse step; a shared expert of Qwen2-MoE counted as whole experts of that width)."""
+        base = super().planning_model(seq_len)
+        if not self.moe_family():
+            return base
+        hf = self.hf_config()
+        width = int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+        shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+        return dataclasses.replace(base, n_experts=int(hf.num_experts), top_k=int(hf.num_experts_per_tok),
+                                   moe_every=int(getattr(hf, "decoder_sparse_step", 1) or 1), ffn_hidden=width,
+                                   n_shared_experts=-(-shared // width), aux_loss_coef=float(hf.router_aux_loss_coef))
 
     def expert_layers(self, module: nn.Module) -> list:
         """The sparse blocks of a mapped transformers MoE, for expert parallelism (:mod:`.hf_moe`)."""
