@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.test_input_safety import run_module
+from tests.test_input_safety import PY, ROOT
 from tests.test_models import STEPS, TRAIN, hf, plain_setup
 
 MIXTRAL = {"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
@@ -121,17 +122,23 @@ def test_unmapped_moe_and_ep_exit_2(tmp_path):
                                        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
                                        "num_experts_per_tok": 2, "max_position_embeddings": 64})
-    r = run_module("trainer", [a for o in hf(deepseek) for a in ("--set", o)])
-    assert r.returncode == 2 and "model_type 'deepseek_v3' is a Mixture of Experts" in r.stderr, r.stderr
-    assert "mixtral, qwen2_moe, qwen3_moe" in r.stderr and "Traceback" not in r.stderr
     three = write(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
-    r = run_module("trainer", [a for o in hf(three) + ["parallel.ep=2"] for a in ("--set", o)])
-    assert r.returncode == 2 and "parallel.ep=2 does not divide the model's 3 experts" in r.stderr, r.stderr
-    r = run_module("trainer", [a for o in hf(three) + ["parallel.pp=2", 'model.pp_split_points=["model.layers.1"]']
-                               for a in ("--set", o)])
-    assert r.returncode == 2 and "parallel.pp=2: a mixtral model's balancing loss" in r.stderr, r.stderr
-    r = run_module("trainer", [a for o in hf(three) + ["parallel.cp=2"] for a in ("--set", o)])
-    assert r.returncode == 2 and "parallel.cp=2 is not supported with a mixtral model" in r.stderr, r.stderr
+    cases = [(hf(deepseek), "model_type 'deepseek_v3' is a Mixture of Experts"),
+             (hf(three) + ["parallel.ep=2"], "parallel.ep=2 does not divide the model's 3 experts"),
+             (hf(three) + ["parallel.pp=2", 'model.pp_split_points=["model.layers.1"]'],
+              "parallel.pp=2: a mixtral model's balancing loss"),
+             (hf(three) + ["parallel.cp=2"], "parallel.cp=2 is not supported with a mixtral model")]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")  # no peer: a run that got as far as a process group would hang, not exit 2
+    procs = [(subprocess.Popen([PY, "-m", "trainer", *[a for o in overrides for a in ("--set", o)]], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), message)
+             for overrides, message in cases]  # side by side
+    errs = []
+    for p, message in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 2 and message in err and "Traceback" not in err, err
+        errs.append(err)
+    assert "use one of the mapped families mixtral, qwen2_moe, qwen3_moe" in errs[0], errs[0]
 
 
 QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
@@ -235,3 +242,8 @@ def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
     shape = spec_for(m).shape()
     assert shape.n_params == sum(p.numel() for p in spec.build("meta").parameters())
     assert shape.experts == 2 * 4 * 3 * 64 * 96
+    from checkpointing.errors import ConfigError
+
+    cfg = load_config(None, TRAIN + hf(mixtral) + ["model.router_bias_update_rate=0.01"])
+    with pytest.raises(ConfigError, match="a mixtral router has none; set it to 0"):
+        spec_for(cfg.model).check_moe(cfg)

@@ -105,6 +105,10 @@ class HFSpec(UserModelSpec):
                                   f"model.hf_config={self.mcfg.hf_config!r} is a dense model; set parallel.ep=1")
             return
         sparse_blocks(self.build("meta"))
+        if self.mcfg.router_bias_update_rate > 0:
+            raise ConfigError(f"model.router_bias_update_rate={self.mcfg.router_bias_update_rate} moves the built-in "
+                              f"MoE's routing biases, and a {kind} router has none; set it to 0 (the model balances by "
+                              "its own router_aux_loss_coef)")
         if cfg.parallel.pp > 1:
             raise ConfigError(f"parallel.pp={cfg.parallel.pp}: a {kind} model's balancing loss needs the router "
                               "logits of every layer in one forward, which pipeline stages split; set parallel.pp=1")
