@@ -61,17 +61,13 @@ def capture_first_grads(trainer) -> dict:
 
 
 def experts_held(trainer) -> dict:
-    """The first MoE layer's w1 on this rank: its placement over the ep dimension, the first expert and the
-    number of experts this rank computes ({} without expert parallelism)."""
-    from torch.distributed.tensor import DTensor
-
-    from trainer.models.moe import moe_layers
-
-    layers = moe_layers(trainer.parts.modules[0])
-    if not layers or layers[0].ep is None:
-        return {}
-    w1 = layers[0].experts.w1
-    names = list(w1.device_mesh.mesh_dim_names)
-    assert isinstance(w1, DTensor)
-    chunk = w1.__create_chunk_list__()[0]  # where this rank's block sits in the global tensor, as DCP sees it
-    return {"placement": repr(w1.placements[names.index("ep")]), "first": chunk.offsets[0], "n": chunk.sizes[0]}
+    """The first MoE layer's first expert weight on this rank (the built-in ``w1``, transformers'
+    ``gate_up_proj``): its placement over the ep dimension, the first expert and the number of experts this
+    rank computes ({} without expert parallelism)."""
+    for _, p in trainer.parts.named_parameters():
+        names = list(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names or ())
+        if isinstance(p, DTensor) and "ep" in names:
+            chunk = p.__create_chunk_list__()[0]  # where this rank's block sits in the global tensor, as DCP sees it
+            return {"placement": repr(p.placements[names.index("ep")]), "first": chunk.offsets[0],
+                    "n": chunk.sizes[0]}
+    return {}

@@ -46,8 +46,8 @@ def hf(path: str) -> list[str]:
     return ['model.source="hf"', f'model.hf_config="{path}"']
 
 
-def reference_losses(hf_dir: str) -> list[float]:
-    """The plain loop: transformers' model, torch's AdamW and clipping, the run's batches."""
+def plain_setup(hf_dir: str):
+    """(model, optimizer, batcher) of the plain loop: transformers' model under the seed, torch's AdamW."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.config_load import load_config
@@ -62,6 +62,12 @@ def reference_losses(hf_dir: str) -> list[float]:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     batcher = Batcher(load_corpus(cfg.data), 32, SEED, 8, 0, 1)  # reading the data is not training code
+    return model, opt, batcher
+
+
+def reference_losses(hf_dir: str) -> list[float]:
+    """The plain loop: transformers' model, torch's AdamW and clipping, the run's batches."""
+    model, opt, batcher = plain_setup(hf_dir)
     losses = []
     for step in range(STEPS):
         x, y = batcher.tokens(batcher.local_positions(step * 8))

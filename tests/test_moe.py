@@ -68,7 +68,7 @@ def test_moe_layer_matches_a_per_token_loop(capacity):
     ("model.top_k=5", "model.top_k"), ("model.moe_every=9", "model.moe_every"),
     ("model.capacity_factor=-1", "model.capacity_factor"), ("model.n_experts=-2", "model.n_experts"),
     ("checkpoint.export_every=10 checkpoint.interval_steps=10 checkpoint.url=\"file:///tmp/x\"",
-     "has no transformers layout yet"),
+     "not yet for model.n_experts"),
 ])
 def test_moe_config_refusals_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -357,13 +357,16 @@ def test_balancing_lowers_the_load_imbalance():
     assert late["aux"] < late["none"] - 0.3 and late["bias"] < late["none"] - 0.3, late
 
 
-def test_moe_has_no_transformers_export():
+def test_moe_export_refuses_what_mixtral_cannot_hold():
+    """Dense blocks between MoE ones, shared experts: no Mixtral layout (tests/test_hf_moe.py exports one)."""
     from trainer.models import spec_for
 
     spec = spec_for(load_config(None, BASE).model)
-    assert spec.hf_names() is None
-    with pytest.raises(ConfigError, match="use --format safetensors or torch"):
+    with pytest.raises(ConfigError, match="model.moe_every=2 puts dense blocks .* use --format safetensors or torch"):
         spec.hf_config_json("bytes")
+    spec = spec_for(load_config(None, BASE + ["model.moe_every=1"]).model)
+    with pytest.raises(ConfigError, match="model.n_shared_experts=1: Mixtral has no shared experts"):
+        spec.hf_names().hf_name("layers.0.feed_forward.router.weight")
 
 
 def test_elastic_range_follows_the_ep_rule():

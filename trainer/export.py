@@ -66,19 +66,19 @@ def plan(src: ModelSource, fmt: str, dtype: torch.dtype):
     names = spec_for(model_config(cfg)).hf_names() if fmt == "hf" else None
     convert = names is not None and names.renames
     specs_in = src.specs()
-    back: dict[str, str] = {}
+    back: dict[str, list[str]] = {}  # output name -> its built-in tensors (several: the family merges them)
+    for fqn in specs_in:
+        back.setdefault(names.hf_name(fqn) if convert else fqn, []).append(fqn)
     specs = []
-    for fqn, (dt, shape) in specs_in.items():
-        name = names.hf_name(fqn) if convert else fqn
-        back[name] = fqn
-        out_dt = dtype if dt.is_floating_point else dt
-        specs.append((name, out_dt, shape))
+    for name, fqns in back.items():
+        dt, shape = specs_in[fqns[0]]
+        if len(fqns) > 1:
+            shape = names.merged_shape(name, {f: specs_in[f][1] for f in fqns})
+        specs.append((name, dtype if dt.is_floating_point else dt, shape))
 
     def get(name: str) -> torch.Tensor:
-        fqn = back[name]
-        t = src.read(fqn)
-        if convert:
-            t = names.to_hf(fqn, t)
+        parts = {fqn: names.to_hf(fqn, src.read(fqn)) if convert else src.read(fqn) for fqn in back[name]}
+        t = names.merge(name, parts) if len(parts) > 1 else next(iter(parts.values()))
         return t.to(dtype) if t.is_floating_point() else t
 
     return specs, get, cfg
@@ -256,7 +256,9 @@ class WeightSource:
             spec = self.ckpt.specs().get(fqn)
             return None if spec is None else spec[1]
         entry = self.weights.entries.get(name)
-        return None if entry is None else entry.shape
+        if entry is None or not self.hf_names or not hasattr(self.names, "from_hf_shape"):
+            return None if entry is None else entry.shape
+        return self.names.from_hf_shape(fqn, tuple(entry.shape))  # one part of a merged tensor (Mixtral's)
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """ConfigError naming the first tensor the source lacks or holds in another shape."""

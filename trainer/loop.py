@@ -292,7 +292,7 @@ class Trainer:
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
-        moe = self.cfg.model.is_moe and self.parts.pipeline is None
+        moe = self.parts.is_moe and self.parts.pipeline is None
         norm_sq, loss, stop_votes, aux_mean = self._reduce_norm_and_loss(loss_sum, stop, aux_sum if moe else None)
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(loss) and math.isfinite(grad_norm):

@@ -49,10 +49,10 @@ class RunConfig:
                 f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len"
             )
         if self.checkpoint.export_every and m.n_experts:
-            raise ConfigError(f"checkpoint.export_every writes transformers directories, and model.n_experts="
-                              f"{m.n_experts} (Mixture of Experts) has no transformers layout yet; set it to 0 and "
-                              "use `etrain ckpt export --format safetensors`")
-        if p.ep > 1 and not m.n_experts:
+            raise ConfigError(f"checkpoint.export_every writes transformers directories during the run, not yet for "
+                              f"model.n_experts={m.n_experts} (Mixture of Experts); set it to 0 and use "
+                              "`etrain ckpt export --format hf` (Mixtral) on a checkpoint")
+        if p.ep > 1 and not m.n_experts and m.source != "hf":  # a transformers MoE: its spec's preflight
             raise ConfigError(f"parallel.ep={p.ep} splits the experts of a Mixture of Experts, and the model has none; "
                               'set parallel.ep=1, or model.n_experts (e.g. model.preset="moe-tiny")')
         if p.ep > 1 and m.n_experts % p.ep:

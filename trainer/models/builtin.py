@@ -23,6 +23,7 @@ from checkpointing.errors import ConfigError
 from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
 from .llama_names import LlamaNames
+from .mixtral_names import MixtralNames
 from .shape import ModelShape
 from .spec import ModelSpec, Stage
 
@@ -129,8 +130,7 @@ class DecoderSpec(ModelSpec):
         model.load_state_dict(state)
         return model, self.mcfg.max_seq_len
 
-    def hf_names(self) -> LlamaNames | None:
-        # A Mixture of Experts has no transformers layout here yet (a Mixtral/Qwen-MoE mapping would be it):
-        # its exports are safetensors or torch, with etrain's names.
-        return None if self.mcfg.is_moe else LlamaNames(self.mcfg)
+    def hf_names(self) -> LlamaNames | MixtralNames:
+        # A Mixture of Experts exports as Mixtral (trainer.models.mixtral_names), the dense decoder as Llama.
+        return MixtralNames(self.mcfg) if self.mcfg.is_moe else LlamaNames(self.mcfg)
 

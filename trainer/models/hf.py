@@ -12,6 +12,7 @@ is routed through etrain's (:mod:`.hf_cp`) and its positions are the global ones
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 
@@ -24,7 +25,8 @@ from checkpointing.names import redact
 from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
 from .hf_cp import cp_refusal, global_positions, route_attention
-from .spec import ModelInfo
+from .hf_moe import ExpertLayer, count_load, moe_family, moe_forward, router_aux_loss, sparse_blocks
+from .spec import ModelInfo, Stage
 
 
 def load_hf_config(mcfg: ModelConfig):
@@ -70,10 +72,13 @@ class HFSpec(UserModelSpec):
         return self._cp_refusals[seq_len]
 
     def allows(self) -> tuple[str, ...]:
+        if self.moe_family():
+            return ()  # a Mixture of Experts: data and expert parallelism only (check_moe)
         return super().allows() + (() if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
 
     def preflight(self, cfg: RunConfig) -> ModelInfo:
         info = super().preflight(cfg)
+        self.check_moe(cfg)
         cp = cfg.parallel.cp
         if cp > 1:
             reason = self.cp_refusal(cfg.data.seq_len)
@@ -86,6 +91,59 @@ class HFSpec(UserModelSpec):
                                   f"model's num_attention_heads={heads} is not divisible by parallel.cp={cp}; "
                                   'use parallel.cp_style="ring"')
         return info
+
+    def moe_family(self) -> str | None:
+        """The model_type of a mapped transformers MoE (:mod:`.hf_moe`), None when dense; ConfigError when unmapped."""
+        return moe_family(self.hf_config())
+
+    def check_moe(self, cfg: RunConfig) -> None:
+        """A transformers MoE against the layout (ConfigError, exit 2, before any process group)."""
+        ep, kind = cfg.parallel.ep, self.moe_family()
+        if kind is None:
+            if ep > 1:
+                raise ConfigError(f"parallel.ep={ep} splits the experts of a Mixture of Experts, and "
+                                  f"model.hf_config={self.mcfg.hf_config!r} is a dense model; set parallel.ep=1")
+            return
+        sparse_blocks(self.build("meta"))
+        if self.mcfg.router_bias_update_rate > 0:
+            raise ConfigError(f"model.router_bias_update_rate={self.mcfg.router_bias_update_rate} moves the built-in "
+                              f"MoE's routing biases, and a {kind} router has none; set it to 0 (the model balances by "
+                              "its own router_aux_loss_coef)")
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp}: a {kind} model's balancing loss needs the router "
+                              "logits of every layer in one forward, which pipeline stages split; set parallel.pp=1")
+        n = int(self.hf_config().num_experts)
+        if ep > 1 and n % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the model's {n} experts (model.hf_config="
+                              f"{self.mcfg.hf_config!r}); use a divisor of {n}")
+        for name in ("tp", "cp"):
+            if getattr(cfg.parallel, name) > 1:
+                raise ConfigError(f"parallel.{name}={getattr(cfg.parallel, name)} is not supported with a {kind} model "
+                                  f"(Mixture of Experts); set parallel.{name}=1 and use data or expert parallelism "
+                                  "(parallel.ep)")
+
+    def build_stage(self, cfg: RunConfig, stage: int, n_stages: int, device: torch.device) -> Stage:
+        built = super().build_stage(cfg, stage, n_stages, device)
+        if self.moe_family():
+            count_load(built.module)  # the step log's tokens per expert and imbalance
+        return built
+
+    def planning_model(self, seq_len: int) -> ModelConfig:
+        """A mapped MoE is planned as the built-in MoE of its sizes (experts of its expert width, top k, its
+        sparse step; a shared expert of Qwen2-MoE counted as whole experts of that width)."""
+        base = super().planning_model(seq_len)
+        if not self.moe_family():
+            return base
+        hf = self.hf_config()
+        width = int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+        shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+        return dataclasses.replace(base, n_experts=int(hf.num_experts), top_k=int(hf.num_experts_per_tok),
+                                   moe_every=int(getattr(hf, "decoder_sparse_step", 1) or 1), ffn_hidden=width,
+                                   n_shared_experts=-(-shared // width), aux_loss_coef=float(hf.router_aux_loss_coef))
+
+    def expert_layers(self, module: nn.Module) -> list:
+        """The sparse blocks of a mapped transformers MoE, for expert parallelism (:mod:`.hf_moe`)."""
+        return [ExpertLayer(b) for b in sparse_blocks(module)] if self.moe_family() else []
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every attention layer over the cp group (:mod:`.hf_cp`); position ids the global ones."""
@@ -122,7 +180,10 @@ class HFSpec(UserModelSpec):
                 f"use a model config with vocab_size >= {have}, or another data.tokenizer")
 
     def forward_fn(self) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-        return hf_forward
+        return moe_forward if self.moe_family() else hf_forward
+
+    def aux_loss_fn(self) -> Callable[[nn.Module], torch.Tensor | None] | None:
+        return router_aux_loss if self.moe_family() else None
 
     def inference_model(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, int]:
         from transformers import AutoModelForCausalLM

@@ -146,7 +146,8 @@ def balance_step(model: nn.Module, rate: float, group=None) -> BalanceStats:
     (DeepSeek-V3's auxiliary-loss-free balancing; a no-op at rate 0), the counters cleared."""
     import torch.distributed as dist
 
-    named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    # The built-in layers, and a model's own sparse blocks that count their load (trainer.models.hf_moe)
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) or hasattr(m, "etrain_counts_load")]
     if not named:
         return BalanceStats(0.0, {}, 0)
     loads = torch.stack([m.tokens_per_expert for _, m in named])
@@ -157,7 +158,7 @@ def balance_step(model: nn.Module, rate: float, group=None) -> BalanceStats:
     loads = both[:, :-1]
     ratio = float((loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).max())
     for (_, m), load in zip(named, loads):
-        if rate > 0:
+        if rate > 0 and isinstance(m, MoE):
             m.expert_bias += rate * torch.sign(load.mean() - load)
         m.tokens_per_expert.zero_()
         m.dropped = 0
@@ -168,7 +169,9 @@ def balance_step(model: nn.Module, rate: float, group=None) -> BalanceStats:
 def layer_label(path: str) -> str:
     """A MoE layer's label in metrics: its block's index (``layers.3.feed_forward`` -> ``3``), else its path."""
     parts = path.split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "layers" else path
+    if "layers" in parts[:-2]:  # the built-in "layers.3.feed_forward", transformers' "model.layers.3.mlp"
+        return parts[parts.index("layers") + 1]
+    return path
 
 
 def update_router_bias(model: nn.Module, rate: float, group=None) -> float:

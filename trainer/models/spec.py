@@ -72,6 +72,9 @@ class HFNames(Protocol):
         """config.json of the export; ``tokenizer``: "bytes" or "files" (``etrain_tokenizer``)."""
         ...
 
+    # Where several tensors map to one transformers name (hf_name), a family also has
+    # merged_shape(name, {fqn: shape}) -> shape and merge(name, {fqn: tensor in the HF layout}) -> tensor.
+
 
 class ModelSpec(ABC):
     """A model family: built from the ``[model]`` section, asked by everything that needs the model."""
@@ -171,6 +174,18 @@ class ModelSpec(ABC):
     def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """The training loss of (logits, targets); None: the language-model loss."""
         return None
+
+    def aux_loss_fn(self) -> Callable[[nn.Module], torch.Tensor | None] | None:
+        """A Mixture of Experts of the model's own: its weighted balancing loss after a forward (added to the
+        loss); None: the built-in MoE layers' (trainer.models.moe), if any."""
+        return None
+
+    def expert_layers(self, module: nn.Module) -> list:
+        """The Mixture-of-Experts layers expert parallelism splits (trainer.parallel.expert: each has ``experts``,
+        ``n_experts`` and a settable ``ep``); the built-in MoE layers by default."""
+        from .moe import moe_layers
+
+        return moe_layers(module)
 
     def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         fn = self.forward_fn()

@@ -1,8 +1,13 @@
 """Expert parallelism (``[parallel] ep``): each group of ``ep`` consecutive data-parallel ranks splits the
 experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
 
-    emesh = apply_ep(model, dims, mesh)     # before AC and FSDP (trainer.parallel.parallelize's order)
-    shard_experts(model, dims, emesh, ...)  # ZeRO-3: before the blocks' fully_shard
+    layers = spec.expert_layers(model)              # the model family's MoE layers (trainer.models.spec)
+    emesh = apply_ep(layers, dims, mesh)            # before AC and FSDP (trainer.parallel.parallelize's order)
+    shard_experts(layers, dims, emesh, ...)         # before the blocks' fully_shard
+
+A layer is what its family says (:meth:`~trainer.models.spec.ModelSpec.expert_layers`): ``experts``, a module
+whose own parameters stack the experts on dim 0, ``n_experts``, and ``ep``, set here to the layer's
+:class:`ExpertParallel` (the layer then sends its routed slots through :meth:`ExpertParallel.run`).
 
 A rank of the group computes experts ``[ep_rank * n/ep, (ep_rank + 1) * n/ep)`` for the tokens of every
 rank of the group: the routed slots, sorted by expert, travel to their experts' ranks by
@@ -74,13 +79,10 @@ class ExpertParallel:
         return AllToAll.apply(out, in_splits, out_splits, self.group)
 
 
-def apply_ep(model: nn.Module, dims, mesh) -> DeviceMesh | None:
-    """Give every MoE layer of ``model`` (on the meta device) its ep group and make its expert weights
-    ``Shard(0)`` DTensors over the expert mesh's ``ep`` dimension; returns that mesh (None at ep 1 or
-    without MoE layers). Collective: every rank builds the expert mesh, in the same order."""
-    from ..models.moe import moe_layers
-
-    layers = moe_layers(model)
+def apply_ep(layers: list, dims, mesh) -> DeviceMesh | None:
+    """Give every MoE layer (on the meta device, or built whole: its weights kept) its ep group and make its
+    expert weights ``Shard(0)`` DTensors over the expert mesh's ``ep`` dimension; returns that mesh (None at
+    ep 1 or without MoE layers). Collective: every rank builds the expert mesh, in the same order."""
     emesh = dims.expert_mesh(mesh) if layers else None
     if emesh is None:
         return None
@@ -98,20 +100,18 @@ def apply_ep(model: nn.Module, dims, mesh) -> DeviceMesh | None:
         moe.ep = ExpertParallel(group, ep_mesh.get_local_rank(), dims.ep, moe.n_experts)
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             mine = p.detach().chunk(dims.ep, dim=0)[moe.ep.rank]
-            shard = DTensor.from_local(torch.empty_like(mine), ep_mesh, [Shard(0)], run_check=False,
+            shard = DTensor.from_local(mine.clone(), ep_mesh, [Shard(0)], run_check=False,
                                        shape=p.shape, stride=p.stride())
             setattr(moe.experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
     return emesh
 
 
-def shard_experts(model: nn.Module, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
+def shard_experts(layers: list, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
     """The ep-split experts sharded (at every ZeRO stage): a ``fully_shard`` per MoE layer's experts over the
     data-parallel ranks outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own
     ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller
     than that mesh), and their gradient is divided by the whole data-parallel size (the module docstring)."""
     from torch.distributed.fsdp import fully_shard
-
-    from ..models.moe import moe_layers
 
     from ..telemetry import comm_meter
 
@@ -119,7 +119,7 @@ def shard_experts(model: nn.Module, dims, emesh: DeviceMesh, reshard: bool, **po
     shards = fsdp_mesh.size(fsdp_mesh.ndim - 1)
     if shards > 1:
         comm_meter().label_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), "dp_shard_mod_ep")
-    for moe in moe_layers(model):
+    for moe in layers:
         dim = 1 if all(p.shape[1] % shards == 0 for p in moe.experts.parameters()) else 0
         fully_shard(moe.experts, mesh=fsdp_mesh, reshard_after_forward=reshard,
                     shard_placement_fn=lambda p, dim=dim: Shard(dim), **policies)

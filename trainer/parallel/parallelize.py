@@ -73,6 +73,8 @@ class ModelParts:
     # How to get logits, and the loss (the model's spec, trainer.models); None: call the module, lm_loss.
     forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # A model's own Mixture of Experts (a transformers MoE): its weighted balancing loss after a forward.
+    aux_fn: Callable[[nn.Module], torch.Tensor | None] | None = None
     # Parameters held after tensor parallelism, before ZeRO (for the memory prediction); 0 = compute it
     # from the model's shape.
     local_params: int = 0
@@ -118,8 +120,17 @@ class ModelParts:
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model is a Mixture of Experts (built-in layers, or a model's own with a balancing loss)."""
+        if self._moe is None:
+            self._moe = moe_layers(self.modules[0]) if self.modules else []
+        return self.aux_fn is not None or bool(self._moe)
+
     def aux_loss(self) -> torch.Tensor | None:
         """Mixture of Experts: the load-balancing loss of the last forward (None for a dense model)."""
+        if self.aux_fn is not None:
+            return self.aux_fn(self.modules[0])
         if self._moe is None:  # found once: the loss asks every micro-batch
             self._moe = moe_layers(self.modules[0]) if self.modules else []
         return aux_loss(self._moe) if self._moe else None
@@ -168,13 +179,14 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
-        emesh = apply_ep(model, dims, mesh)
+        layers = spec.expert_layers(model)
+        emesh = apply_ep(layers, dims, mesh)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
         if emesh is not None:  # the experts' own FSDP units, at every ZeRO stage; first: the blocks' leave them out
-            shard_experts(model, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
+            shard_experts(layers, dims, emesh, dims.pp == 1, **fsdp_policies(p, device))
             if not use_fsdp:
-                expert_units += [moe.experts for moe in moe_layers(model)]
+                expert_units += [moe.experts for moe in layers]
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
@@ -192,5 +204,5 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
                             p.pp_schedule, dims.pp_microbatches(cfg))
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
-                      loss_fn=spec.loss_fn(), local_params=local, draws_random=spec.draws_random, cp=cp,
-                      expert_units=expert_units)
+                      loss_fn=spec.loss_fn(), aux_fn=spec.aux_loss_fn(), local_params=local,
+                      draws_random=spec.draws_random, cp=cp, expert_units=expert_units)

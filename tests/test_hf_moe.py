@@ -1,0 +1,249 @@
+"""transformers' Mixture-of-Experts models from a local config (``model.source = "hf"``).
+
+The reference is a plain single-process loop written here: transformers' own Mixtral (from_config under the
+same seed), its own balancing loss (``output_router_logits=True``: ``out.aux_loss`` times the config's
+``router_aux_loss_coef``, added to the language-model loss of each micro-batch), torch's AdamW and clipping,
+the run's batches in the run's micro-batches; no etrain training code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.test_input_safety import PY, ROOT
+from tests.test_models import STEPS, TRAIN, hf, plain_setup
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05,
+           "tie_word_embeddings": False}
+
+
+def write(tmp, doc: dict) -> str:
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(doc, f)
+    return str(tmp)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("mixtral"), MIXTRAL)
+
+
+def reference_losses(hf_dir: str) -> tuple[list[float], list[float]]:
+    """(losses, aux losses) of the plain loop: 8 samples a step in micro-batches of 2, as the run takes them."""
+    model, opt, batcher = plain_setup(hf_dir)
+    coef = model.config.router_aux_loss_coef
+    losses, auxes = [], []
+    for step in range(STEPS):
+        x, y = batcher.tokens(batcher.local_positions(step * 8))
+        total = aux_total = 0.0
+        for i in range(0, 8, 2):
+            out = model(input_ids=x[i:i + 2], output_router_logits=True)
+            aux = coef * out.aux_loss
+            loss = (torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), y[i:i + 2].flatten())
+                    + aux) / 4
+            loss.backward()
+            total += loss.item()
+            aux_total += aux.item() / 4
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        auxes.append(aux_total)
+    return losses, auxes
+
+
+def close(name: str, got: list[float], ref: list[float], tol: float = 1e-4) -> None:
+    assert len(got) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert abs(a - b) <= tol * abs(b), f"{name} step {step + 1}: {a} vs {b}"
+
+
+@pytest.fixture(scope="module")
+def runs(mixtral):
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero3", hf(mixtral) + ["parallel.zero_stage=3"]),
+        ("ep2_zero3", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2"]),
+        ("ep2_zero1", hf(mixtral) + ["parallel.zero_stage=1", "parallel.ep=2"])]}, timeout=300)
+    return one, two
+
+
+def test_mixtral_matches_a_plain_transformers_loop_with_its_router_loss(mixtral, runs):
+    """World 1 (ZeRO 0) equals the plain loop with Mixtral's own balancing loss; ZeRO-3 at world 2 (dp 2)
+    equals world 1. Without the balancing loss the run's losses would differ by coef x aux (~0.1 here)."""
+    one, two = runs
+    ref, ref_aux = reference_losses(mixtral)
+    assert ref[-1] < ref[0]
+    assert min(ref_aux) > 0.05  # coef 0.05 x a loss near top_k: a term the match would notice
+    close("world 1", one["zero0"]["losses"], ref)
+    close("world 1 aux", one["zero0"]["aux"], ref_aux, 1e-3)
+    close("zero3 world 2", two[0]["zero3"]["losses"], one["zero0"]["losses"])
+    assert two[0]["zero3"]["losses"] == two[1]["zero3"]["losses"]
+    close("zero3 world 2 aux", two[0]["zero3"]["aux"], one["zero0"]["aux"], 1e-3)
+    # The step log's loads: each layer's routed slots (8 samples x 32 tokens x top 2), over the dp ranks.
+    loads = one["zero0"]["tokens_per_expert"][0]
+    assert set(loads) == {"0", "1"} and all(sum(v) == 8 * 32 * 2 for v in loads.values())
+    assert two[0]["zero3"]["tokens_per_expert"][0] == loads
+    assert one["zero0"]["imbalance"][0] == max(max(v) / (sum(v) / 4) for v in loads.values()) > 1
+
+
+@pytest.mark.parametrize("layout", ["ep2_zero3", "ep2_zero1"])
+def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
+    """ep 2 at world 2: each rank holds 2 of the 4 experts of every layer (ep-sharded DTensors), the routed
+    slots travel by all-to-all on the ep axis, and the losses and the first step's expert gradients equal
+    world 1's (the gradient divide: a naive factor gives 2x)."""
+    one, two = runs
+    for rank in (0, 1):
+        got = two[rank][layout]
+        close(f"{layout} rank {rank}", got["losses"], one["zero0"]["losses"])
+        assert got["experts"] == {"placement": "Shard(dim=0)", "first": 2 * rank, "n": 2}
+        assert got["comm"]["all_to_all/ep"]["calls"] > 0
+        assert got["tokens_per_expert"] == one["zero0"]["tokens_per_expert"]
+    grads, ref = two[0][layout]["grads"], one["zero0"]["grads"]
+    assert len(grads) == 4 and set(grads) <= set(ref)  # gate_up_proj and down_proj of both layers
+    for name, g in grads.items():
+        assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
+
+
+def test_unmapped_moe_and_ep_exit_2(tmp_path):
+    """An MoE family etrain cannot map, an ep that does not divide the experts, and pipeline stages (the
+    balancing loss needs every layer's router logits) exit 2 naming the fix."""
+    deepseek = write(tmp_path / "ds", {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+                                       "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                       "num_experts_per_tok": 2, "max_position_embeddings": 64})
+    three = write(tmp_path / "three", dict(MIXTRAL, num_local_experts=3))
+    cases = [(hf(deepseek), "model_type 'deepseek_v3' is a Mixture of Experts"),
+             (hf(three) + ["parallel.ep=2"], "parallel.ep=2 does not divide the model's 3 experts"),
+             (hf(three) + ["parallel.pp=2", 'model.pp_split_points=["model.layers.1"]'],
+              "parallel.pp=2: a mixtral model's balancing loss"),
+             (hf(three) + ["parallel.cp=2"], "parallel.cp=2 is not supported with a mixtral model")]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")  # no peer: a run that got as far as a process group would hang, not exit 2
+    procs = [(subprocess.Popen([PY, "-m", "trainer", *[a for o in overrides for a in ("--set", o)]], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), message)
+             for overrides, message in cases]  # side by side
+    errs = []
+    for p, message in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 2 and message in err and "Traceback" not in err, err
+        errs.append(err)
+    assert "use one of the mapped families mixtral, qwen2_moe, qwen3_moe" in errs[0], errs[0]
+
+
+QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05, "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [dict(QWEN, model_type="qwen2_moe", shared_expert_intermediate_size=64),
+                                 dict(QWEN, model_type="qwen3_moe", head_dim=16, norm_topk_prob=True)],
+                         ids=["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_matches_the_plain_loop_and_splits_by_ep(tmp_path, doc):
+    """Qwen2-MoE (a shared expert beside the routed ones) and Qwen3-MoE: world 1 equals the plain transformers
+    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients)."""
+    d = write(tmp_path / doc["model_type"], doc)
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(d) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"])]}, timeout=300)[0]["ep2"]
+    ref, _ = reference_losses(d)
+    close("world 1", one["losses"], ref)
+    close("ep 2", two["losses"], one["losses"])
+    assert two["experts"] == {"placement": "Shard(dim=0)", "first": 0, "n": 2}
+    for name, g in two["grads"].items():
+        assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
+
+
+MOE = ['model.preset="moe-tiny"', "model.dim=64", "model.ffn_hidden=48", "model.n_layers=2", "model.n_experts=4",
+       "model.top_k=2", "data.max_bytes=200000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
+       "train.warmup_steps=0", "train.lr=3e-3", "metrics.enabled=false", 'parallel.mixed_precision="fp32"']
+
+
+def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp_path):
+    """2 steps of the built-in MoE at ep 2 (world 2, ZeRO-3), saved; `etrain ckpt export --format hf` writes a
+    Mixtral (config.json, fused gate_up_proj) that AutoModelForCausalLM loads, with the logits of the
+    checkpoint's own model (the built-in decoder loaded from the safetensors export)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.cli import main as etrain
+    from trainer.export import export
+    from trainer.models.decoder import Transformer
+
+    url = f"file://{tmp_path}/ck"
+    res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": MOE + [f'checkpoint.url="{url}"'], "actions": [
+        {"layout": ["parallel.zero_stage=3", "parallel.ep=2"], "train": 2, "save": "moe", "state": False}]})
+    assert res[0][0]["saves"] == [(2, "committed", "")], res[0][0]
+    step = f"{url}/moe/checkpoints/step_000000002"
+    out = str(tmp_path / "hf")
+    assert etrain(["ckpt", "export", step, out, "--format", "hf"]) == 0
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    theirs_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs_model).__name__ == "MixtralForCausalLM"
+    fused = theirs_model.model.layers[1].mlp.experts.gate_up_proj
+    assert tuple(fused.shape) == (4, 96, 64)
+    export(step, str(tmp_path / "moe.safetensors"), "safetensors")
+    from trainer.config_load import load_config
+
+    ours_model = Transformer(load_config(None, MOE).model).eval()
+    ours_model.load_state_dict(load_file(str(tmp_path / "moe.safetensors")))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = ours_model(tokens), theirs_model(input_ids=tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    # model.init_from reads the Mixtral directory back into the built-in names (gate_up_proj split in two).
+    from trainer.export import WeightSource
+
+    src = WeightSource(out, load_config(None, MOE).model)
+    expected = {n: tuple(t.shape) for n, t in ours_model.state_dict().items()}
+    src.check(expected)
+    for name, t in ours_model.state_dict().items():
+        assert torch.equal(src.read(name), t), name
+
+
+@pytest.mark.slow
+def test_mixtral_checkpoint_at_ep2_resumes_at_world1(tmp_path, mixtral):
+    """3 steps at ep 2 under ZeRO-3 (world 2), saved; resumed at world 1 (ZeRO 0) for 2 more: the 5 losses of
+    an uninterrupted world-1 run (DCP reshards the ep-split gate_up_proj and down_proj by their names)."""
+    base = TRAIN + hf(mixtral) + [f'checkpoint.url="file://{tmp_path}"']
+    plain = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "train": 5, "state": False}]})[0][0]["losses"]
+    first = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": base, "actions": [
+        {"layout": ["parallel.ep=2", "parallel.zero_stage=3"], "train": 3, "save": "moe", "state": False}]})[0][0]
+    second = run_ranks("tests.ckpt_jobs:run_plan", 1, {"base": base, "actions": [
+        {"layout": ["parallel.zero_stage=0"], "load": "moe", "train": 2, "state": False}]})[0][0]
+    assert second["loaded_step"] == 3
+    close("resumed", first["losses"] + second["losses"], plain)
+
+
+def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
+    """The planner accounts a Mixtral as the built-in MoE of its sizes: the same parameters, experts apart."""
+    from trainer.config_load import load_config
+    from trainer.models import spec_for
+
+    spec = spec_for(load_config(None, TRAIN + hf(mixtral)).model)
+    m = spec.planning_model(32)
+    assert (m.source, m.n_experts, m.top_k, m.moe_every, m.ffn_hidden, m.n_shared_experts) == ("builtin", 4, 2, 1,
+                                                                                                96, 0)
+    assert spec.allows() == ()  # data and expert parallelism only
+    shape = spec_for(m).shape()
+    assert shape.n_params == sum(p.numel() for p in spec.build("meta").parameters())
+    assert shape.experts == 2 * 4 * 3 * 64 * 96
+    from checkpointing.errors import ConfigError
+
+    cfg = load_config(None, TRAIN + hf(mixtral) + ["model.router_bias_update_rate=0.01"])
+    with pytest.raises(ConfigError, match="a mixtral router has none; set it to 0"):
+        spec_for(cfg.model).check_moe(cfg)
