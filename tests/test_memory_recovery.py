@@ -133,6 +133,8 @@ def test_a_tier_over_its_budget_turns_itself_off_and_recovery_uses_storage(clust
 def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
     """Drive three workers by hand: 6 steps at 2, 6 at 3, 6 at 2, each resize through the memory tier or
     a durable save; the restores' results. The final step is saved (to compare)."""
+    from dataclasses import asdict
+
     import ray
 
     from orchestrator.restore_plan import group_restore_plan
@@ -163,8 +165,8 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
             ray.get([group.submit(w, "form", epoch, r, size, "127.0.0.1", port,
                                   recovery if through_memory else None).ref for r, w in enumerate(members)],
                     timeout=300)
-            restores.append(call(members, "restore", plan)[0])
-            assert {r["status"] for r in call(members, "train", until)} == {"done"}
+            restores.append(asdict(call(members, "restore", plan)[0]))  # a worker_results.Restored
+            assert {r.status for r in call(members, "train", until)} == {"done"}
             if until == 18:
                 assert call(members, "save")[0]["status"] == "committed"
             elif through_memory:
