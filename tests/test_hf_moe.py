@@ -115,6 +115,7 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
         assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
 
 
+@pytest.mark.slow  # five trainer processes, each importing transformers: about 15-30 s here
 def test_unmapped_moe_and_ep_exit_2(tmp_path):
     """An MoE family etrain cannot map, an ep that does not divide the experts, and pipeline stages (the
     balancing loss needs every layer's router logits) exit 2 naming the fix."""
