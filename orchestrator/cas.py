@@ -73,6 +73,30 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def write(storage: Storage, rel: str, data: bytes) -> None:
+    """Write ``data`` at ``rel`` whatever is there, so that a reader sees the old or the new document, never
+    half of one: on a local disk a temporary file moved into place (a plain write truncates first, and a reader
+    in between saw an empty lease: its controller fenced), elsewhere one PUT (atomic on S3)."""
+    if not storage.is_local:
+        storage.put(rel, data)
+        return
+    path = _local(storage, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
 def _local(storage: Storage, rel: str) -> str:
     return posixpath.join(storage.root, confine(rel))
 

@@ -260,7 +260,7 @@ class StorageRunStore(RunStore):
 
     def _write(self, run_id, name, value):
         rel = self._rel(run_id, name)
-        self._guard(lambda: self.storage.put(rel, value.encode()))
+        self._guard(lambda: cas.write(self.storage, rel, value.encode()))  # readers never see half of it
 
     def read_versioned(self, run_id, name):
         rel = self._rel(run_id, name)
@@ -281,7 +281,7 @@ class StorageRunStore(RunStore):
     def events(self, run_id):
         events = f"{RunRoot(run_id).control}/events"
         names = self._guard(lambda: self.storage.list_dir(events)) or {}
-        paths = [f"{events}/{n}" for n in sorted(names)]
+        paths = [f"{events}/{n}" for n in sorted(names) if n.endswith(".json")]  # not a write's temporary file
         blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
         return [load_doc(blobs[p], redact(self.storage.join(p)), event_problem) for p in paths if p in blobs]
 
@@ -341,7 +341,7 @@ class StorageRunStore(RunStore):
         now = self.current_epoch(run_id)
         if now != expected:
             raise FencedError(f"epoch of run {run_id!r} is {now}, not {expected}: another controller moved it")
-        self._guard(lambda: self.storage.put(RunRoot(run_id).fence, fence_blob(expected + 1)))
+        self._guard(lambda: cas.write(self.storage, RunRoot(run_id).fence, fence_blob(expected + 1)))
         return expected + 1
 
 

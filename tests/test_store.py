@@ -1,5 +1,6 @@
 """The run store on a real etcd server and on the embedded storage backend."""
 
+import time
 import uuid
 
 import pytest
@@ -70,3 +71,31 @@ def test_etcd_outage_is_a_clear_error_and_recovers(etcd_server):
     finally:
         etcd_server.start()
     assert store.get_spec("r1").workers == 2
+
+
+def test_a_renewal_never_shows_a_reader_an_empty_lease(tmp_path):
+    """The lease keeper rewrites the leader document every few seconds while the controller's own writes (the
+    epoch's compare-and-swap) read it: on a local disk a reader must see the old or the new document, never a
+    truncated one (which fenced a live controller: 'does not lead run')."""
+    import threading
+
+    store = open_store(f"file://{tmp_path}/runs")
+    store.create_run(spec("r"))
+    lease = store.acquire("r", "ctl-a", ttl_s=30)
+    stop, seen = threading.Event(), []
+
+    def renew():
+        while not stop.is_set():
+            store.renew(lease)
+
+    t = threading.Thread(target=renew)
+    t.start()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            seen.append(store.leader_alive("r"))
+    finally:
+        stop.set()
+        t.join()
+    assert len(seen) > 100 and all(seen), f"{seen.count(False)} of {len(seen)} reads saw no leader"
+    assert [e for e in store.events("r")] == []
