@@ -82,6 +82,12 @@ def write(storage: Storage, rel: str, data: bytes) -> None:
         return
     path = _local(storage, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _replace(path, data)
+
+
+def _replace(path: str, data: bytes) -> None:
+    """``data`` written to a temporary file beside ``path``, made durable, then moved into place (atomic); the
+    temporary file removed if anything fails."""
     tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -113,12 +119,7 @@ def _local_write_if(path: str, data: bytes, version: str | None) -> bool:
             now = None
         if now != version:
             return False
-        tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _replace(path, data)
         return True
     finally:
         try:
