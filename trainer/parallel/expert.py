@@ -1,5 +1,5 @@
-"""Expert parallelism (``[parallel] ep``): each group of ``ep`` consecutive data-parallel ranks splits the
-experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
+"""Expert parallelism (``[parallel] ep``): each group of ``ep`` data-parallel ranks (along ``dp_shard``) splits
+the experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
 
     layers = spec.expert_layers(model)              # the model family's MoE layers (trainer.models.spec)
     emesh = apply_ep(layers, dims, mesh)            # before AC and FSDP (trainer.parallel.parallelize's order)
@@ -91,7 +91,10 @@ def apply_ep(layers: list, dims, mesh) -> DeviceMesh | None:
     ep_mesh = emesh[Axis.EP.value]
     # The exchanges run on a group of their own (the mesh may share its ep group with dp_shard's, whose
     # collectives are metered under that name): the same ranks, in the same order.
-    group, _ = dist.new_subgroups(group_size=dims.ep)
+    # Every ep group of the mesh, enumerated alike on every rank (under tp or cp an ep group is strided).
+    ep_dim = emesh.mesh_dim_names.index(Axis.EP.value)
+    groups = emesh.mesh.movedim(ep_dim, -1).reshape(-1, dims.ep).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(groups)
     if dist.get_rank(group) != ep_mesh.get_local_rank():
         raise RuntimeError(f"rank {dist.get_rank()}: ep group rank {dist.get_rank(group)} is not its expert "
                            f"mesh's {ep_mesh.get_local_rank()}")
