@@ -153,8 +153,9 @@ def hostile_copy(payload: dict) -> dict:
         snap = res.snapshot
         if world.rank == 1 and payload["mode"] == "size":
             dist = torch.distributed
-            dist.send(torch.tensor([1 << 62], dtype=torch.int64), dst=0, group=tier.replica_group)
-            dist.recv(torch.zeros(1, dtype=torch.int64), src=0, group=tier.replica_group)
+            # (size, pid, memory file): what peer_copy.replicate announces
+            dist.send(torch.tensor([1 << 62, 0, -1], dtype=torch.int64), dst=0, group=tier.replica_group)
+            dist.recv(torch.zeros(3, dtype=torch.int64), src=0, group=tier.replica_group)
             return {"outcome": "sent a size only"}
         if world.rank == 1:
             other = next(p for p, o in snap.owners.items() if o == 0)
@@ -217,6 +218,34 @@ def replan_one(payload: dict) -> dict:
                                   {"step": step, "samples_consumed": 12 * step}).result()
             out.append((res.status, res.planned, res.reason))
         return {"out": out}
+    finally:
+        tier.close()
+        shutdown_distributed()
+
+
+def shared_copies(payload: dict) -> dict:
+    """Two snapshots of a small state with copies to peers (replicas 1) on this one host: whether each copy
+    this rank holds is a mapping of its sender's memory file, the restorable step, and whether each copy's
+    files are byte for byte the sender's own."""
+    import mmap
+
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=60)
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        for step in (1, 2):
+            res = tier.take_async(step, {f"w{world.rank}": torch.randn(256, 64, generator=g)},
+                                  {"step": step, "samples_consumed": 12 * step}).result()
+            assert res.ok and res.replication.ok, (res.reason, res.replication)
+        own = {n: bytes(v) for n, v in tier.snapshots[2].files.items()}
+        everyone: list = [None] * world.size
+        torch.distributed.all_gather_object(everyone, own)
+        copies = tier.copies[2]
+        return {"mapped": [all(isinstance(v.obj, mmap.mmap) for v in c.files.values()) for c in copies.values()],
+                "restorable": tier.restorable,
+                "same_bytes": all({n: bytes(v) for n, v in c.files.items()} == everyone[src]
+                                  for src, c in copies.items())}
     finally:
         tier.close()
         shutdown_distributed()

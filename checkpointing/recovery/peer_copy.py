@@ -20,6 +20,7 @@ hold its own copy anyway, which is what a send to the peer does in one hop.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..dcp_format import CorruptCheckpointError
+from .local_copy import open_copy, publish
 from .snapshot import MemorySnapshot
 
 
@@ -35,28 +37,42 @@ def senders_to(rank: int, peers: Mapping[int, Sequence[int]]) -> list[int]:
     return sorted(src for src, dsts in peers.items() if rank in dsts and src != rank)
 
 
-def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]]) -> dict[int, MemorySnapshot]:
+def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]], hosts: Sequence[str] | None = None,
+              shared: list | None = None) -> dict[int, MemorySnapshot]:
     """Send this rank's ``snapshot`` to ``peers[rank]`` and receive the snapshots sent to it, over ``group``
     (collective over the ranks that send or receive; every rank passes the same ``peers``). A size a peer
     announces is bounded by what its snapshot of this step can take (the agreed table) before anything is
     allocated; each received snapshot is checked (:meth:`MemorySnapshot.from_bytes`) and must be the
     sender's of this step, with this rank's table (:meth:`MemorySnapshot.check_same_step`). A bad one
-    raises CorruptCheckpointError naming its source."""
+    raises CorruptCheckpointError naming its source.
+
+    ``hosts``: every group rank's :func:`.local_copy.host_key` (the same on every rank). A peer with this
+    rank's key maps the snapshot from shared memory instead (:mod:`.local_copy`); the memory file this
+    rank published for it is appended to ``shared``, for the caller to close once every peer mapped it."""
     me = dist.get_rank(group)
-    parts = [_as_tensor(p) for p in snapshot.wire_parts() if len(p)]
+    wire = snapshot.wire_parts()
+    parts = [_as_tensor(p) for p in wire if len(p)]
     sources = senders_to(me, peers)
     dsts = [d for d in peers.get(me, ()) if d != me]
-    size = torch.tensor([sum(p.numel() for p in parts)], dtype=torch.int64)
-    sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
+    local = {r for r, key in enumerate(hosts or ()) if key and key == hosts[me]} - {me}
+    published = None
+    if any(d in local for d in dsts):
+        published = publish(wire)
+        if shared is not None:
+            shared.append(published)
+    # Each sender announces its copy's size (and, to a peer on its host, the memory file that holds it).
+    size = torch.tensor([sum(p.numel() for p in parts), os.getpid(), published.fd if published else -1],
+                        dtype=torch.int64)
+    sizes = {s: torch.zeros(3, dtype=torch.int64) for s in sources}
     _exchange([(size, d) for d in dsts], list(sizes.items()), group)
     for s, n in sizes.items():
         bound = snapshot.wire_bound(s)
-        if not 0 < int(n.item()) <= bound:
-            raise CorruptCheckpointError(f"rank {s} announced a copy of {int(n.item())} bytes; its snapshot of step "
+        if not 0 < int(n[0]) <= bound:
+            raise CorruptCheckpointError(f"rank {s} announced a copy of {int(n[0])} bytes; its snapshot of step "
                                          f"{snapshot.step} takes at most {bound}: nothing allocated, none kept")
     # Received straight into the buffers the copies keep (their files are views of them), in the pieces the
     # sender sends (its header, then its files by the agreed table's sizes: raw, never joined on its side).
-    bufs = {s: bytearray(int(n.item())) for s, n in sizes.items()}
+    bufs: dict[int, bytearray | memoryview] = {s: bytearray(int(n[0])) for s, n in sizes.items() if s not in local}
     recvs = []
     for s, buf in bufs.items():
         files = snapshot.own_sizes(s)
@@ -69,16 +85,30 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
             if n:
                 recvs.append((s, whole[pos : pos + n]))
             pos += n
-    _exchange([(p, d) for d in dsts for p in parts], recvs, group)
+    _exchange([(p, d) for d in dsts if d not in local for p in parts], recvs, group)
+    mapped = {s: _map(s, n.tolist(), snapshot.step) for s, n in sizes.items() if s in local}
     out = {}
-    for s, buf in bufs.items():
+    for s, buf in {**bufs, **mapped}.items():
         where = f"the copy of rank {s}'s snapshot"
-        snap = MemorySnapshot.from_bytes(buf, where)
+        snap = MemorySnapshot.from_bytes(buf, where, verify=s not in mapped)  # mapped: checked on restore
         if snap.rank != s:
             raise CorruptCheckpointError(f"{where} is rank {snap.rank}'s")
         snapshot.check_same_step(snap, where)
         out[s] = snap
     return out
+
+
+def _map(source: int, announced: list[int], step: int) -> memoryview:
+    """The copy of rank ``source`` on this host: its memory file, mapped (:func:`.local_copy.open_copy`)."""
+    size, pid, fd = announced
+    where = f"the copy of rank {source}'s snapshot of step {step}"
+    if fd < 0:
+        raise CorruptCheckpointError(f"{where}: rank {source} shares this host but published no memory file")
+    try:
+        return open_copy(pid, fd, size, where)
+    except OSError as e:
+        raise OSError(f"shared memory: {where} could not be opened ({e}); copies go over the network from the "
+                      "next snapshot on") from None
 
 
 def failed_copies(why: str, group) -> dict[int, str]:

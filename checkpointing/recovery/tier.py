@@ -164,6 +164,7 @@ class MemoryTier:
         self._plans: dict[str, PlannedLayout] = {}
         self._replays: dict[str, Replay] = {}  # the files of each of those layouts, to lay out again
         self._host = HostCopy()
+        self._hosts: list[str] | None = None  # every rank's host key (copies by shared memory), once known
 
     # --- taking a snapshot -------------------------------------------------------------
 
@@ -414,10 +415,13 @@ class MemoryTier:
         return self._inflight
 
     def _replicate(self, snapshot: MemorySnapshot) -> ReplicationResult:
+        from .local_copy import host_keys
         from .transport import PeerCopyTransport
 
         t0 = time.monotonic()
-        transport = PeerCopyTransport(self.replica_group, self.peers)
+        if self._hosts is None:  # a peer on this host maps its copy from shared memory (.local_copy)
+            self._hosts = host_keys(self.replica_group, self.world_size)
+        transport = PeerCopyTransport(self.replica_group, self.peers, self._hosts)
         got: dict[int, MemorySnapshot] = {}
         why = ""
         try:
@@ -428,6 +432,8 @@ class MemoryTier:
             bad = transport.agree(why)
         except Exception as e:  # a rank gone: the copies of this step are not complete everywhere
             bad = {self.rank: why or f"the agreement on the copies failed ({describe(e)})"}
+        if any("shared memory:" in w for w in bad.values()):
+            self._hosts = []  # every rank saw it (the agreement's reasons): copies over the network from now on
         with self._lock:
             if not bad:
                 self.copies[snapshot.step] = got

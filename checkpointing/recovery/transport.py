@@ -52,19 +52,28 @@ class SnapshotTransport(Protocol):
 class PeerCopyTransport:
     """The copies to peers over a gloo group of the tier's own (:func:`peer_copy.replicate`)."""
 
-    def __init__(self, group, peers: Mapping[int, Sequence[int]]):
-        self.group, self.peers = group, peers
+    def __init__(self, group, peers: Mapping[int, Sequence[int]], hosts: Sequence[str] | None = None):
+        self.group, self.peers, self.hosts = group, peers, hosts
+        self._shared: list = []  # this rank's memory files its peers on this host map (closed by agree)
 
     def send(self, snapshot: MemorySnapshot) -> dict[int, MemorySnapshot]:
+        """Over the group, or to a peer on this host (``hosts``: every rank's host key) by shared memory
+        (:mod:`.local_copy`)."""
         from .peer_copy import replicate
 
-        return replicate(snapshot, self.group, self.peers)
+        return replicate(snapshot, self.group, self.peers, self.hosts, self._shared)
 
     def agree(self, why: str) -> dict[int, str]:
-        """After :meth:`send`, every rank's reason its copies failed, by rank ({} when all succeeded)."""
+        """After :meth:`send`, every rank's reason its copies failed, by rank ({} when all succeeded). Every
+        peer has then mapped what it copies from this rank's shared memory: this rank lets go of it."""
         from .peer_copy import failed_copies
 
-        return failed_copies(why, self.group)
+        try:
+            return failed_copies(why, self.group)
+        finally:
+            for shared in self._shared:
+                shared.close()
+            self._shared.clear()
 
     def fetch(self, key: Hashable, name: str) -> bytes:
         raise TransportError("copies to peers are pushed while training; a restore fetches a file from its "
