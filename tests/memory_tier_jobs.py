@@ -153,9 +153,9 @@ def hostile_copy(payload: dict) -> dict:
         snap = res.snapshot
         if world.rank == 1 and payload["mode"] == "size":
             dist = torch.distributed
-            # (size, pid, memory file): what peer_copy.replicate announces
-            dist.send(torch.tensor([1 << 62, 0, -1], dtype=torch.int64), dst=0, group=tier.replica_group)
-            dist.recv(torch.zeros(3, dtype=torch.int64), src=0, group=tier.replica_group)
+            # (size, pid, memory file, offset): what peer_copy.replicate announces
+            dist.send(torch.tensor([1 << 62, 0, -1, 0], dtype=torch.int64), dst=0, group=tier.replica_group)
+            dist.recv(torch.zeros(4, dtype=torch.int64), src=0, group=tier.replica_group)
             return {"outcome": "sent a size only"}
         if world.rank == 1:
             other = next(p for p, o in snap.owners.items() if o == 0)
@@ -229,23 +229,29 @@ def shared_copies(payload: dict) -> dict:
     files are byte for byte the sender's own."""
     import mmap
 
+    from checkpointing.recovery import local_copy
+
     world = World.from_env()
     init_distributed(world, CPU)
     tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=60)
+    publish, made = local_copy.publish, []  # a memory file made apart for a copy (not the files' own)
+    local_copy.publish = lambda parts: made.append(1) or publish(parts)
     try:
         g = torch.Generator().manual_seed(world.rank)
-        for step in (1, 2):
+        for step in (1, 2, 3):
             res = tier.take_async(step, {f"w{world.rank}": torch.randn(256, 64, generator=g)},
                                   {"step": step, "samples_consumed": 12 * step}).result()
             assert res.ok and res.replication.ok, (res.reason, res.replication)
-        own = {n: bytes(v) for n, v in tier.snapshots[2].files.items()}
+        own = {n: bytes(v) for n, v in tier.snapshots[3].files.items()}
         everyone: list = [None] * world.size
         torch.distributed.all_gather_object(everyone, own)
-        copies = tier.copies[2]
+        copies = tier.copies[3]
         return {"mapped": [all(isinstance(v.obj, mmap.mmap) for v in c.files.values()) for c in copies.values()],
-                "restorable": tier.restorable,
+                "own_mapped": all(isinstance(v.obj, mmap.mmap) for v in tier.snapshots[3].files.values()),
+                "memory_files": len(tier._arena.regions), "made_apart": len(made), "restorable": tier.restorable,
                 "same_bytes": all({n: bytes(v) for n, v in c.files.items()} == everyone[src]
                                   for src, c in copies.items())}
     finally:
+        local_copy.publish = publish
         tier.close()
         shutdown_distributed()

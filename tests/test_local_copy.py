@@ -42,8 +42,9 @@ def test_an_announced_size_or_file_that_is_not_there_is_refused():
 
     shared = publish([b"x" * 100])
     try:
-        with pytest.raises(CorruptCheckpointError, match="has 100 bytes, 99 were announced"):
-            open_copy(os.getpid(), shared.fd, 99, "a copy")
+        with pytest.raises(CorruptCheckpointError, match="has 100 bytes, 60 from 50 were announced"):
+            open_copy(os.getpid(), shared.fd, 60, "a copy", offset=50)
+        assert bytes(open_copy(os.getpid(), shared.fd, 40, "a copy", offset=50)) == b"x" * 40
         with pytest.raises(CorruptCheckpointError, match="has no memory file"):
             open_copy(os.getpid(), 10**6, 100, "a copy")
     finally:
@@ -52,9 +53,11 @@ def test_an_announced_size_or_file_that_is_not_there_is_refused():
 
 
 def test_peers_on_one_host_copy_by_shared_memory_and_restore_from_it():
-    """Three ranks on this host (replicas 1): every copy is mapped from its sender's memory file (no bytes
-    through gloo), checked, and a rank's snapshot is restored from its peer's copy byte for byte."""
+    """Three ranks on this host (replicas 1), three snapshots: every copy is mapped from the memory file its
+    sender wrote its own files into (no bytes through gloo, no second copy), byte for byte the sender's,
+    and each rank's snapshots take turns in two memory files (the restorable step's and the next)."""
     ranks = run_ranks("tests.memory_tier_jobs:shared_copies", 3, {}, timeout=180)
     for r in ranks:
         assert r["mapped"] == [True], r  # the one copy each rank holds is a mapping of its peer's file
-        assert r["restorable"] == 2 and r["same_bytes"], r
+        assert r["own_mapped"] and r["memory_files"] == 2 and r["made_apart"] == 0, r
+        assert r["restorable"] == 3 and r["same_bytes"], r

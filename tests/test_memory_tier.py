@@ -21,7 +21,8 @@ from checkpointing.dcp_format import CorruptCheckpointError
 from checkpointing.errors import CheckpointError
 from checkpointing.recovery.restore import load_from_memory, plan_restore
 from checkpointing.recovery.snapshot import MemorySnapshot, replica_peers
-from checkpointing.recovery.tier import MemoryTier, state_bytes
+from checkpointing.recovery.budget import state_bytes
+from checkpointing.recovery.tier import MemoryTier
 from tests.harness import run_ranks
 
 BASE = ["model.dim=32", "model.n_layers=2", "model.ffn_hidden=64", "data.max_bytes=60000", "data.seq_len=16",

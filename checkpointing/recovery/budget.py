@@ -131,3 +131,16 @@ def human_bytes(n: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def state_bytes(state_dict) -> int:
+    """The bytes of this rank's tensors in ``state_dict`` (local shards of DTensors): what a snapshot holds,
+    less a few hundred bytes of envelope per tensor and the metadata."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state_dict, dict):
+        return sum(state_bytes(v) for v in state_dict.values())
+    if isinstance(state_dict, DTensor):
+        state_dict = state_dict._local_tensor
+    return state_dict.numel() * state_dict.element_size() if isinstance(state_dict, torch.Tensor) else 0

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 from ..dcp_format import CorruptCheckpointError
-
-_BROKEN: list[str] = []  # why opening a peer's memory failed here once (then: copies over the network)
-
 
 def host_key() -> str:
     """Equal for processes that share a kernel boot and a process-id namespace ("" where unknown: never
@@ -38,7 +36,7 @@ def host_key() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}" if boot and not _BROKEN else ""
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}" if boot else ""
     except OSError:
         return ""
 
@@ -86,21 +84,128 @@ def publish(parts: list) -> Shared:
         raise
 
 
-def open_copy(pid: int, fd: int, size: int, where: str) -> memoryview:
-    """Peer ``pid``'s memory file ``fd`` of ``size`` bytes, mapped read-only. CorruptCheckpointError when it
-    is not there or has another size; OSError when this host will not open another process's memory (then
-    shared memory is off in this process from now on)."""
+def open_copy(pid: int, fd: int, size: int, where: str, offset: int = 0) -> memoryview:
+    """``size`` bytes from ``offset`` of peer ``pid``'s memory file ``fd``, mapped read-only.
+    CorruptCheckpointError when it is not there or is shorter; OSError when this host will not open another
+    process's memory (the caller then copies over the network)."""
     try:
         src = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: process {pid} has no memory file {fd}") from None
-    except OSError as e:
-        _BROKEN.append(str(e))
-        raise
     try:
         have = os.fstat(src).st_size
-        if have != size or size <= 0:
-            raise CorruptCheckpointError(f"{where}: its memory file has {have} bytes, {size} were announced")
-        return memoryview(mmap.mmap(src, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        if size <= 0 or offset < 0 or have < offset + size:
+            raise CorruptCheckpointError(f"{where}: its memory file has {have} bytes, {size} from {offset} were "
+                                         "announced")
+        whole = memoryview(mmap.mmap(src, offset + size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        return whole[offset:]
     finally:
         os.close(src)
+
+
+class Region:
+    """One snapshot's own files, written into a memory file from ``reserve`` on (the wire form's header and
+    metadata go just before them at :meth:`publish`, so the whole wire form is one range of the file)."""
+
+    def __init__(self, capacity: int, reserve: int):
+        self.fd = os.memfd_create("etrain-memory-snapshot", os.MFD_CLOEXEC)
+        self.capacity, self.reserve = capacity, reserve
+        os.ftruncate(self.fd, reserve + capacity)
+        self.view = memoryview(mmap.mmap(self.fd, reserve + capacity, flags=mmap.MAP_SHARED))
+        self.step, self.used = -1, 0
+        self._given: dict[int, tuple[memoryview, int]] = {}  # the views put gave, and where each starts
+        self._lock = threading.Lock()
+
+    def put(self, parts: list) -> memoryview | None:
+        """``parts`` joined into the next bytes of the region (None when they do not fit): a view of them."""
+        views = [memoryview(p).cast("B") for p in parts]
+        n = sum(len(v) for v in views)
+        with self._lock:
+            if self.used + n > self.capacity:
+                return None
+            start = pos = self.reserve + self.used
+            self.used += n
+        for v in views:
+            self.view[pos : pos + len(v)] = v
+            pos += len(v)
+        out = self.view[start : start + n].toreadonly()
+        self._given[id(out)] = (out, start)
+        return out
+
+    def publish(self, head: bytes | memoryview, files: list) -> tuple[int, int] | None:
+        """Write the wire form's ``head`` just before ``files`` (views this region gave, in wire order) when
+        they lie back to back from the reserve on and the head fits: (offset, size) of the wire form in the
+        memory file, else None."""
+        pos = self.reserve
+        for f in files:
+            given = self._given.get(id(f))
+            if given is None or given[0] is not f or given[1] != pos:
+                return None
+            pos += len(f)
+        if len(head) > self.reserve:
+            return None
+        start = self.reserve - len(head)
+        self.view[start : self.reserve] = memoryview(head).cast("B")
+        return start, pos - start
+
+    def reset(self, step: int) -> Region:
+        with self._lock:
+            self.step, self.used = step, 0
+            self._given.clear()
+        return self
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the mapping stays while a snapshot's files are views of it
+            self.fd = -1
+
+    __del__ = close
+
+
+class Arena:
+    """The memory files (:class:`Region`) a tier's own snapshots are written into, each rewritten only once
+    the tier no longer holds its step (:meth:`hold`): no fresh pages per snapshot, and a peer on this host
+    maps a snapshot's wire form where it lies. :meth:`freeze` (the tier detached: what it held is kept past
+    it) ends every rewrite."""
+
+    def __init__(self):
+        self.regions: list[Region] = []
+        self.held: set[int] = set()
+        self.reserve = 1 << 20  # room for the wire form's header and metadata before the files
+        self.frozen = False
+        self._lock = threading.Lock()
+
+    def take(self, step: int, nbytes: int) -> Region | None:
+        """A region for step ``step``'s files (at most ``nbytes``): a free one that fits, else a new one
+        (a free one too small is let go). None once frozen, or where memory files do not exist."""
+        if self.frozen or not hasattr(os, "memfd_create"):
+            return None
+        with self._lock:
+            free = [r for r in self.regions if r.step not in self.held]
+            fits = [r for r in free if r.capacity >= nbytes and r.reserve >= self.reserve]
+            if fits:
+                return fits[0].reset(step)
+            for r in free:
+                self.regions.remove(r)
+                r.close()
+            region = Region(nbytes, self.reserve).reset(step)
+            self.regions.append(region)
+            return region
+
+    def region_of(self, step: int) -> Region | None:
+        with self._lock:
+            return next((r for r in self.regions if r.step == step), None)
+
+    def hold(self, steps: set[int]) -> None:
+        """The steps the tier holds (their regions are never rewritten)."""
+        with self._lock:
+            self.held = set(steps)
+
+    def grow_reserve(self, head: int) -> None:
+        """A wire form's header and metadata of ``head`` bytes did not fit: regions from now on leave room."""
+        self.reserve = max(self.reserve, 1 << (2 * head).bit_length())
+
+    def freeze(self) -> None:
+        with self._lock:
+            self.frozen = True
+            self.held = {r.step for r in self.regions}

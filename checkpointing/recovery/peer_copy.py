@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..dcp_format import CorruptCheckpointError
-from .local_copy import open_copy, publish
+from .local_copy import open_copy
 from .snapshot import MemorySnapshot
 
 
@@ -38,7 +38,7 @@ def senders_to(rank: int, peers: Mapping[int, Sequence[int]]) -> list[int]:
 
 
 def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]], hosts: Sequence[str] | None = None,
-              shared: list | None = None) -> dict[int, MemorySnapshot]:
+              share: Callable | None = None) -> dict[int, MemorySnapshot]:
     """Send this rank's ``snapshot`` to ``peers[rank]`` and receive the snapshots sent to it, over ``group``
     (collective over the ranks that send or receive; every rank passes the same ``peers``). A size a peer
     announces is bounded by what its snapshot of this step can take (the agreed table) before anything is
@@ -46,24 +46,20 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
     sender's of this step, with this rank's table (:meth:`MemorySnapshot.check_same_step`). A bad one
     raises CorruptCheckpointError naming its source.
 
-    ``hosts``: every group rank's :func:`.local_copy.host_key` (the same on every rank). A peer with this
-    rank's key maps the snapshot from shared memory instead (:mod:`.local_copy`); the memory file this
-    rank published for it is appended to ``shared``, for the caller to close once every peer mapped it."""
+    ``hosts``: every group rank's :func:`.local_copy.host_key` (the same on every rank). With ``share``, a
+    peer with this rank's key maps the snapshot from shared memory instead (:mod:`.local_copy`):
+    ``share(snapshot, wire_parts)`` gives (memory file, offset, size) of this rank's wire form, which the
+    caller keeps open until every peer mapped it (the copies' agreement)."""
     me = dist.get_rank(group)
     wire = snapshot.wire_parts()
     parts = [_as_tensor(p) for p in wire if len(p)]
     sources = senders_to(me, peers)
     dsts = [d for d in peers.get(me, ()) if d != me]
-    local = {r for r, key in enumerate(hosts or ()) if key and key == hosts[me]} - {me}
-    published = None
-    if any(d in local for d in dsts):
-        published = publish(wire)
-        if shared is not None:
-            shared.append(published)
+    local = {r for r, key in enumerate(hosts or ()) if key and key == hosts[me]} - {me} if share else set()
+    fd, offset = share(snapshot, wire)[:2] if any(d in local for d in dsts) else (-1, 0)
     # Each sender announces its copy's size (and, to a peer on its host, the memory file that holds it).
-    size = torch.tensor([sum(p.numel() for p in parts), os.getpid(), published.fd if published else -1],
-                        dtype=torch.int64)
-    sizes = {s: torch.zeros(3, dtype=torch.int64) for s in sources}
+    size = torch.tensor([sum(p.numel() for p in parts), os.getpid(), fd, offset], dtype=torch.int64)
+    sizes = {s: torch.zeros(4, dtype=torch.int64) for s in sources}
     _exchange([(size, d) for d in dsts], list(sizes.items()), group)
     for s, n in sizes.items():
         bound = snapshot.wire_bound(s)
@@ -100,12 +96,12 @@ def replicate(snapshot: MemorySnapshot, group, peers: Mapping[int, Sequence[int]
 
 def _map(source: int, announced: list[int], step: int) -> memoryview:
     """The copy of rank ``source`` on this host: its memory file, mapped (:func:`.local_copy.open_copy`)."""
-    size, pid, fd = announced
+    size, pid, fd, offset = announced
     where = f"the copy of rank {source}'s snapshot of step {step}"
     if fd < 0:
         raise CorruptCheckpointError(f"{where}: rank {source} shares this host but published no memory file")
     try:
-        return open_copy(pid, fd, size, where)
+        return open_copy(pid, fd, size, where, offset)
     except OSError as e:
         raise OSError(f"shared memory: {where} could not be opened ({e}); copies go over the network from the "
                       "next snapshot on") from None

@@ -57,13 +57,16 @@ class MemoryStorage(Storage):
     callable source when asked (a file fetched from another holder). Nothing goes
     to fsspec's process-wide ``memory://`` store."""
 
-    def __init__(self, objects: Mapping[str, Source] | None = None):
+    def __init__(self, objects: Mapping[str, Source] | None = None, region=None):
         super().__init__("memory://etrain-memory-tier", concurrency=2)
         self.objects: dict[str, Source] = dict(objects or {})
         self._objects_lock = threading.Lock()
+        self.region = region  # a memory file the writes go to (checkpointing.recovery.local_copy.Region)
 
     def put_parts(self, rel: str, parts: list, *, exclusive: bool = False) -> str:
-        data = b"".join(memoryview(p).cast("B") for p in parts)
+        data = self.region.put(parts) if self.region is not None else None
+        if data is None:  # no region, or it is full
+            data = b"".join(memoryview(p).cast("B") for p in parts)
         self._store(rel, data, exclusive)
         return checksum(data)
 

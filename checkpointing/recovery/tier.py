@@ -64,6 +64,8 @@ from .restore import load_from_memory, plan_restore  # noqa: F401  (the tier's A
 from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from ..retry import describe
 from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
+from .budget import state_bytes
+from .local_copy import Arena
 from ..transaction import group_rank_errors
 
 log = logging.getLogger("etrain")
@@ -109,19 +111,6 @@ def _lower_priority(niceness: int = 10) -> None:
         pass
 
 
-def state_bytes(state_dict) -> int:
-    """The bytes of this rank's tensors in ``state_dict`` (local shards of DTensors): what a snapshot holds,
-    less a few hundred bytes of envelope per tensor and the metadata."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state_dict, dict):
-        return sum(state_bytes(v) for v in state_dict.values())
-    if isinstance(state_dict, DTensor):
-        state_dict = state_dict._local_tensor
-    return state_dict.numel() * state_dict.element_size() if isinstance(state_dict, torch.Tensor) else 0
-
-
 class MemoryTier:
     """One rank's memory tier. Construction is collective when distributed: two gloo groups beside the
     training group, one for snapshots and their agreement, one for the copies to peers (each used by one
@@ -165,6 +154,7 @@ class MemoryTier:
         self._replays: dict[str, Replay] = {}  # the files of each of those layouts, to lay out again
         self._host = HostCopy()
         self._hosts: list[str] | None = None  # every rank's host key (copies by shared memory), once known
+        self._arena = Arena()  # the memory files own snapshots are written into (.local_copy)
 
     # --- taking a snapshot -------------------------------------------------------------
 
@@ -223,8 +213,9 @@ class MemoryTier:
         t0 = time.monotonic()
         phases: dict[str, float] = {}
         self._prune()
-        storage = MemoryStorage()
-        refusal, after = self._over_budget(state_bytes(state_dict)) if self.memory_budget_bytes else ("", 0)
+        size = state_bytes(state_dict)
+        storage = MemoryStorage(region=self._arena.take(step, size + size // 32 + (1 << 20)))
+        refusal, after = self._over_budget(size) if self.memory_budget_bytes else ("", 0)
         layout = layout or layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         ok, why, entries = True, "", []
@@ -250,7 +241,8 @@ class MemoryTier:
             md = self._plans[layout].metadata
         else:
             t1 = time.monotonic()
-            storage = MemoryStorage()  # what a rank copied by its last plan is not this snapshot's
+            # What a rank copied by its last plan is not this snapshot's.
+            storage = MemoryStorage(region=self._arena.take(step, size + size // 32 + (1 << 20)))
             ok, why, entries, mine = self._plan_and_copy(writer, storage, step, state_dict, layout)
             phases["plan_and_copy"] = time.monotonic() - t1
             t2 = time.monotonic()
@@ -400,6 +392,7 @@ class MemoryTier:
             keep = {self.restorable}
             self.snapshots = {s: v for s, v in self.snapshots.items() if s in keep}
             self.copies = {s: v for s, v in self.copies.items() if s in keep}
+            self._arena.hold(set(self.snapshots))  # the memory of the others' files may be rewritten
 
     # --- copies to peers -------------------------------------------------------------
 
@@ -421,7 +414,7 @@ class MemoryTier:
         t0 = time.monotonic()
         if self._hosts is None:  # a peer on this host maps its copy from shared memory (.local_copy)
             self._hosts = host_keys(self.replica_group, self.world_size)
-        transport = PeerCopyTransport(self.replica_group, self.peers, self._hosts)
+        transport = PeerCopyTransport(self.replica_group, self.peers, self._hosts, self._arena)
         got: dict[int, MemorySnapshot] = {}
         why = ""
         try:
@@ -455,6 +448,7 @@ class MemoryTier:
 
     def close(self) -> None:
         self.wait()
+        self._arena.freeze()
         self._thread.shutdown(wait=True)
         self._io.shutdown(wait=True)
 
@@ -465,6 +459,7 @@ class MemoryTier:
         dead peer ends on its own timeout and is never recorded: only agreed steps are held)."""
         if self._inflight is not None:
             wait_all([self._inflight], timeout=timeout_s)
+        self._arena.freeze()  # what it holds outlives it: never rewritten
         self._thread.shutdown(wait=False)
         self._io.shutdown(wait=False)
         return self.held_steps()

@@ -52,16 +52,30 @@ class SnapshotTransport(Protocol):
 class PeerCopyTransport:
     """The copies to peers over a gloo group of the tier's own (:func:`peer_copy.replicate`)."""
 
-    def __init__(self, group, peers: Mapping[int, Sequence[int]], hosts: Sequence[str] | None = None):
-        self.group, self.peers, self.hosts = group, peers, hosts
-        self._shared: list = []  # this rank's memory files its peers on this host map (closed by agree)
+    def __init__(self, group, peers: Mapping[int, Sequence[int]], hosts: Sequence[str] | None = None, arena=None):
+        self.group, self.peers, self.hosts, self.arena = group, peers, hosts, arena
+        self._shared: list = []  # memory files made for this snapshot's peers on this host (closed by agree)
 
     def send(self, snapshot: MemorySnapshot) -> dict[int, MemorySnapshot]:
         """Over the group, or to a peer on this host (``hosts``: every rank's host key) by shared memory
-        (:mod:`.local_copy`)."""
+        (:mod:`.local_copy`): the memory file the snapshot's files were written into (``arena``), its
+        header and metadata put just before them, else a memory file made for it."""
         from .peer_copy import replicate
 
-        return replicate(snapshot, self.group, self.peers, self.hosts, self._shared)
+        return replicate(snapshot, self.group, self.peers, self.hosts, self._share)
+
+    def _share(self, snapshot: MemorySnapshot, wire: list) -> tuple[int, int, int]:
+        from .local_copy import publish
+
+        region = self.arena.region_of(snapshot.step) if self.arena is not None else None
+        if region is not None and region.fd >= 0:
+            placed = region.publish(wire[0], wire[1:])
+            if placed is not None:
+                return region.fd, *placed
+            self.arena.grow_reserve(len(wire[0]))
+        shared = publish(wire)
+        self._shared.append(shared)
+        return shared.fd, 0, shared.size
 
     def agree(self, why: str) -> dict[int, str]:
         """After :meth:`send`, every rank's reason its copies failed, by rank ({} when all succeeded). Every
