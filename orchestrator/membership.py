@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import secrets
 
+from trainer.parallel.dims import ParallelDims
+
 from .config import GroupTier
 from .policies import ScalingStatus
 from .restore_plan import flush_outcome, group_restore_plan, restore_outcome
@@ -149,8 +151,10 @@ class Membership:
             r = self.pending_recovery
             r.formed(step=step, world=size, tier=tier, tier_reason=why, phases=self.form_phases,
                      waited_s=t0 - r.settled_at)
+        # A Mixture of Experts: the group's expert-parallel degree (parallel.ep=0 chooses one per size).
+        moe = {"ep": ParallelDims.from_config(self.cfg, size).ep} if self.cfg.model.is_moe else {}
         self.event("formed", epoch=self.epoch, world_size=size, step=step, restored_from=first.from_step,
-                   tier=tier, tier_reason=why, memory_tier=budget,
+                   tier=tier, tier_reason=why, memory_tier=budget, **moe,
                    rendezvous=f"{addr}:{port}",
                    members=[self.group.info(w).get("node_id", "")[:8] for w in chosen],
                    nodes=[self.group.info(w).get("node_id", "") for w in chosen],

@@ -52,6 +52,23 @@ def start_run(root: str, *overrides: str, workers: int = 2, min_workers: int | N
     return follow(spec, st), st
 
 
+def reference_run(root: str, *overrides: str, workers: int = 2) -> dict:
+    """A failure-free run of RUN_BASE plus ``overrides``, run id "reference", to its end: what faulted runs of
+    the same config must match. Its final status, plus ``root`` and ``store`` (where it ran) and its step
+    ``history``."""
+    from orchestrator.run import BackgroundRun, prepare_run
+
+    spec, st = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', *overrides],
+                           workers=workers, run_id="reference", store=root)
+    run = BackgroundRun(spec, st)
+    try:
+        final = run.join()
+    finally:
+        run.close()
+    assert final["phase"] == "FINISHED", final
+    return {**final, "final": final, "root": root, "store": st, "history": st.get_history("reference")}
+
+
 def follow(spec, store):
     """Drive the run of ``spec`` in the background (closed at the end of the test)."""
     from orchestrator.run import BackgroundRun

@@ -227,19 +227,9 @@ def ray_cluster():
 def reference(ray_cluster, tmp_path_factory):
     """A failure-free run of tests.cluster.RUN_BASE at 2 workers: what faulted runs must match.
     Its final status, plus ``root`` and ``store`` (where it ran) and its step ``history``."""
-    from orchestrator.run import BackgroundRun, prepare_run
-    from tests.cluster import RUN_BASE
+    from tests.cluster import reference_run
 
-    root = f"file://{tmp_path_factory.mktemp('ref')}/runs"
-    spec, st = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"'], workers=2,
-                           run_id="reference", store=root)
-    run = BackgroundRun(spec, st)
-    try:
-        final = run.join()
-    finally:
-        run.close()
-    assert final["phase"] == "FINISHED", final
-    return {**final, "final": final, "root": root, "store": st, "history": st.get_history("reference")}
+    return reference_run(f"file://{tmp_path_factory.mktemp('ref')}/runs")
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,8 @@ class ParallelConfig:
     cp: int = 1
     # Expert parallelism (a Mixture of Experts, model.n_experts > 0): each group of ep data-parallel ranks
     # splits the experts' computation, tokens travelling to their experts by all-to-all; carved from
-    # dp_shard (ep must divide it, and model.n_experts). docs/parallelism.md.
+    # dp_shard (ep must divide it, and model.n_experts). 0: automatic, at each size the largest ep dividing both
+    # model.n_experts and dp_shard, so that resizing an elastic run may change it. docs/parallelism.md.
     ep: int = 1
     cp_style: Literal["ring", "allgather", "ulysses"] = "ring"
     # Megatron-LM sequence parallelism between the tensor-parallel regions (needs tp > 1).
@@ -76,8 +77,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_stages_per_rank", "ac_every_k"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+            if getattr(self, name) < 1 and not (name == "ep" and self.ep == 0):
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1"
+                                  + (", or 0 to choose it at each size" if name == "ep" else ""))
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
         if self.cp_style not in CP_STYLES:

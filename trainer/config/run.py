@@ -52,7 +52,7 @@ class RunConfig:
             raise ConfigError(f"checkpoint.export_every writes transformers directories during the run, not yet for "
                               f"model.n_experts={m.n_experts} (Mixture of Experts); set it to 0 and use "
                               "`etrain ckpt export --format hf` (Mixtral) on a checkpoint")
-        if p.ep > 1 and not m.n_experts and m.source != "hf":  # a transformers MoE: its spec's preflight
+        if p.ep != 1 and not m.n_experts and m.source != "hf":  # a transformers MoE: its spec's preflight
             raise ConfigError(f"parallel.ep={p.ep} splits the experts of a Mixture of Experts, and the model has none; "
                               'set parallel.ep=1, or model.n_experts (e.g. model.preset="moe-tiny")')
         if p.ep > 1 and m.n_experts % p.ep:

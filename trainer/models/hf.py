@@ -99,6 +99,9 @@ class HFSpec(UserModelSpec):
     def check_moe(self, cfg: RunConfig) -> None:
         """A transformers MoE against the layout (ConfigError, exit 2, before any process group)."""
         ep, kind = cfg.parallel.ep, self.moe_family()
+        if ep == 0:  # ParallelDims.expert_degree reads model.n_experts, which a transformers config keeps to itself
+            raise ConfigError("parallel.ep=0 (automatic) is for the built-in MoE (model.n_experts); with "
+                              "model.source=\"hf\" set parallel.ep to a divisor of the model's experts, or 1")
         if kind is None:
             if ep > 1:
                 raise ConfigError(f"parallel.ep={ep} splits the experts of a Mixture of Experts, and "

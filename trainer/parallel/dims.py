@@ -17,7 +17,8 @@ samples), but the cp ranks hold the same parameters, so ZeRO shards over ``dp_sh
 (:attr:`Mesh.DP_SHARD_CP`) and gradients and the loss are averaged over ``dp x cp`` (:attr:`Mesh.DP_CP`).
 Expert parallelism (``ep``, :mod:`trainer.parallel.expert`) is carved from ``dp_shard`` (it must divide
 it, at every size the run takes) and adds no ranks: groups of ``ep`` consecutive data-parallel ranks split
-the experts of a Mixture of Experts; gradients and the loss are still averaged over ``dp``.
+the experts of a Mixture of Experts; gradients and the loss are still averaged over ``dp``. With
+``parallel.ep = 0`` each size takes its own ep (:meth:`ParallelDims.expert_degree`), so a resize may change it.
 
 Pure arithmetic over the config plus the mesh accessors: it never imports the
 model, so the orchestrator sizes a group without loading model code.
@@ -109,17 +110,28 @@ class ParallelDims:
                 f"x tp={p.tp} x pp={p.pp} = {fixed * dp_shard}, but the world size is {world_size}; "
                 "set parallel.dp_shard=-1 to fill it"
             )
-        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp, ep=p.ep,
-                   zero_requested=p.zero_stage)
+        dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp,
+                   ep=cls.expert_degree(cfg, dp_shard), zero_requested=p.zero_stage)
         dims.check_batch(cfg)
         dims.check_features(cfg)
         return dims
 
+    @staticmethod
+    def expert_degree(cfg: RunConfig, dp_shard: int) -> int:
+        """The ep of a run whose dp_shard is ``dp_shard``: ``parallel.ep`` as configured, or with ``parallel.ep
+        = 0`` (automatic) the largest ep that divides both model.n_experts and dp_shard (1 without experts).
+        The one rule the trainer, the orchestrator's valid sizes and the planner ask."""
+        ep, n = cfg.parallel.ep, cfg.model.n_experts
+        if ep:
+            return ep
+        return max((d for d in divisors(dp_shard) if n > 0 and n % d == 0), default=1)
+
     def __post_init__(self) -> None:
         if self.dp_shard % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} is carved from dp_shard={self.dp_shard} and must divide it; "
-                              f"use a world size whose dp_shard is a multiple of {self.ep}, or parallel.ep in "
-                              f"{fmt_list(divisors(self.dp_shard))}")
+                              f"use a world size whose dp_shard is a multiple of {self.ep}, parallel.ep in "
+                              f"{fmt_list(divisors(self.dp_shard))}, or parallel.ep=0 (the largest that fits "
+                              "each size)")
 
     # --- derived quantities: asked here, never re-derived ----------------------------------
 
@@ -380,7 +392,8 @@ def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
 def size_rule(cfg: RunConfig) -> str:
     """:func:`valid_world_sizes`'s first rule in words, for error messages: the degrees that must divide the world."""
     p = cfg.parallel
-    ep = f", with dp_shard a multiple of parallel.ep={p.ep}" if p.ep > 1 else ""
+    ep = f", with dp_shard a multiple of parallel.ep={p.ep} (or parallel.ep=0 to choose it at each size)" \
+        if p.ep > 1 else ""
     if p.cp > 1:
         return (f"multiples of dp_replicate x cp x tp x pp (here {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = "
                 f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)}){ep}")

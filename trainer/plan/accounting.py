@@ -89,6 +89,7 @@ class Layout:
         values = {f: getattr(getattr(cfg, section), name) for f, (section, name) in CONFIG_FIELDS.items()}
         if values["dp_shard"] == -1:
             values["dp_shard"] = world // (values["dp_replicate"] * values["tp"] * values["pp"] * values["cp"])
+        values["ep"] = ParallelDims.expert_degree(cfg, values["dp_shard"])  # parallel.ep=0: this size's own
         return cls(**values)
 
     def apply(self, cfg: RunConfig, world: int | None = None) -> tuple[RunConfig, ParallelDims]:

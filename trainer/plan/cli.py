@@ -303,6 +303,8 @@ def print_plan(doc: dict) -> None:
     if len(doc["sizes"]) > 1 or not doc["sizes"][0]["valid"]:
         print("\nsizes (the config's layout; the best with its tp, pp and cp):")
         sizes = doc["sizes"]
+        # The config's ep at each size (parallel.ep=0 chooses it per size: ParallelDims.expert_degree).
+        show_ep = {s["config_layout"]["layout"]["ep"] for s in sizes if s["valid"]} - {1}
         for i, s in enumerate(sizes):
             if not s["valid"]:  # a run of invalid sizes: one line, its first reason
                 if i and not sizes[i - 1]["valid"]:
@@ -316,7 +318,8 @@ def print_plan(doc: dict) -> None:
             own, best = s["config_layout"], s["best"]
             fit = "fits" if own["fits"] else "DOES NOT FIT"
             b = f"; best {best['describe']} {best['time']['step_s'] * 1e3:.1f} ms" if best else "; nothing fits"
-            print(f"  {s['world']:>5}  {_gib(own['memory_bytes']['total'])}/rank {fit}, "
+            ep = f"ep {own['layout']['ep']}, " if show_ep else ""
+            print(f"  {s['world']:>5}  {ep}{_gib(own['memory_bytes']['total'])}/rank {fit}, "
                   f"{own['time']['step_s'] * 1e3:.1f} ms{b}")
     if doc["resizes"]:
         print("resize cost (bytes moved between ranks): " + ", ".join(

@@ -258,8 +258,8 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
     t0 = time.monotonic()
     layouts = enumerate_layouts(cfg, world)
     if fixed_mp:
-        layouts = [x for x in layouts if (x.tp, x.pp, x.cp, x.ep) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
-                                                                   cfg.parallel.ep)]
+        mp = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, Layout.of(cfg, world).ep)  # ep: this size's
+        layouts = [x for x in layouts if (x.tp, x.pp, x.cp, x.ep) == mp]
     seen: dict[Layout, Candidate] = {}
     if len(layouts) <= EXHAUSTIVE_LIMIT:
         method = "exhaustive"
@@ -269,8 +269,7 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
         method = "simulator-guided random search (Metropolis)"
         _anneal(cfg, world, dev, seen, budget_s)
         if fixed_mp:
-            seen = {k: v for k, v in seen.items() if (k.tp, k.pp, k.cp, k.ep) == (cfg.parallel.tp, cfg.parallel.pp,
-                                                                                  cfg.parallel.cp, cfg.parallel.ep)}
+            seen = {k: v for k, v in seen.items() if (k.tp, k.pp, k.cp, k.ep) == mp}
     fitting = sorted((c for c in seen.values() if c.valid and c.fits), key=lambda c: c.step_s)
     if not fitting:
         least = min((c for c in seen.values() if c.valid), key=lambda c: c.memory["total"], default=None)
