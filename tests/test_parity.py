@@ -97,6 +97,9 @@ def reference_loop(payload: dict) -> dict:
     batcher = Batcher(load_corpus(cfg.data), cfg.data.seq_len, t.seed, t.global_batch, 0, 1)
     model = Transformer(cfg.model)
     model.init_weights(t.seed)
+    for m in model.modules():  # a Mixture of Experts: its experts by a loop (the trainer's by grouped GEMM)
+        if hasattr(m, "grouped"):
+            m.grouped = False
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
