@@ -357,16 +357,20 @@ def test_balancing_lowers_the_load_imbalance():
     assert late["aux"] < late["none"] - 0.3 and late["bias"] < late["none"] - 0.3, late
 
 
-def test_moe_export_refuses_what_mixtral_cannot_hold():
-    """Dense blocks between MoE ones, shared experts: no Mixtral layout (tests/test_hf_moe.py exports one)."""
+def test_moe_export_family_is_mixtral_where_it_holds_the_model_else_qwen2_moe():
+    """Every block MoE without shared experts: Mixtral; dense blocks between MoE ones or shared experts:
+    Qwen2-MoE (tests/test_hf_moe.py exports both); routing biases: refused, naming the field and the fix."""
     from trainer.models import spec_for
 
-    spec = spec_for(load_config(None, BASE).model)
-    with pytest.raises(ConfigError, match="model.moe_every=2 puts dense blocks .* use --format safetensors or torch"):
-        spec.hf_config_json("bytes")
-    spec = spec_for(load_config(None, BASE + ["model.moe_every=1"]).model)
-    with pytest.raises(ConfigError, match="model.n_shared_experts=1: Mixtral has no shared experts"):
-        spec.hf_names().hf_name("layers.0.feed_forward.router.weight")
+    def family(*extra):
+        return spec_for(load_config(None, BASE + list(extra)).model).hf_config_json("bytes")["model_type"]
+
+    assert family("model.moe_every=1", "model.n_shared_experts=0") == "mixtral"
+    assert family() == family("model.moe_every=1") == family("model.n_shared_experts=0") == "qwen2_moe"
+    for extra in ([], ["model.moe_every=1", "model.n_shared_experts=0"]):
+        spec = spec_for(load_config(None, BASE + extra + ["model.router_bias_update_rate=0.01"]).model)
+        with pytest.raises(ConfigError, match=r"model\.router_bias_update_rate=0\.01 .* use --format safetensors"):
+            spec.hf_names().hf_name("layers.1.feed_forward.router.weight")
 
 
 def test_elastic_range_follows_the_ep_rule():
