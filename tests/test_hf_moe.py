@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.moe_jobs import assert_matches_world1
 from tests.test_input_safety import PY, ROOT
 from tests.test_models import STEPS, TRAIN, hf, plain_setup
 
@@ -68,9 +69,14 @@ def close(name: str, got: list[float], ref: list[float], tol: float = 1e-4) -> N
 
 
 @pytest.fixture(scope="module")
-def runs(mixtral):
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+def world1(mixtral):
+    return run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(mixtral, world1):
+    one = world1
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero3", hf(mixtral) + ["parallel.zero_stage=3"]),
         ("ep2_zero3", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2"]),
@@ -113,6 +119,21 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
     assert len(grads) == 4 and set(grads) <= set(ref)  # gate_up_proj and down_proj of both layers
     for name, g in grads.items():
         assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
+
+
+@pytest.mark.slow
+def test_mixtral_at_world4_ep2_under_hsdp_and_ep4_under_zero3_match_world1(mixtral, world1):
+    """World 4: ep 2 under HSDP (dp_replicate 2 x dp_shard 2, ep carved from dp_shard) and ep 4 under ZeRO-3
+    (one expert per rank): the first 5 losses within 1e-4 of world 1's and the first step's expert gradients
+    within 1e-5 (a divide factor of the experts' own FSDP mesh would give 2x and 4x)."""
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2_hsdp", hf(mixtral) + ["parallel.ep=2", "parallel.dp_replicate=2"]),
+        ("ep4_zero3", hf(mixtral) + ["parallel.ep=4", "parallel.zero_stage=3"])]}, timeout=900)
+    for rank, res in enumerate(four):
+        assert res["ep2_hsdp"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * (rank % 2), "n": 2}
+        assert res["ep4_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": rank, "n": 1}
+        assert all(r["tokens_per_expert"] == world1["zero0"]["tokens_per_expert"] for r in res.values())
+    assert_matches_world1(four, world1["zero0"])
 
 
 @pytest.mark.slow  # five trainer processes, each importing transformers: about 15-30 s here
