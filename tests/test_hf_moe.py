@@ -240,6 +240,7 @@ def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp
     assert tuple(model.model.layers[1].mlp.experts.gate_up_proj.shape) == (4, 96, 64)
 
 
+@pytest.mark.slow  # about 12 s here; test_qwen2_moe_mapping_holds_the_model checks the mapping in the fast tier
 def test_builtin_moe_with_shared_experts_and_dense_blocks_exports_as_qwen2_moe(tmp_path):
     """A built-in MoE that Mixtral cannot hold (every other block dense, a shared expert) exports as a
     Qwen2-MoE (decoder_sparse_step 2, the shared expert behind a zero gate, zero q/k/v biases) whose logits
@@ -254,17 +255,23 @@ def test_builtin_moe_with_shared_experts_and_dense_blocks_exports_as_qwen2_moe(t
     assert not model.model.layers[1].mlp.shared_expert_gate.weight.any()
 
 
-def test_qwen2_moe_mapping_without_shared_experts_holds_the_model():
-    """The mapping alone (no checkpoint): a built-in MoE with 2 dense blocks before each MoE one and no shared
-    expert, its state dict renamed, merged and completed with the added zeros (the shared expert without
-    rows), loads strictly into the Qwen2-MoE of its config.json, whose logits are the model's within 1e-4."""
+@pytest.mark.parametrize("extra", [["model.n_layers=3", "model.moe_every=3"],
+                                   ["model.n_layers=2", "model.moe_every=2", "model.n_shared_experts=2"]],
+                         ids=["dense_blocks", "shared_experts"])
+def test_qwen2_moe_mapping_holds_the_model(tmp_path, extra):
+    """The mapping alone (no checkpoint): a built-in MoE with dense blocks before each MoE one, without and
+    with shared experts, its state dict renamed, merged and completed with the added zeros (a shared expert
+    without rows where there is none), loads strictly into the Qwen2-MoE of its config.json, whose logits are
+    the model's within 1e-4; written as the export writes it, model.init_from reads it back bit for bit."""
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.config_load import load_config
+    from trainer.export import WeightSource
     from trainer.models import spec_for
     from trainer.models.decoder import Transformer
 
-    mcfg = load_config(None, MOE + ["model.n_layers=3", "model.moe_every=3"]).model
+    mcfg = load_config(None, MOE + extra).model
     ours = Transformer(mcfg).eval()
     ours.init_weights(1)
     names = spec_for(mcfg).hf_names()
@@ -273,14 +280,19 @@ def test_qwen2_moe_mapping_without_shared_experts_holds_the_model():
         by_name.setdefault(names.hf_name(fqn), {})[fqn] = names.to_hf(fqn, t)
     state = {n: names.merge(n, parts) if len(parts) > 1 else next(iter(parts.values())) for n, parts in by_name.items()}
     state.update({n: torch.zeros(shape) for n, shape in names.added().items()})
-    config = names.config_json("bytes")
-    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).eval()
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**names.config_json("bytes"))).eval()
     theirs.load_state_dict(state, strict=True)
-    assert [type(layer.mlp).__name__ for layer in theirs.model.layers] == ["Qwen2MoeMLP"] * 2 + [
-        "Qwen2MoeSparseMoeBlock"]
+    kinds = [type(layer.mlp).__name__ for layer in theirs.model.layers]
+    assert kinds == ["Qwen2MoeMLP"] * (mcfg.moe_every - 1) + ["Qwen2MoeSparseMoeBlock"], kinds
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item() < 1e-4
+    os.makedirs(tmp_path / "qwen")  # the layout etrain's export writes (transformers' own save splits experts)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(tmp_path / "qwen" / "model.safetensors"))
+    src = WeightSource(str(tmp_path / "qwen"), mcfg)
+    src.check({n: tuple(t.shape) for n, t in ours.state_dict().items()})
+    for name, t in ours.state_dict().items():
+        assert torch.equal(src.read(name), t), name
 
 
 @pytest.mark.slow

@@ -67,8 +67,8 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
 def expert_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: bool = True) -> torch.Tensor:
     """``x[slots of e] @ w[e].T`` for every expert ``e`` in order (``sum(counts)`` rows of ``w.shape[1]``):
     by grouped GEMM where it runs (and ``grouped``), else by a loop over the experts."""
-    aligned = x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-    if grouped and aligned and x.dtype == w.dtype and len(counts) == w.shape[0] and grouped_mm_runs(x, w):
+    if grouped and x.dtype == w.dtype and len(counts) == w.shape[0] and grouped_mm_runs(x, w) \
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
         return _grouped(x, w, counts)
     outs = [chunk @ w[e].t() for e, chunk in enumerate(x.split(counts))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
