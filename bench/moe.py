@@ -12,7 +12,9 @@ live on the expert mesh). Rounds alternate so that noise on this shared machine 
 Reported per ep: tokens/s of each, ``overhead_ratio`` (trainer step time / loop step time; target <= 1.10 on
 CPU), the all-to-all bytes per step the communication meter counted (mean over the ranks, after the timed
 rounds) against trainer.plan.experts' formula, and the load-imbalance ratio (max / mean tokens per expert,
-the step log's ``moe_imbalance``). Last line: one JSON object.
+the step log's ``moe_imbalance``), and the trainer's tokens/s with its experts by grouped GEMM and by a loop
+over the experts (``grouped_gemm_tokens_per_s``, ``loop_experts_tokens_per_s``; trainer.models.grouped;
+``grouped_gemm``: whether torch runs it here). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def measure(args: argparse.Namespace, world, corpus, ep: int) -> dict:
     ours, base = alternate(rounds, lambda: time_steps(lambda: stats.append(trainer.train_step()), per_round),
                            lambda: time_steps(loop, per_round))
     ours_s, base_s = slowest_rank_medians(ours, base)
+    grouped_s, loop_s = experts_with_and_without_grouped_gemm(trainer, rounds, per_round)
     meter = comm_meter()
     meter.enabled = True
     meter.name_axes(trainer.mesh)
@@ -114,10 +117,38 @@ def measure(args: argparse.Namespace, world, corpus, ep: int) -> dict:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return {"ep": ep, "tokens_per_s": round(tokens / ours_s, 1), "baseline_tokens_per_s": round(tokens / base_s, 1),
             "overhead_ratio": round(ours_s / base_s, 4), "steps_measured": len(ours),
+            "grouped_gemm": grouped_mm_runs_here(), "grouped_gemm_tokens_per_s": round(tokens / grouped_s, 1),
+            "loop_experts_tokens_per_s": round(tokens / loop_s, 1),
             "all_to_all_bytes_per_step": round(float(got[0]) / world.size), "formula_bytes_per_step": round(size),
             "all_to_all_bus_bytes_per_step": round(float(got[1]) / world.size),
             "formula_bus_bytes_per_step": round(bus), "all_to_all_calls_per_step": comm["calls"],
             "formula_calls": calls, "imbalance_ratio": round(statistics.mean(s.moe_imbalance for s in stats), 3)}
+
+
+def grouped_mm_runs_here() -> bool:
+    import torch
+
+    from trainer.models.grouped import grouped_mm_runs
+
+    return grouped_mm_runs(torch.zeros(1, 8), torch.zeros(2, 8, 8))
+
+
+def experts_with_and_without_grouped_gemm(trainer, rounds: int, per_round: int) -> tuple[float, float]:
+    """The trainer's step time (median, slowest rank) with its experts by grouped GEMM and by the loop over
+    experts (trainer.models.grouped), in alternating rounds."""
+    from trainer.models.moe import Experts
+
+    experts = [m for m in trainer.parts.modules[0].modules() if isinstance(m, Experts)]
+
+    def steps(grouped: bool):
+        for m in experts:
+            m.grouped = grouped
+        return time_steps(trainer.train_step, per_round)
+
+    grouped, loop = alternate(rounds, lambda: steps(True), lambda: steps(False))
+    for m in experts:
+        m.grouped = True
+    return slowest_rank_medians(grouped, loop)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -133,11 +164,12 @@ def worker(args: argparse.Namespace) -> None:
     rows = [measure(args, world, corpus, int(ep)) for ep in args.ep.split(",")]
     if world.is_main:
         print(f"{'ep':>3} {'trainer tok/s':>14} {'loop tok/s':>11} {'overhead':>9} {'a2a B/step':>11} "
-              f"{'formula':>9} {'imbalance':>9}")
+              f"{'formula':>9} {'imbalance':>9} {'grouped tok/s':>14} {'expert loop tok/s':>18}")
         for r in rows:
             print(f"{r['ep']:>3} {r['tokens_per_s']:>14.0f} {r['baseline_tokens_per_s']:>11.0f} "
                   f"{r['overhead_ratio']:>9.3f} {r['all_to_all_bytes_per_step']:>11} "
-                  f"{r['formula_bytes_per_step']:>9} {r['imbalance_ratio']:>9.3f}")
+                  f"{r['formula_bytes_per_step']:>9} {r['imbalance_ratio']:>9.3f} "
+                  f"{r['grouped_gemm_tokens_per_s']:>14.0f} {r['loop_experts_tokens_per_s']:>18.0f}")
         print(json.dumps({"bench": "moe", "world": world.size, "preset": "moe-tiny", "device": "cpu",
                           "max_overhead_ratio": max(r["overhead_ratio"] for r in rows), "by_ep": rows}), flush=True)
     shutdown_distributed()

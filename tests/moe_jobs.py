@@ -71,3 +71,18 @@ def experts_held(trainer) -> dict:
             return {"placement": repr(p.placements[names.index("ep")]), "first": chunk.offsets[0],
                     "n": chunk.sizes[0]}
     return {}
+
+
+def assert_matches_world1(ranks: list[dict], one: dict, loss_tol: float = 1e-4, grad_tol: float = 1e-5) -> None:
+    """Every layout of every rank of ``ranks`` (train_moe's results) against world 1's ``one``: its losses
+    within ``loss_tol`` (relative) and the first step's expert (and router) gradients it captured within
+    ``grad_tol``, with at least one expert gradient among them."""
+    for rank, res in enumerate(ranks):
+        for name, got in res.items():
+            assert any(".experts." in n for n in got["grads"]), (name, list(got["grads"]))
+            for n, g in got["grads"].items():
+                diff = (g - one["grads"][n]).abs().max()
+                assert diff <= grad_tol, (name, rank, n, diff)
+            assert len(got["losses"]) == len(one["losses"])
+            for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
+                assert abs(a - b) <= loss_tol * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.moe_jobs import assert_matches_world1
 from tests.test_input_safety import PY, ROOT
 from tests.test_models import STEPS, TRAIN, hf, plain_setup
 
@@ -68,9 +69,14 @@ def close(name: str, got: list[float], ref: list[float], tol: float = 1e-4) -> N
 
 
 @pytest.fixture(scope="module")
-def runs(mixtral):
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+def world1(mixtral):
+    return run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(mixtral, world1):
+    one = world1
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero3", hf(mixtral) + ["parallel.zero_stage=3"]),
         ("ep2_zero3", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2"]),
@@ -113,6 +119,21 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
     assert len(grads) == 4 and set(grads) <= set(ref)  # gate_up_proj and down_proj of both layers
     for name, g in grads.items():
         assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
+
+
+@pytest.mark.slow
+def test_mixtral_at_world4_ep2_under_hsdp_and_ep4_under_zero3_match_world1(mixtral, world1):
+    """World 4: ep 2 under HSDP (dp_replicate 2 x dp_shard 2, ep carved from dp_shard) and ep 4 under ZeRO-3
+    (one expert per rank): the first 5 losses within 1e-4 of world 1's and the first step's expert gradients
+    within 1e-5 (a divide factor of the experts' own FSDP mesh would give 2x and 4x)."""
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2_hsdp", hf(mixtral) + ["parallel.ep=2", "parallel.dp_replicate=2"]),
+        ("ep4_zero3", hf(mixtral) + ["parallel.ep=4", "parallel.zero_stage=3"])]}, timeout=900)
+    for rank, res in enumerate(four):
+        assert res["ep2_hsdp"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * (rank % 2), "n": 2}
+        assert res["ep4_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": rank, "n": 1}
+        assert all(r["tokens_per_expert"] == world1["zero0"]["tokens_per_expert"] for r in res.values())
+    assert_matches_world1(four, world1["zero0"])
 
 
 @pytest.mark.slow  # five trainer processes, each importing transformers: about 15-30 s here
@@ -172,46 +193,105 @@ MOE = ['model.preset="moe-tiny"', "model.dim=64", "model.ffn_hidden=48", "model.
        "train.warmup_steps=0", "train.lr=3e-3", "metrics.enabled=false", 'parallel.mixed_precision="fp32"']
 
 
-def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp_path):
-    """2 steps of the built-in MoE at ep 2 (world 2, ZeRO-3), saved; `etrain ckpt export --format hf` writes a
-    Mixtral (config.json, fused gate_up_proj) that AutoModelForCausalLM loads, with the logits of the
-    checkpoint's own model (the built-in decoder loaded from the safetensors export)."""
+def export_and_compare(tmp_path, base: list[str], layout: list[str], world: int):
+    """2 steps of the built-in MoE of ``base`` in ``layout``, saved; `etrain ckpt export --format hf` of it
+    loaded by AutoModelForCausalLM, whose logits must be those of the checkpoint's own model (the built-in
+    decoder loaded from the safetensors export) within 1e-4; and ``model.init_from`` reads the directory
+    back into the built-in names bit for bit. Returns (the export's config.json, transformers' model)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from orchestrator.cli import main as etrain
-    from trainer.export import export
+    from trainer.config_load import load_config
+    from trainer.export import WeightSource, export
     from trainer.models.decoder import Transformer
 
     url = f"file://{tmp_path}/ck"
-    res = run_ranks("tests.ckpt_jobs:run_plan", 2, {"base": MOE + [f'checkpoint.url="{url}"'], "actions": [
-        {"layout": ["parallel.zero_stage=3", "parallel.ep=2"], "train": 2, "save": "moe", "state": False}]})
+    res = run_ranks("tests.ckpt_jobs:run_plan", world, {"base": base + [f'checkpoint.url="{url}"'], "actions": [
+        {"layout": layout, "train": 2, "save": "moe", "state": False}]})
     assert res[0][0]["saves"] == [(2, "committed", "")], res[0][0]
     step = f"{url}/moe/checkpoints/step_000000002"
     out = str(tmp_path / "hf")
     assert etrain(["ckpt", "export", step, out, "--format", "hf"]) == 0
     config = json.load(open(os.path.join(out, "config.json")))
-    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
     theirs_model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(theirs_model).__name__ == "MixtralForCausalLM"
-    fused = theirs_model.model.layers[1].mlp.experts.gate_up_proj
-    assert tuple(fused.shape) == (4, 96, 64)
     export(step, str(tmp_path / "moe.safetensors"), "safetensors")
-    from trainer.config_load import load_config
-
-    ours_model = Transformer(load_config(None, MOE).model).eval()
+    mcfg = load_config(None, base).model
+    ours_model = Transformer(mcfg).eval()
     ours_model.load_state_dict(load_file(str(tmp_path / "moe.safetensors")))
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = ours_model(tokens), theirs_model(input_ids=tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
-    # model.init_from reads the Mixtral directory back into the built-in names (gate_up_proj split in two).
-    from trainer.export import WeightSource
-
-    src = WeightSource(out, load_config(None, MOE).model)
-    expected = {n: tuple(t.shape) for n, t in ours_model.state_dict().items()}
-    src.check(expected)
+    # model.init_from reads the directory back into the built-in names (gate_up_proj split in two).
+    src = WeightSource(out, mcfg)
+    src.check({n: tuple(t.shape) for n, t in ours_model.state_dict().items()})
     for name, t in ours_model.state_dict().items():
+        assert torch.equal(src.read(name), t), name
+    return config, theirs_model
+
+
+def test_builtin_moe_exports_as_mixtral_and_transformers_computes_its_logits(tmp_path):
+    """Saved at ep 2 (world 2, ZeRO-3), a built-in MoE that Mixtral holds exports as a Mixtral (config.json,
+    fused gate_up_proj) with the checkpoint's logits, and reads back (export_and_compare)."""
+    config, model = export_and_compare(tmp_path, MOE, ["parallel.zero_stage=3", "parallel.ep=2"], 2)
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert tuple(model.model.layers[1].mlp.experts.gate_up_proj.shape) == (4, 96, 64)
+
+
+@pytest.mark.slow  # about 12 s here; test_qwen2_moe_mapping_holds_the_model checks the mapping in the fast tier
+def test_builtin_moe_with_shared_experts_and_dense_blocks_exports_as_qwen2_moe(tmp_path):
+    """A built-in MoE that Mixtral cannot hold (every other block dense, a shared expert) exports as a
+    Qwen2-MoE (decoder_sparse_step 2, the shared expert behind a zero gate, zero q/k/v biases) whose logits
+    are the checkpoint's within 1e-4, and reads back (export_and_compare)."""
+    base = MOE + ["model.n_layers=4", "model.moe_every=2", "model.n_shared_experts=1"]
+    config, model = export_and_compare(tmp_path, base, ["parallel.zero_stage=0"], 1)
+    assert (config["model_type"], config["decoder_sparse_step"], config["shared_expert_intermediate_size"],
+            config["norm_topk_prob"]) == ("qwen2_moe", 2, 48, True)
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"] * 2, kinds
+    assert not model.model.layers[1].mlp.shared_expert_gate.weight.any()
+
+
+@pytest.mark.parametrize("extra", [["model.n_layers=3", "model.moe_every=3"],
+                                   ["model.n_layers=2", "model.moe_every=2", "model.n_shared_experts=2"]],
+                         ids=["dense_blocks", "shared_experts"])
+def test_qwen2_moe_mapping_holds_the_model(tmp_path, extra):
+    """The mapping alone (no checkpoint): a built-in MoE with dense blocks before each MoE one, without and
+    with shared experts, its state dict renamed, merged and completed with the added zeros (a shared expert
+    without rows where there is none), loads strictly into the Qwen2-MoE of its config.json, whose logits are
+    the model's within 1e-4; written as the export writes it, model.init_from reads it back bit for bit."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.config_load import load_config
+    from trainer.export import WeightSource
+    from trainer.models import spec_for
+    from trainer.models.decoder import Transformer
+
+    mcfg = load_config(None, MOE + extra).model
+    ours = Transformer(mcfg).eval()
+    ours.init_weights(1)
+    names = spec_for(mcfg).hf_names()
+    by_name: dict = {}
+    for fqn, t in ours.state_dict().items():
+        by_name.setdefault(names.hf_name(fqn), {})[fqn] = names.to_hf(fqn, t)
+    state = {n: names.merge(n, parts) if len(parts) > 1 else next(iter(parts.values())) for n, parts in by_name.items()}
+    state.update({n: torch.zeros(shape) for n, shape in names.added().items()})
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**names.config_json("bytes"))).eval()
+    theirs.load_state_dict(state, strict=True)
+    kinds = [type(layer.mlp).__name__ for layer in theirs.model.layers]
+    assert kinds == ["Qwen2MoeMLP"] * (mcfg.moe_every - 1) + ["Qwen2MoeSparseMoeBlock"], kinds
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(input_ids=tokens).logits).abs().max().item() < 1e-4
+    os.makedirs(tmp_path / "qwen")  # the layout etrain's export writes (transformers' own save splits experts)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(tmp_path / "qwen" / "model.safetensors"))
+    src = WeightSource(str(tmp_path / "qwen"), mcfg)
+    src.check({n: tuple(t.shape) for n, t in ours.state_dict().items()})
+    for name, t in ours.state_dict().items():
         assert torch.equal(src.read(name), t), name
 
 

@@ -91,12 +91,16 @@ def reference_loop(payload: dict) -> dict:
     from trainer.config_load import load_config
     from trainer.data import Batcher, load_corpus
     from trainer.models.decoder import Transformer
+    from trainer.models.moe import Experts
 
     cfg = load_config(None, payload["base"])
     t = cfg.train
     batcher = Batcher(load_corpus(cfg.data), cfg.data.seq_len, t.seed, t.global_batch, 0, 1)
     model = Transformer(cfg.model)
     model.init_weights(t.seed)
+    for m in model.modules():  # a Mixture of Experts: its experts by a loop (the trainer's by grouped GEMM)
+        if isinstance(m, Experts):
+            m.grouped = False
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],

@@ -75,8 +75,13 @@ def plan(src: ModelSource, fmt: str, dtype: torch.dtype):
         if len(fqns) > 1:
             shape = names.merged_shape(name, {f: specs_in[f][1] for f in fqns})
         specs.append((name, dtype if dt.is_floating_point else dt, shape))
+    # tensors the family has and the model not (Qwen2-MoE's q/k/v biases): zeros
+    added = names.added() if convert and hasattr(names, "added") else {}
+    specs += [(name, dtype, shape) for name, shape in added.items()]
 
     def get(name: str) -> torch.Tensor:
+        if name in added:
+            return torch.zeros(added[name], dtype=dtype)
         parts = {fqn: names.to_hf(fqn, src.read(fqn)) if convert else src.read(fqn) for fqn in back[name]}
         t = names.merge(name, parts) if len(parts) > 1 else next(iter(parts.values()))
         return t.to(dtype) if t.is_floating_point() else t

@@ -24,6 +24,7 @@ from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
 from .llama_names import LlamaNames
 from .mixtral_names import MixtralNames
+from .qwen_moe_names import hf_moe_names
 from .shape import ModelShape
 from .spec import ModelSpec, Stage
 
@@ -131,6 +132,7 @@ class DecoderSpec(ModelSpec):
         return model, self.mcfg.max_seq_len
 
     def hf_names(self) -> LlamaNames | MixtralNames:
-        # A Mixture of Experts exports as Mixtral (trainer.models.mixtral_names), the dense decoder as Llama.
-        return MixtralNames(self.mcfg) if self.mcfg.is_moe else LlamaNames(self.mcfg)
+        # A Mixture of Experts exports as Mixtral where Mixtral holds it, else as Qwen2-MoE
+        # (trainer.models.qwen_moe_names); the dense decoder as Llama.
+        return hf_moe_names(self.mcfg) if self.mcfg.is_moe else LlamaNames(self.mcfg)
 

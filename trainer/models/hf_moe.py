@@ -22,6 +22,8 @@ from torch import nn
 
 from checkpointing.errors import ConfigError
 
+from .grouped import expert_linear
+
 MAPPED = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Config fields by which transformers' MoE configs name their experts (any of them > 0: an MoE).
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
@@ -114,11 +116,8 @@ def local_experts(experts: nn.Module, x: torch.Tensor, counts: list[int]) -> tor
     from torch.distributed.tensor import DTensor
 
     gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.gate_up_proj, experts.down_proj))
-    outs = []
-    for e, chunk in enumerate(x.split(counts)):
-        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-        outs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
-    return torch.cat(outs) if outs else x[:0]
+    gate, up = expert_linear(x, gate_up, counts).chunk(2, dim=-1)  # grouped GEMM where it runs (.grouped)
+    return expert_linear(experts.act_fn(gate) * up, down, counts)
 
 
 def count_load(model: nn.Module) -> None:

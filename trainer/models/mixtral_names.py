@@ -10,8 +10,9 @@ Attention, norms and embeddings are the Llama mapping (:mod:`.llama_names`, q/k 
 SiLU branch) and ``w3`` -> the fused ``mlp.experts.gate_up_proj`` (gate first: transformers splits it in two
 halves, ``act(gate) * up``); ``w2`` -> ``mlp.experts.down_proj``. Mixtral routes as the built-in router does
 (softmax over the experts in fp32, top-k, renormalized over the chosen), so the logits match. What Mixtral
-cannot hold is refused with exit 2: dense blocks between MoE ones (``moe_every > 1``), shared experts, and
-auxiliary-loss-free routing biases (``router_bias_update_rate > 0``). Capacity (``capacity_factor > 0``)
+cannot hold, dense blocks between MoE ones (``moe_every > 1``) and shared experts, exports as Qwen2-MoE
+(:mod:`.qwen_moe_names`); auxiliary-loss-free routing biases (``router_bias_update_rate > 0``) are refused
+with exit 2. Capacity (``capacity_factor > 0``)
 only drops slots in training; transformers runs the experts dropless.
 """
 

@@ -12,7 +12,8 @@ got, P_e: its mean router probability), times ``aux_loss_coef``. With ``capacity
 takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, first come first served in
 token order; the rest are dropped (their share of the output is zero).
 
-Experts are computed by a loop over experts on the slots sorted by expert. Under expert parallelism
+Experts are computed on the slots sorted by expert, by one grouped GEMM per projection where torch runs it
+for the device and dtype, else a loop over experts (:mod:`.grouped`). Under expert parallelism
 (``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them (the weights are DTensors
 split on the expert dim), and the sorted slots travel to their experts' ranks and back by all-to-all with
 uneven splits.
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
+from .grouped import expert_linear
 
 
 class Experts(nn.Module):
@@ -39,16 +41,14 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.grouped = True  # by grouped GEMM where it runs (trainer.models.grouped); False: a loop over experts
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: slots sorted by expert, ``counts[i]`` of them for this rank's ``i``-th expert (under expert
         parallelism the weights are DTensors split on the expert dim, and this rank computes its own)."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        outs = []
-        for e, chunk in enumerate(x.split(counts)):
-            h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
-            outs.append(h @ w2[e].t())
-        return torch.cat(outs) if outs else x[:0]
+        h = F.silu(expert_linear(x, w1, counts, self.grouped)) * expert_linear(x, w3, counts, self.grouped)
+        return expert_linear(h, w2, counts, self.grouped)
 
 
 class SwiGLU(nn.Module):
@@ -109,7 +109,7 @@ class MoE(nn.Module):
             counts = counts.clamp(max=cap)
         slots = t[order // self.top_k]
         if self.ep is None:
-            out_sorted = self.experts(slots, counts.tolist())  # the loop over experts; nothing for an idle one
+            out_sorted = self.experts(slots, counts.tolist())  # an idle expert: an empty group
         else:
             out_sorted = self.ep.run(self.experts, slots, counts)
         out = t.new_zeros(flat.numel(), shape[-1])

@@ -74,6 +74,7 @@ class HFNames(Protocol):
 
     # Where several tensors map to one transformers name (hf_name), a family also has
     # merged_shape(name, {fqn: shape}) -> shape and merge(name, {fqn: tensor in the HF layout}) -> tensor.
+    # Where the transformers model has tensors the model lacks, added() -> {name: shape}: exported as zeros.
 
 
 class ModelSpec(ABC):
