@@ -54,6 +54,10 @@ class ModelShape:
     experts: int = 0
     expert_share: float = 1.0
     moe_layers: int = 0
+    # One MoE layer's feed-forward (router, routed and shared experts: replicated across tp, counted), and the
+    # blocks that have one: the last of every ``moe_every``.
+    moe_ffn: int = 0
+    moe_every: int = 1
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
@@ -120,16 +124,26 @@ class ModelShape:
         """The blocks of each pipeline stage."""
         return layer_split(self.n_layers, n_stages)
 
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_layers > 0 and index % self.moe_every == self.moe_every - 1
+
+    def layer_params(self, index: int, tp: int = 1) -> int:
+        """Block ``index``'s parameters on a rank of ``tp``: a Mixture-of-Experts feed-forward is whole on every
+        tp rank (trainer.models.decoder_tp), a dense one split."""
+        if self.is_moe_layer(index) and self.moe_ffn:
+            return self.attention_params(tp) + 2 * self.dim + self.moe_ffn
+        return self.block_params(tp)
+
     def local_counts(self, tp: int, stages: list[int], n_stages: int) -> tuple[int, int]:
         """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``
-        (a Mixture of Experts, which trains without tp and pp: its counts; its largest block)."""
+        (a Mixture of Experts: its counts at tp 1 without stages; its largest block)."""
         if self.experts and tp == 1 and n_stages == 1:
             return self.one_block_params, self.n_params
-        block = self.block_params(tp)
+        block = max(self.layer_params(i, tp) for i in range(self.n_layers))
         split = self.stage_layers(n_stages)
         total = 0
         for s in stages:
-            total += len(split[s]) * block
+            total += sum(self.layer_params(i, tp) for i in split[s])
             if s == 0:
                 total += self.embedding_params(tp)
             if s == n_stages - 1:
