@@ -115,6 +115,39 @@ def test_mixtral_experts_split_by_ep_match_world1(runs, layout):
         assert torch.allclose(g, ref[name], atol=1e-5, rtol=0), name
 
 
+def test_mixtral_tp_plan_leaves_its_experts_whole(mixtral):
+    """Under tp a Mixtral keeps its own plan for attention, the embedding and the head, and none of transformers'
+    expert TP entries (packed_colwise, moe_tp_experts): its sparse blocks run whole on every tp rank."""
+    from trainer.config_load import load_config
+    from trainer.models import model_preflight, spec_for
+
+    cfg = load_config(None, TRAIN + hf(mixtral) + ["parallel.tp=2"])
+    model_preflight(cfg)  # tp was refused for an MoE; the experts' styles are ones etrain does not map
+    plan = spec_for(cfg.model).build("meta")._tp_plan
+    assert "model.layers.*.self_attn.q_proj" in plan and not any("experts" in k for k in plan), plan
+
+
+@pytest.mark.slow
+def test_mixtral_ep2_tp2_world4_matches_world1(mixtral):
+    """ep 2 x tp 2 at world 4 under ZeRO-3: attention split over tp, each rank's ep group the two data-parallel
+    ranks of its tp coordinate, the experts whole across tp; 5 losses within 1e-4 of world 1's, the gradient norm,
+    the first step's expert gradients within 1e-5 (nothing summed over tp) and the loads per expert."""
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2_tp2", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2", "parallel.tp=2"])]}, timeout=600)
+    for rank, res in enumerate(four):
+        got = res["ep2_tp2"]
+        close(f"ep2 x tp2 rank {rank}", got["losses"], one["losses"])
+        assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+        assert got["experts"] == {"placement": "Shard(dim=0)", "first": 2 * (rank // 2), "n": 2}
+        assert got["tokens_per_expert"] == one["tokens_per_expert"]
+        assert got["comm"]["all_to_all/ep"]["calls"] > 0 and got["comm"]["all_reduce/tp"]["calls"] > 0
+        assert len(got["grads"]) == 4  # gate_up_proj and down_proj of both layers
+        for name, g in got["grads"].items():
+            assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), (rank, name)
+
+
 @pytest.mark.slow  # five trainer processes, each importing transformers: about 15-30 s here
 def test_unmapped_moe_and_ep_exit_2(tmp_path):
     """An MoE family etrain cannot map, an ep that does not divide the experts, and pipeline stages (the
@@ -239,7 +272,7 @@ def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
     m = spec.planning_model(32)
     assert (m.source, m.n_experts, m.top_k, m.moe_every, m.ffn_hidden, m.n_shared_experts) == ("builtin", 4, 2, 1,
                                                                                                 96, 0)
-    assert spec.allows() == ()  # data and expert parallelism only
+    assert spec.allows() == ("tp",)  # data, expert and tensor parallelism (its sparse blocks whole on each tp rank)
     shape = spec_for(m).shape()
     assert shape.n_params == sum(p.numel() for p in spec.build("meta").parameters())
     assert shape.experts == 2 * 4 * 3 * 64 * 96
