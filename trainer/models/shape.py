@@ -6,6 +6,9 @@
     shape.flops_per_token(seq_len)                        # training FLOPs per token (MFU)
     shape.block_activation_elems(tp, sp)                  # what one block saves for backward (the planner)
 
+A Mixture of Experts' layers are replicated across tp (trainer.models.decoder_tp): their parameters count whole
+on every tp rank (:meth:`ModelShape.layer_params`), their feed-forward activations too.
+
 The formulas are those of a Llama-style decoder block (the built-in one): attention with
 ``n_heads`` query and ``n_kv_heads`` key/value heads of ``dim / n_heads``, a SwiGLU feed-forward of
 ``ffn_hidden``, two RMSNorms; an embedding and an untied head of ``vocab_size x dim``, a final norm.
@@ -158,10 +161,15 @@ class ModelShape:
         norms = 2 * h  # the two RMSNorms' inputs (the residual stream)
         gathered = 2 * h  # the normed inputs of the first linears of attention and feed-forward
         inside = (h + 2 * kvd) + (h + kvd) + (2 * h if self.n_kv_heads < self.n_heads else 0) + 2 * h + 4 * f
-        return (norms / tp if sp else norms) + gathered + inside / tp
+        return (norms / tp if sp else norms) + gathered + inside / tp + 4 * f * self.whole_ffn_share(tp)
+
+    def whole_ffn_share(self, tp: int) -> float:
+        """What tp does not split of the blocks' feed-forwards, on average over the blocks: the Mixture-of-Experts
+        layers' share of them, each whole on every tp rank (trainer.models.decoder_tp), less the tp-th counted."""
+        return (1 - 1 / tp) * self.moe_layers / self.n_layers if self.n_layers else 0.0
 
     def block_matmul_elems(self, tp: int) -> float:
         """Elements per token of one block's matmul and attention outputs: what selective activation
         checkpointing keeps (q, k, v, SDPA's output, the output projection's; SwiGLU's three)."""
         h, f, kvd = self.dim, self.ffn_hidden, self.n_kv_heads * self.head_dim
-        return (2 * h + 2 * kvd + 2 * f) / tp + 2 * h
+        return (2 * h + 2 * kvd + 2 * f) / tp + 2 * h + 2 * f * self.whole_ffn_share(tp)
