@@ -136,6 +136,9 @@ def test_mixtral_ep2_tp2_world4_matches_world1(mixtral):
         ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_tp2", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2", "parallel.tp=2"])]}, timeout=600)
+    from tests.test_parity import check_memory
+
+    check_memory("ep2_tp2", four)  # the trainer's prediction: the sparse blocks whole on every tp rank
     for rank, res in enumerate(four):
         got = res["ep2_tp2"]
         close(f"ep2 x tp2 rank {rank}", got["losses"], one["losses"])
@@ -186,17 +189,25 @@ QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_inte
                          ids=["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_matches_the_plain_loop_and_splits_by_ep(tmp_path, doc):
     """Qwen2-MoE (a shared expert beside the routed ones) and Qwen3-MoE: world 1 equals the plain transformers
-    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients)."""
+    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients), and so does tp 2 (the sparse
+    blocks whole on both tp ranks; Qwen3's per-head norms on their heads' shard, their gradient summed over tp)."""
     d = write(tmp_path / doc["model_type"], doc)
     one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero0", hf(d) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
-    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
-        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"])]}, timeout=300)[0]["ep2"]
+    both = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"]), ("tp2", hf(d) + ["parallel.tp=2"])]},
+        timeout=300)[0]
+    two, tp2 = both["ep2"], both["tp2"]
     ref, _ = reference_losses(d)
     close("world 1", one["losses"], ref)
     close("ep 2", two["losses"], one["losses"])
     assert two["experts"] == {"placement": "Shard(dim=0)", "first": 0, "n": 2}
     for name, g in two["grads"].items():
+        assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
+    close("tp 2", tp2["losses"], one["losses"])
+    assert tp2["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert tp2["grads"].keys() == one["grads"].keys()
+    for name, g in tp2["grads"].items():
         assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
 
 
