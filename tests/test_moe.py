@@ -309,6 +309,18 @@ def test_ep2_tp2_world4_matches_world1(world1):
         assert res["ep2_tp2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5
 
 
+@pytest.mark.slow
+def test_ep2_tp2_world8_shards_the_experts_outside_ep(world1):
+    """ep 2 x tp 2 at world 8 (dp_shard 4) under ZeRO-3: the experts' FSDP units over the 2 ranks outside ep at
+    each tp coordinate reduce-scatter their gradient, divided by the data-parallel size (4), not summed over tp:
+    losses, gradient norm and the first step's expert gradients as world 1's."""
+    extras = {"ep2_tp2_dp4": ["parallel.ep=2", "parallel.tp=2"]}
+    eight = run_ranks("tests.moe_jobs:train_moe", 8, {"base": BASE, "steps": STEPS, "grads": True,
+                                                     "layouts": list(extras.items())}, timeout=600)
+    check_tp_layouts(world1, eight, extras)
+    assert eight[0]["ep2_tp2_dp4"]["comm"]["reduce_scatter/dp_shard_mod_ep"]["calls"] > 0
+
+
 def test_step_log_figures_reach_the_metrics():
     from trainer.cli import format_step
     from trainer.loop import StepStats
