@@ -25,6 +25,7 @@ def train_moe(payload: dict) -> dict:
             before = meter.snapshot()
             stats = [trainer.train_step() for _ in range(payload["steps"])]
             out[name] = {"losses": [s.loss for s in stats], "aux": [s.aux_loss for s in stats],
+                         "grad_norms": [s.grad_norm for s in stats],
                          "imbalance": [s.moe_imbalance for s in stats],
                          "tokens_per_expert": [s.moe_tokens_per_expert for s in stats],
                          "dropped": [s.moe_dropped for s in stats],

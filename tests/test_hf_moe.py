@@ -136,6 +136,42 @@ def test_mixtral_at_world4_ep2_under_hsdp_and_ep4_under_zero3_match_world1(mixtr
     assert_matches_world1(four, world1["zero0"])
 
 
+def test_mixtral_tp_plan_leaves_its_experts_whole(mixtral):
+    """Under tp a Mixtral keeps its own plan for attention, the embedding and the head, and none of transformers'
+    expert TP entries (packed_colwise, moe_tp_experts): its sparse blocks run whole on every tp rank."""
+    from trainer.config_load import load_config
+    from trainer.models import model_preflight, spec_for
+
+    cfg = load_config(None, TRAIN + hf(mixtral) + ["parallel.tp=2"])
+    model_preflight(cfg)  # tp was refused for an MoE; the experts' styles are ones etrain does not map
+    plan = spec_for(cfg.model).build("meta")._tp_plan
+    assert "model.layers.*.self_attn.q_proj" in plan and not any("experts" in k for k in plan), plan
+
+
+@pytest.mark.slow
+def test_mixtral_ep2_tp2_world4_matches_world1(mixtral):
+    """ep 2 x tp 2 at world 4 under ZeRO-3: attention split over tp, each rank's ep group the two data-parallel
+    ranks of its tp coordinate, the experts whole across tp; 5 losses within 1e-4 of world 1's, the gradient norm,
+    the first step's expert gradients within 1e-5 (nothing summed over tp) and the loads per expert."""
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2_tp2", hf(mixtral) + ["parallel.zero_stage=3", "parallel.ep=2", "parallel.tp=2"])]}, timeout=600)
+    from tests.test_parity import check_memory
+
+    check_memory("ep2_tp2", four)  # the trainer's prediction: the sparse blocks whole on every tp rank
+    for rank, res in enumerate(four):
+        got = res["ep2_tp2"]
+        close(f"ep2 x tp2 rank {rank}", got["losses"], one["losses"])
+        assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+        assert got["experts"] == {"placement": "Shard(dim=0)", "first": 2 * (rank // 2), "n": 2}
+        assert got["tokens_per_expert"] == one["tokens_per_expert"]
+        assert got["comm"]["all_to_all/ep"]["calls"] > 0 and got["comm"]["all_reduce/tp"]["calls"] > 0
+        assert len(got["grads"]) == 4  # gate_up_proj and down_proj of both layers
+        for name, g in got["grads"].items():
+            assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), (rank, name)
+
+
 @pytest.mark.slow  # five trainer processes, each importing transformers: about 15-30 s here
 def test_unmapped_moe_and_ep_exit_2(tmp_path):
     """An MoE family etrain cannot map, an ep that does not divide the experts, and pipeline stages (the
@@ -174,17 +210,25 @@ QWEN = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_inte
                          ids=["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_matches_the_plain_loop_and_splits_by_ep(tmp_path, doc):
     """Qwen2-MoE (a shared expert beside the routed ones) and Qwen3-MoE: world 1 equals the plain transformers
-    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients)."""
+    loop, and ep 2 under ZeRO-3 at world 2 equals world 1 (losses, expert gradients), and so does tp 2 (the sparse
+    blocks whole on both tp ranks; Qwen3's per-head norms on their heads' shard, their gradient summed over tp)."""
     d = write(tmp_path / doc["model_type"], doc)
     one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
         ("zero0", hf(d) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
-    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
-        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"])]}, timeout=300)[0]["ep2"]
+    both = run_ranks("tests.moe_jobs:train_moe", 2, {"base": TRAIN, "steps": STEPS, "grads": True, "layouts": [
+        ("ep2", hf(d) + ["parallel.zero_stage=3", "parallel.ep=2"]), ("tp2", hf(d) + ["parallel.tp=2"])]},
+        timeout=300)[0]
+    two, tp2 = both["ep2"], both["tp2"]
     ref, _ = reference_losses(d)
     close("world 1", one["losses"], ref)
     close("ep 2", two["losses"], one["losses"])
     assert two["experts"] == {"placement": "Shard(dim=0)", "first": 0, "n": 2}
     for name, g in two["grads"].items():
+        assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
+    close("tp 2", tp2["losses"], one["losses"])
+    assert tp2["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert tp2["grads"].keys() == one["grads"].keys()
+    for name, g in tp2["grads"].items():
         assert torch.allclose(g, one["grads"][name], atol=1e-5, rtol=0), name
 
 
@@ -319,7 +363,7 @@ def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
     m = spec.planning_model(32)
     assert (m.source, m.n_experts, m.top_k, m.moe_every, m.ffn_hidden, m.n_shared_experts) == ("builtin", 4, 2, 1,
                                                                                                 96, 0)
-    assert spec.allows() == ()  # data and expert parallelism only
+    assert spec.allows() == ("tp",)  # data, expert and tensor parallelism (its sparse blocks whole on each tp rank)
     shape = spec_for(m).shape()
     assert shape.n_params == sum(p.numel() for p in spec.build("meta").parameters())
     assert shape.experts == 2 * 4 * 3 * 64 * 96

@@ -76,11 +76,30 @@ def test_moe_config_refusals_name_the_field(override, field):
         load_config(None, BASE + override.split())
 
 
-def test_moe_refuses_tensor_parallelism():
-    from trainer.models import model_preflight
+def test_moe_takes_tensor_and_sequence_parallelism():
+    """The MoE layers are replicated across tp (trainer.models.decoder_tp): tp and sequence parallelism pass the
+    model's preflight, and the planner may offer them."""
+    from trainer.models import model_preflight, spec_for
 
-    with pytest.raises(ConfigError, match=r"parallel\.tp=2"):
-        model_preflight(load_config(None, BASE + ["parallel.tp=2"]))
+    model_preflight(load_config(None, BASE + ["parallel.tp=2", "parallel.sequence_parallel=true"]))
+    assert {"tp", "sp"} <= set(spec_for(load_config(None, BASE).model).allows())
+
+
+def test_moe_parameters_per_tp_rank_count_the_moe_layers_whole():
+    """Under tp a rank holds a tp-th of the attention, the dense feed-forwards, the embedding and the head, and
+    every MoE layer whole (router, experts, shared expert): the shape's count is the model's own at tp 1."""
+    from trainer.models import spec_for
+    from trainer.models.decoder import Transformer
+    from trainer.models.moe import moe_layers
+
+    cfg = load_config(None, BASE)
+    shape = spec_for(cfg.model).shape()
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    moe = sum(p.numel() for m in moe_layers(model) for p in m.parameters())
+    assert shape.local_counts(1, [0], 1)[1] == sum(p.numel() for p in model.parameters())
+    norms = cfg.model.dim * (2 * 4 + 1)  # two per block and the final one: whole on every tp rank too
+    assert shape.local_counts(2, [0], 1)[1] == (shape.n_params - moe - norms) // 2 + moe + norms
 
 
 def test_world1_matches_plain_pytorch_bitwise():
@@ -113,14 +132,19 @@ def test_capacity_drops_are_counted_in_the_step_log():
     assert all(d < 2 * 8 * 32 * 2 for d in res["dropped"])  # fewer than all slots of the 2 layers
 
 
-def test_ep2_world2_matches_world1():
+@pytest.fixture(scope="module")
+def world1() -> dict:
+    """World 1 (ZeRO 0) for 5 steps: losses, aux losses, gradient norms and the first step's gradients."""
+    return run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
+                                                    "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
+
+
+def test_ep2_world2_matches_world1(world1):
     """Experts split over 2 ranks (each holds its 2 experts: DTensors Shard(0) over ep; tokens by all-to-all,
     uneven splits, gradients through it): the first 5 losses within 1e-4 of world 1's and the first step's
     expert and router gradients within 1e-5 (a divide factor of FSDP's own mesh size, 1 here, would give
     2x); the same with full activation checkpointing (recomputation reruns the dispatch)."""
-    layouts = {"world1": ["parallel.zero_stage=0"]}
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
-                                                   "layouts": list(layouts.items())})[0]["world1"]
+    one = world1
     two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]),
         ("ep2_zero3_ac", ["parallel.ep=2", 'parallel.activation_checkpoint="full"']),
@@ -203,13 +227,12 @@ def test_ep_not_dividing_experts_exits_2():
     assert "parallel.ep=3 does not divide model.n_experts=8" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_ep_at_world4_matches_world1():
+def test_ep_at_world4_matches_world1(world1):
     """ep 2 under ZeRO-3 (the experts sharded by FSDP over the 2 ranks outside ep) and under HSDP (2 x 2),
     and ep 4 under ZeRO-1 (the experts in their own FSDP units, the rest ZeRO-1), at world 4: the first 5
     losses within 1e-4 of world 1's, the first step's expert gradients
     within 1e-5 (FSDP's default average over the ranks outside ep would give 2x and 4x)."""
-    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": BASE, "steps": STEPS, "grads": True,
-                                                   "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
+    one = world1
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
         ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
@@ -245,6 +268,70 @@ def test_ep4_under_hsdp_at_world8_matches_world1():
         assert res["ep4_hsdp"]["experts"] == {"placement": "Shard(dim=0)", "first": rank % 4, "n": 1}
         assert res["ep4_hsdp"]["comm"]["all_to_all/ep"]["calls"] == 2 * 5
     assert_matches_world1(eight, one)
+
+
+def check_tp_layouts(one: dict, ranks: list[dict], extras: dict) -> None:
+    """Tensor-parallel layouts of the MoE against world 1: 5 losses within 1e-4, the gradient norm (the MoE
+    layers' replicas across tp counted once), the first step's expert and router gradients within 1e-5 (whole on
+    every rank: nothing summed over tp), the step log's tokens per expert (not counted once per tp rank), and
+    the trainer's memory prediction (the MoE layers whole on every tp rank), which is the planner's."""
+    from trainer.memory import predict
+    from trainer.parallel.dims import ParallelDims
+
+    for name, extra in extras.items():
+        check_memory(name, ranks)
+        cfg = load_config(None, BASE + extra)
+        assert predict(cfg, ParallelDims.from_config(cfg, len(ranks)), 0) == ranks[0][name]["predicted"], name
+        for rank, res in enumerate(ranks):
+            got = res[name]
+            for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
+                assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
+            assert got["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4), (name, rank)
+            assert got["aux"] == pytest.approx(one["aux"], rel=1e-4)
+            assert got["tokens_per_expert"] == one["tokens_per_expert"], (name, rank)
+            assert any(".experts." in n for n in got["grads"])  # the router's too, but at ZeRO-1 (reduced in shards)
+            assert "zero1" in name or any(".router." in n for n in got["grads"])
+            for n, g in got["grads"].items():
+                diff = (g - one["grads"][n]).abs().max()
+                assert diff <= 1e-5, (name, rank, n, diff)
+
+
+def test_tp2_sp_world2_matches_world1(world1):
+    """ep 1 x tp 2 with sequence parallelism: attention and the dense feed-forwards split over tp, the MoE layers
+    whole on both tp ranks, their input gathered along the sequence on entry and their output cut back to the
+    rank's positions on exit (without it the router meets a DTensor and the run fails)."""
+    extras = {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": BASE, "steps": STEPS, "grads": True,
+                                                   "layouts": list(extras.items())})
+    check_tp_layouts(world1, two, extras)
+
+
+@pytest.mark.slow
+def test_ep2_tp2_world4_matches_world1(world1):
+    """ep 2 x tp 2 at world 4 under ZeRO-3 (and with sequence parallelism, and ZeRO-1 with the experts in their
+    own FSDP units): each ep group is the two data-parallel ranks of one tp coordinate (ranks 0, 2 and 1, 3),
+    each rank holds 2 of the 4 experts of every MoE layer, tp ranks the same 2."""
+    extras = {"ep2_tp2_zero3": ["parallel.ep=2", "parallel.tp=2"],
+              "ep2_tp2_sp": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+              "ep2_tp2_zero1": ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=1"]}
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True,
+                                                    "layouts": list(extras.items())}, timeout=600)
+    check_tp_layouts(world1, four, extras)
+    for rank, res in enumerate(four):
+        assert res["ep2_tp2_zero3"]["experts"] == {"placement": "Shard(dim=0)", "first": 2 * (rank // 2), "n": 2}
+        assert res["ep2_tp2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5
+
+
+@pytest.mark.slow
+def test_ep2_tp2_world8_shards_the_experts_outside_ep(world1):
+    """ep 2 x tp 2 at world 8 (dp_shard 4) under ZeRO-3: the experts' FSDP units over the 2 ranks outside ep at
+    each tp coordinate reduce-scatter their gradient, divided by the data-parallel size (4), not summed over tp:
+    losses, gradient norm and the first step's expert gradients as world 1's."""
+    extras = {"ep2_tp2_dp4": ["parallel.ep=2", "parallel.tp=2"]}
+    eight = run_ranks("tests.moe_jobs:train_moe", 8, {"base": BASE, "steps": STEPS, "grads": True,
+                                                     "layouts": list(extras.items())}, timeout=600)
+    check_tp_layouts(world1, eight, extras)
+    assert eight[0]["ep2_tp2_dp4"]["comm"]["reduce_scatter/dp_shard_mod_ep"]["calls"] > 0
 
 
 def test_step_log_figures_reach_the_metrics():

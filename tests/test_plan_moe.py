@@ -101,3 +101,30 @@ def test_flops_count_the_routed_experts_only():
     cfg, _ = dims_at([], 2)
     shape = spec_for(cfg.model).shape()
     assert shape.active_weight_params == pytest.approx(shape.weight_params - shape.experts * (1 - 2 / 4))
+
+
+def test_the_search_offers_tp_with_the_moe_layers_whole_on_every_tp_rank():
+    """tp (and sequence parallelism) for a Mixture of Experts: each tp rank holds a tp-th of the dense parts and
+    every MoE layer whole (the trainer's own count, trainer.models.decoder_tp), computes the MoE layers whole, and
+    their feed-forward regions add no tp all-reduce (two all-gathers under sequence parallelism)."""
+    from trainer.models import spec_for
+    from trainer.plan.cost import step_flops
+
+    cfg = load_config(None, MOE)
+    layouts = enumerate_layouts(cfg, 4)
+    assert {lay.tp for lay in layouts} == {1, 2, 4} and any(lay.tp == 2 and lay.ep == 2 for lay in layouts)
+    assert any(lay.tp == 2 and lay.sp for lay in layouts)
+    shape = spec_for(cfg.model).shape()
+    cfg2, dims2 = dims_at(["parallel.tp=2", "parallel.zero_stage=0"], 2)
+    _, dims1 = dims_at(["parallel.zero_stage=0"], 1)
+    moe, norms = 2 * shape.moe_ffn, 9 * 64  # two MoE layers and the 9 norms: whole on each tp rank
+    assert rank_memory(cfg2, dims2, 0, mixed=False)["param_count"] == (shape.n_params - moe - norms) // 2 + moe + norms
+    # FLOPs: the MoE layers are computed whole on each tp rank, so tp 2 does more than half of world 1's work.
+    assert step_flops(cfg2, dims2, 0) > step_flops(cfg2, dims1, 0) / 2
+    tp_calls = {c["kind"]: c["calls"] for c in step_comm(cfg2, dims2, 0, mixed=False) if c["axis"] == "tp"}
+    mb = 8 // 1
+    assert tp_calls == {"all_reduce": 4 * (4 - 1) * mb}  # 2 of the 4 blocks have half their regions
+    cfg_sp, dims_sp = dims_at(["parallel.tp=2", "parallel.sequence_parallel=true"], 2)
+    sp_calls = {c["kind"]: c["calls"] for c in step_comm(cfg_sp, dims_sp, 0, mixed=False) if c["axis"] == "tp"}
+    assert sp_calls == {"all_gather": 4 * 3 * mb // 2 + 2 * 2 * mb, "reduce_scatter": 4 * 3 * mb // 2}
+    assert evaluate(cfg, Layout(1, 2, 2, 1, 3, ep=2), DEVICES["cpu"]).valid

@@ -48,7 +48,7 @@ from .shape import ModelShape
 from .spec import ModelInfo, ModelSpec, Stage
 
 # The HF TP styles this module can express with torch's own ParallelStyles.
-HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
 
 
 class UserModelSpec(ModelSpec):
@@ -116,13 +116,16 @@ class UserModelSpec(ModelSpec):
                 raise ConfigError(f"model.tp_plan={self.mcfg.tp_plan!r} returned {type(plan).__name__}, not a dict")
             return plan
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
         make = {
             "colwise": ColwiseParallel,
             "rowwise": RowwiseParallel,
             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # A per-head norm (Qwen3's q_norm, k_norm) after a column-wise projection: its input (batch, seq, heads,
+            # head_dim) holds this rank's heads, its weight is replicated and its gradient summed over tp.
+            "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
         }
         names = [n for n, _ in model.named_modules() if n]
         plan = {}

@@ -24,6 +24,7 @@ from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
 from .llama_names import LlamaNames
 from .mixtral_names import MixtralNames
+from .moe import moe_layers
 from .qwen_moe_names import hf_moe_names
 from .shape import ModelShape
 from .spec import ModelSpec, Stage
@@ -54,14 +55,17 @@ class DecoderSpec(ModelSpec):
                                    weights=sum(p.numel() for p in params if p.ndim >= 2),
                                    experts=sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
                                    expert_share=m.top_k / m.n_experts,
-                                   moe_layers=sum(1 for i in range(m.n_layers) if m.is_moe_layer(i)))
+                                   moe_layers=sum(1 for i in range(m.n_layers) if m.is_moe_layer(i)),
+                                   moe_ffn=max(sum(p.numel() for p in moe.parameters()) for moe in moe_layers(model)),
+                                   moe_every=m.moe_every)
 
     def preflight(self, cfg: RunConfig) -> None:
-        """The Mixture of Experts trains with data parallelism (ZeRO 0-3, HSDP) and expert parallelism only."""
+        """The Mixture of Experts trains with data (ZeRO 0-3, HSDP), expert and tensor parallelism (the MoE layers
+        replicated across tp: :mod:`.decoder_tp`)."""
         p = cfg.parallel
         if not self.mcfg.is_moe:
             return None
-        for name in ("tp", "pp", "cp"):
+        for name in ("pp", "cp"):
             if getattr(p, name) > 1:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} is not supported with model.n_experts="
                                   f"{self.mcfg.n_experts} (Mixture of Experts); set parallel.{name}=1 and use "
@@ -95,12 +99,8 @@ class DecoderSpec(ModelSpec):
 
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
-    def local_params(self, module: nn.Module) -> int:
-        """The dense decoder: 0 (its shape's formulas); a Mixture of Experts: the stage counted (blocks differ)."""
-        return sum(p.numel() for p in module.parameters()) if self.mcfg.is_moe else 0
-
     def allows(self) -> tuple[str, ...]:
-        return () if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
+        return ("tp", "sp") if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every block's attention over the cp group; rotary positions the global ones."""

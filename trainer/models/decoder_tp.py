@@ -16,6 +16,12 @@ a tp-th of the activation memory outside the regions).
 
 Loss parallelism keeps the head's logits split by vocabulary
 (:func:`trainer.parallel.tensor.lm_loss` computes the loss on the shards).
+
+A Mixture-of-Experts feed-forward (:class:`~trainer.models.moe.MoE`) is not split: its router, experts and
+shared experts are replicated across the tp ranks, and each computes the whole layer on the same tokens
+(expert parallelism splits the experts instead, over data-parallel ranks). Under sequence parallelism its
+input is all-gathered along the sequence on entry and its output cut back to the rank's shard on exit;
+every tp rank then holds the whole layer's gradient (the same on all), so nothing is summed over ``tp``.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from .decoder import Transformer
+from .moe import MoE
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
@@ -75,7 +83,14 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     })
     if sequence_parallel:
         block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+    # A Mixture-of-Experts layer runs whole on every tp rank (module docstring): plain tensors in and out, of the
+    # whole sequence; under sequence parallelism gathered on entry, its output cut to the rank's shard on exit.
+    moe_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
+    if sequence_parallel:
+        moe_plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(between,), use_local_output=True)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, moe_plan if isinstance(block.feed_forward, MoE) else block_plan)
         if sequence_parallel:
             block.seq_shard = (tp_mesh.get_local_rank(), tp_mesh.size())

@@ -25,7 +25,7 @@ from checkpointing.names import redact
 from ..config import ModelConfig, RunConfig
 from .brought import UserModelSpec, hf_max_positions
 from .hf_cp import cp_refusal, global_positions, route_attention
-from .hf_moe import ExpertLayer, count_load, moe_family, moe_forward, router_aux_loss, sparse_blocks
+from .hf_moe import ExpertLayer, count_load, dense_tp_plan, moe_family, moe_forward, router_aux_loss, sparse_blocks
 from .spec import ModelInfo, Stage
 
 
@@ -72,8 +72,8 @@ class HFSpec(UserModelSpec):
         return self._cp_refusals[seq_len]
 
     def allows(self) -> tuple[str, ...]:
-        if self.moe_family():
-            return ()  # a Mixture of Experts: data and expert parallelism only (check_moe)
+        if self.moe_family():  # a Mixture of Experts: data, expert and tensor parallelism (check_moe)
+            return tuple(a for a in super().allows() if a == "tp")
         return super().allows() + (() if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
 
     def preflight(self, cfg: RunConfig) -> ModelInfo:
@@ -119,7 +119,7 @@ class HFSpec(UserModelSpec):
         if ep > 1 and n % ep:
             raise ConfigError(f"parallel.ep={ep} does not divide the model's {n} experts (model.hf_config="
                               f"{self.mcfg.hf_config!r}); use a divisor of {n}")
-        for name in ("tp", "cp"):
+        for name in ("cp",):
             if getattr(cfg.parallel, name) > 1:
                 raise ConfigError(f"parallel.{name}={getattr(cfg.parallel, name)} is not supported with a {kind} model "
                                   f"(Mixture of Experts); set parallel.{name}=1 and use data or expert parallelism "
@@ -163,10 +163,13 @@ class HFSpec(UserModelSpec):
 
         hf = load_hf_config(self.mcfg)
         try:
-            return AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds for values it cannot build
             raise ConfigError(f"model.hf_config={self.mcfg.hf_config!r} does not build a model "
                               f"({type(e).__name__}: {str(e)[:200]}); fix the config") from None
+        if moe_family(hf):  # its sparse blocks replicated across tp (.hf_moe): the plan of the rest
+            model._tp_plan = dense_tp_plan(getattr(model, "_tp_plan", None))
+        return model
 
     def own_config(self, model: nn.Module) -> object:
         return model.config

@@ -13,6 +13,10 @@ The mapped families share one layout, checked on the built model: every sparse b
 router, weight (experts, hidden)) and ``experts`` with fused weights ``gate_up_proj`` (experts, 2 x inter,
 hidden) and ``down_proj`` (experts, hidden, inter). A transformers model whose config names experts and that
 is not one of these (DeepSeek, gpt-oss, ...) is refused: etrain would train it without its balancing loss.
+
+Under tensor parallelism the sparse blocks are replicated across the tp ranks, as the built-in MoE's are
+(:mod:`.decoder_tp`): the model's own plan keeps its attention (and dense MLP) entries and loses those of the
+experts (:func:`dense_tp_plan`), so every tp rank routes and computes the whole block on the same tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ def moe_family(config) -> str | None:
                           f"loss and expert parallelism); use one of the mapped families {', '.join(MAPPED)}, the "
                           'built-in MoE (model.preset="moe-tiny"), or wrap it in a model.source="python" factory')
     return None
+
+
+def dense_tp_plan(plan: dict | None) -> dict | None:
+    """A mapped MoE's own ``_tp_plan`` without the entries inside its experts (transformers' expert TP, which
+    etrain does not do: the sparse blocks stay whole on every tp rank)."""
+    if plan is None:
+        return None
+    return {k: v for k, v in plan.items() if "experts" not in k.split(".")}
 
 
 def sparse_blocks(model: nn.Module) -> list[nn.Module]:

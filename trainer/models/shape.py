@@ -6,6 +6,9 @@
     shape.flops_per_token(seq_len)                        # training FLOPs per token (MFU)
     shape.block_activation_elems(tp, sp)                  # what one block saves for backward (the planner)
 
+A Mixture of Experts' layers are replicated across tp (trainer.models.decoder_tp): their parameters count whole
+on every tp rank (:meth:`ModelShape.layer_params`), their feed-forward activations too.
+
 The formulas are those of a Llama-style decoder block (the built-in one): attention with
 ``n_heads`` query and ``n_kv_heads`` key/value heads of ``dim / n_heads``, a SwiGLU feed-forward of
 ``ffn_hidden``, two RMSNorms; an embedding and an untied head of ``vocab_size x dim``, a final norm.
@@ -54,6 +57,10 @@ class ModelShape:
     experts: int = 0
     expert_share: float = 1.0
     moe_layers: int = 0
+    # One MoE layer's feed-forward (router, routed and shared experts: replicated across tp, counted), and the
+    # blocks that have one: the last of every ``moe_every``.
+    moe_ffn: int = 0
+    moe_every: int = 1
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
@@ -120,16 +127,26 @@ class ModelShape:
         """The blocks of each pipeline stage."""
         return layer_split(self.n_layers, n_stages)
 
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_layers > 0 and index % self.moe_every == self.moe_every - 1
+
+    def layer_params(self, index: int, tp: int = 1) -> int:
+        """Block ``index``'s parameters on a rank of ``tp``: a Mixture-of-Experts feed-forward is whole on every
+        tp rank (trainer.models.decoder_tp), a dense one split."""
+        if self.is_moe_layer(index) and self.moe_ffn:
+            return self.attention_params(tp) + 2 * self.dim + self.moe_ffn
+        return self.block_params(tp)
+
     def local_counts(self, tp: int, stages: list[int], n_stages: int) -> tuple[int, int]:
         """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``
-        (a Mixture of Experts, which trains without tp and pp: its counts; its largest block)."""
+        (a Mixture of Experts: its counts at tp 1 without stages; its largest block)."""
         if self.experts and tp == 1 and n_stages == 1:
             return self.one_block_params, self.n_params
-        block = self.block_params(tp)
+        block = max(self.layer_params(i, tp) for i in range(self.n_layers))
         split = self.stage_layers(n_stages)
         total = 0
         for s in stages:
-            total += len(split[s]) * block
+            total += sum(self.layer_params(i, tp) for i in split[s])
             if s == 0:
                 total += self.embedding_params(tp)
             if s == n_stages - 1:
@@ -144,10 +161,15 @@ class ModelShape:
         norms = 2 * h  # the two RMSNorms' inputs (the residual stream)
         gathered = 2 * h  # the normed inputs of the first linears of attention and feed-forward
         inside = (h + 2 * kvd) + (h + kvd) + (2 * h if self.n_kv_heads < self.n_heads else 0) + 2 * h + 4 * f
-        return (norms / tp if sp else norms) + gathered + inside / tp
+        return (norms / tp if sp else norms) + gathered + inside / tp + 4 * f * self.whole_ffn_share(tp)
+
+    def whole_ffn_share(self, tp: int) -> float:
+        """What tp does not split of the blocks' feed-forwards, on average over the blocks: the Mixture-of-Experts
+        layers' share of them, each whole on every tp rank (trainer.models.decoder_tp), less the tp-th counted."""
+        return (1 - 1 / tp) * self.moe_layers / self.n_layers if self.n_layers else 0.0
 
     def block_matmul_elems(self, tp: int) -> float:
         """Elements per token of one block's matmul and attention outputs: what selective activation
         checkpointing keeps (q, k, v, SDPA's output, the output projection's; SwiGLU's three)."""
         h, f, kvd = self.dim, self.ffn_hidden, self.n_kv_heads * self.head_dim
-        return (2 * h + 2 * kvd + 2 * f) / tp + 2 * h
+        return (2 * h + 2 * kvd + 2 * f) / tp + 2 * h + 2 * f * self.whole_ffn_share(tp)

@@ -136,13 +136,18 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         if p.activation_checkpoint == "every_k":
             per_block += 2 * sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0) / max(1, layers)
         act = cfg.train.micro_batch * cfg.data.seq_len // dims.cp * m.dim * act_b  # a cp rank's positions
-        calls = round(per_block * layers * mb)
+        # A Mixture-of-Experts layer runs whole on every tp rank (trainer.models.decoder_tp): its feed-forward region
+        # (half a block's) has no all-reduce; under sequence parallelism two all-gathers (its input forward, its
+        # output's gradient backward) and one more where recomputed.
+        moe = sum(1 for s in stages for i in split[s] if m.is_moe_layer(i))
+        calls = round(per_block * (layers - moe / 2) * mb)
+        moe_gathers = round(moe * mb * per_block / 2)
         # "selective" keeps the all-reduce and reduce-scatter results but gathers the inputs of the first
         # linears again (trainer.models.blocks.saved_ops): two all-gathers per block under sequence parallelism.
         regather = 2 * layers * mb if p.activation_checkpoint == "selective" else 0
         if p.sequence_parallel:
-            add("all_gather", Axis.TP, (calls / 2 + regather) * _ring("all_gather", dims.tp, act),
-                calls // 2 + regather)
+            add("all_gather", Axis.TP, (calls / 2 + regather + moe_gathers) * _ring("all_gather", dims.tp, act),
+                calls // 2 + regather + moe_gathers)
             add("reduce_scatter", Axis.TP, calls / 2 * _ring("reduce_scatter", dims.tp, act), calls // 2)
         else:
             add("all_reduce", Axis.TP, calls * _ring("all_reduce", dims.tp, act), calls)
