@@ -42,7 +42,7 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .parallel.dims import Axis, Mesh, ParallelDims, resolve_device, resolve_precision
+from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
 from .models.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World
@@ -247,9 +247,9 @@ class Trainer:
     def memory_predicted(self) -> dict[str, int]:
         if self.parts.local_params:
             per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
-            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over all of dp_shard (ep x the rest)
+            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over dp_shard (ep x the rest) x cp
             ex = sum(p.numel() for m in self.parts.expert_units for p in m.parameters())
-            fsdp = memory.bytes_per_param(3, self.dims.dp_shard, self.mixed)
+            fsdp = memory.bytes_per_param(3, self.dims.dp_shard * self.dims.cp, self.mixed)
             return {k: round(v * (self.parts.local_params - ex) + fsdp[k] * ex) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
@@ -275,6 +275,7 @@ class Trainer:
             self.optimizer.before_backward(final=True)
             loss_sum = self.parts.pipeline_step(inputs, targets)
             self.optimizer.after_backward(final=True)
+            aux_sum = self.parts.pipeline_aux()  # every stage's MoE layers' (the last stage's loss has none)
         else:
             mb = cfg.train.micro_batch
             n_micro = len(positions) // mb
@@ -292,8 +293,10 @@ class Trainer:
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
-        moe = self.parts.is_moe and self.parts.pipeline is None
+        moe = self.parts.is_moe
         norm_sq, loss, stop_votes, aux_mean = self._reduce_norm_and_loss(loss_sum, stop, aux_sum if moe else None)
+        if moe and self.parts.pipeline is not None:
+            loss += aux_mean
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(loss) and math.isfinite(grad_norm):
             clip = cfg.train.grad_clip
@@ -302,8 +305,10 @@ class Trainer:
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)
-        balance = balance_step(self.parts.modules[0], cfg.model.router_bias_update_rate,
-                               self.dims.group(self.mesh, Mesh.DP)) if moe else None
+        # the ranks routing different tokens through one layer: data-parallel and cp; under pp, each stage's
+        balance = balance_step(self.parts.modules, cfg.model.router_bias_update_rate,
+                               self.dims.group(self.mesh, self.dims.loss_mesh),
+                               self.dims.group(self.mesh, Axis.PP)) if moe else None
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()
@@ -416,7 +421,9 @@ class Trainer:
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
         parts = [self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote]
         if aux_sum is not None:  # a Mixture of Experts: its aux loss rides along (a dense model's stays 3 numbers)
-            parts.append((aux_sum.float() if counts else torch.zeros((), device=self.device)).to(self.device))
+            # counted once per data-parallel, cp and pipeline rank (each stage's MoE layers)
+            mine = self.coords[Axis.TP] == 0
+            parts.append((aux_sum.float() if mine else torch.zeros((), device=self.device)).to(self.device))
         reduced = torch.stack(parts)
         if self.world.size > 1:
             dist.all_reduce(reduced)

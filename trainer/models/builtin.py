@@ -23,6 +23,7 @@ from checkpointing.errors import ConfigError
 from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
 from .llama_names import LlamaNames
+from .moe import MoE
 from .mixtral_names import MixtralNames
 from .shape import ModelShape
 from .spec import ModelSpec, Stage
@@ -53,14 +54,15 @@ class DecoderSpec(ModelSpec):
                                    weights=sum(p.numel() for p in params if p.ndim >= 2),
                                    experts=sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
                                    expert_share=m.top_k / m.n_experts,
-                                   moe_layers=sum(1 for i in range(m.n_layers) if m.is_moe_layer(i)))
+                                   moe_layers=sum(1 for i in range(m.n_layers) if m.is_moe_layer(i)),
+                                   moe_every=m.moe_every)
 
     def preflight(self, cfg: RunConfig) -> None:
-        """The Mixture of Experts trains with data parallelism (ZeRO 0-3, HSDP) and expert parallelism only."""
+        """The Mixture of Experts trains with data, expert, context and pipeline parallelism."""
         p = cfg.parallel
         if not self.mcfg.is_moe:
             return None
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp",):
             if getattr(p, name) > 1:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} is not supported with model.n_experts="
                                   f"{self.mcfg.n_experts} (Mixture of Experts); set parallel.{name}=1 and use "
@@ -99,13 +101,16 @@ class DecoderSpec(ModelSpec):
         return sum(p.numel() for p in module.parameters()) if self.mcfg.is_moe else 0
 
     def allows(self) -> tuple[str, ...]:
-        return () if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
+        return ("pp", "cp") if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
 
     def apply_cp(self, module: nn.Module, cp) -> None:
-        """Every block's attention over the cp group; rotary positions the global ones."""
+        """Every block's attention over the cp group; rotary positions the global ones; a Mixture of Experts'
+        routing counts over the cp group (trainer.models.moe)."""
         module.cp = cp
         for block in module.layers.values():
             block.attention.cp = cp
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.cp_group = cp.group
 
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
         """Recompute every block in backward, or every k-th (by its index in the whole model), or in every

@@ -54,6 +54,7 @@ class ModelShape:
     experts: int = 0
     expert_share: float = 1.0
     moe_layers: int = 0
+    moe_every: int = 0  # the built-in MoE: the last block of every moe_every has experts (0: not known)
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
@@ -120,21 +121,33 @@ class ModelShape:
         """The blocks of each pipeline stage."""
         return layer_split(self.n_layers, n_stages)
 
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_every > 0 and index % self.moe_every == self.moe_every - 1
+
+    def stage_experts(self, stages: list[int], n_stages: int) -> int:
+        """The routed experts' parameters in pipeline ``stages`` of ``n_stages`` (all of them unpipelined)."""
+        if n_stages == 1 or not self.moe_every:
+            return self.experts
+        split = self.stage_layers(n_stages)
+        return self.experts // self.moe_layers * sum(1 for s in stages for i in split[s] if self.is_moe_layer(i))
+
     def local_counts(self, tp: int, stages: list[int], n_stages: int) -> tuple[int, int]:
         """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``
-        (a Mixture of Experts, which trains without tp and pp: its counts; its largest block)."""
+        (a Mixture of Experts: its largest block, and unpipelined its counts)."""
         if self.experts and tp == 1 and n_stages == 1:
             return self.one_block_params, self.n_params
         block = self.block_params(tp)
         split = self.stage_layers(n_stages)
         total = 0
+        # a pipelined built-in MoE: its MoE blocks (counted) are larger than the dense ones (the formula)
+        moe_extra = self.block - block if self.experts and self.moe_every and tp == 1 else 0
         for s in stages:
-            total += len(split[s]) * block
+            total += len(split[s]) * block + moe_extra * sum(1 for i in split[s] if self.is_moe_layer(i))
             if s == 0:
                 total += self.embedding_params(tp)
             if s == n_stages - 1:
                 total += self.head_params(tp)
-        return block, total
+        return block + moe_extra, total
 
     def block_activation_elems(self, tp: int, sp: bool) -> float:
         """Elements per token one block saves for backward (:mod:`trainer.plan.accounting`): RMSNorm inputs,

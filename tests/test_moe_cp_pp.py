@@ -1,0 +1,91 @@
+"""The built-in Mixture of Experts under context parallelism (each cp rank routes its share of the sequence;
+the aux loss's f_e counts the whole sequence) and pipeline parallelism (every stage's aux loss reaches
+backward without being part of the last stage's loss), with and without expert parallelism: the first 5
+losses within 1e-4 of world 1's, the aux loss and the routed slots of the step log equal to world 1's, the
+first step's router and expert gradients within 1e-5 (fp32). World 2 in the fast tier, world 4 slow.
+
+World 1 accumulates over micro-batches of ``train.micro_batch`` samples, and the pipeline's micro-batches are
+the same ones (the local batch / train.micro_batch): the aux loss is not linear in the tokens, so only the same
+micro-batches give the same aux loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tests.harness import run_ranks
+from tests.test_moe import BASE, STEPS
+
+# A balancing loss large enough that training without it (or with its gradient scaled wrong) fails the check.
+STRONG_AUX = [x for x in BASE if "aux_loss_coef" not in x] + ["model.aux_loss_coef=0.5"]
+
+
+def world1(base: list[str]) -> dict:
+    return run_ranks("tests.moe_jobs:train_moe", 1, {"base": base, "steps": STEPS, "grads": True,
+                                                   "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
+
+
+def check(ranks: list[dict], one: dict, name: str, grads_on: int) -> None:
+    """Every rank's losses and aux losses as world 1's; the step log's routed slots too; the first step's
+    router and expert gradients, gathered from the ranks (a pipeline stage holds its own), within 1e-5 and
+    ``grads_on`` of them (every MoE layer's, when the ranks hold every stage)."""
+    for rank, res in enumerate(ranks):
+        got = res[name]
+        for step, (a, b) in enumerate(zip(got["losses"], one["losses"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name} rank {rank} step {step + 1}: {a} vs world 1 {b}"
+        assert got["aux"] == pytest.approx(one["aux"], rel=1e-5), (name, got["aux"], one["aux"])
+        assert got["tokens_per_expert"][0].keys() == one["tokens_per_expert"][0].keys()
+        for loads, ref in zip(got["tokens_per_expert"], one["tokens_per_expert"]):  # every slot counted once
+            assert all(sum(v) == sum(ref[k]) for k, v in loads.items()), (name, loads, ref)
+    grads = {n: g for res in ranks for n, g in res[name].get("grads", {}).items()}
+    assert len(grads) == grads_on, (name, sorted(grads))
+    for n, g in grads.items():
+        diff = (g - one["grads"][n]).abs().max()
+        assert diff <= 1e-5, (name, n, float(diff))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return world1(STRONG_AUX)
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return run_ranks("tests.moe_jobs:train_moe", 2, {"base": STRONG_AUX, "steps": STEPS, "grads": True, "layouts": [
+        ("cp2_zero3", ["parallel.cp=2"]), ("pp2_zero0", ["parallel.pp=2", "parallel.zero_stage=0"])]})
+
+
+def test_cp2_matches_world1(reference, world2):
+    """cp 2 at world 2 (ZeRO-3 over dp_shard x cp: the experts are block parameters there): each rank routes
+    its half of every sequence, the aux loss counts the slots of the whole sequence (all-reduced over cp),
+    the step log's slots are the sequence's (summed over cp)."""
+    check(world2, reference, "cp2_zero3", len(reference["grads"]))
+
+
+def test_pp2_matches_world1_with_every_stages_aux_loss(reference, world2):
+    """pp 2 at world 2 with a strong balancing loss: the first stage's MoE layer trains its aux loss (its
+    router's gradient has it) though the loss is the last stage's, and the step log's loss and aux hold both
+    stages' aux losses; the schedule's metadata inference (a forward and backward before the first step) is
+    not counted."""
+    assert all(a > 0.5 * 2 * 0.9 for a in reference["aux"]), reference["aux"]  # about coef x 2 layers x 1
+    check(world2, reference, "pp2_zero0", len(reference["grads"]))
+    assert {n.split(".")[1] for n in world2[0]["pp2_zero0"]["grads"]} == {"1"}  # stage 0 holds MoE block 1
+
+
+@pytest.mark.slow
+def test_cp2_ep2_and_pp2_ep2_at_world4_match_world1(reference):
+    """ep 2 beside cp 2, and beside pp 2, at world 4: the experts' own FSDP units shard over the ranks outside
+    ep and the cp ranks (which route different tokens through the same experts: their gradients are summed),
+    divided by dp x cp; under pp every stage's aux loss trains, with recomputation and two stages a rank too."""
+    one = reference
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": STRONG_AUX, "steps": STEPS, "grads": True, "layouts": [
+        ("cp2_ep2_zero3", ["parallel.cp=2", "parallel.ep=2"]),
+        ("cp2_ep2_zero1", ["parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"]),
+        ("pp2_ep2_zero3_ac", ["parallel.pp=2", "parallel.ep=2", 'parallel.activation_checkpoint="full"']),
+        ("pp2_ep2_interleaved", ["parallel.pp=2", "parallel.ep=2", 'parallel.pp_schedule="interleaved_1f1b"',
+                                 "parallel.pp_stages_per_rank=2"]),
+        ("pp2_ep2_zero0", ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=0"])]}, timeout=600)
+    experts = sum(1 for n in one["grads"] if ".experts." in n)
+    for name in four[0]:
+        # ZeRO-1 reduces the dense gradients into shards: its experts' (FSDP's) reach the optimizer whole
+        check(four, one, name, experts if "zero1" in name else len(one["grads"]))
+        assert four[-1][name]["comm"]["all_to_all/ep"]["calls"] > 0  # the last stage has an MoE layer
