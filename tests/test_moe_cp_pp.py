@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 from tests.harness import run_ranks
 from tests.test_moe import BASE, STEPS
+from tests.test_parity import check_memory
 
 # A balancing loss large enough that training without it (or with its gradient scaled wrong) fails the check.
 STRONG_AUX = [x for x in BASE if "aux_loss_coef" not in x] + ["model.aux_loss_coef=0.5"]
@@ -77,15 +78,73 @@ def test_cp2_ep2_and_pp2_ep2_at_world4_match_world1(reference):
     ep and the cp ranks (which route different tokens through the same experts: their gradients are summed),
     divided by dp x cp; under pp every stage's aux loss trains, with recomputation and two stages a rank too."""
     one = reference
-    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": STRONG_AUX, "steps": STEPS, "grads": True, "layouts": [
+    layouts = [
         ("cp2_ep2_zero3", ["parallel.cp=2", "parallel.ep=2"]),
         ("cp2_ep2_zero1", ["parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"]),
         ("pp2_ep2_zero3_ac", ["parallel.pp=2", "parallel.ep=2", 'parallel.activation_checkpoint="full"']),
         ("pp2_ep2_interleaved", ["parallel.pp=2", "parallel.ep=2", 'parallel.pp_schedule="interleaved_1f1b"',
                                  "parallel.pp_stages_per_rank=2"]),
-        ("pp2_ep2_zero0", ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=0"])]}, timeout=600)
+        ("pp2_ep2_zero0", ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=0"])]
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": STRONG_AUX, "steps": STEPS, "grads": True,
+                                                    "layouts": layouts}, timeout=600)
     experts = sum(1 for n in one["grads"] if ".experts." in n)
+    from trainer.config_load import load_config
+    from trainer.memory import predict
+    from trainer.parallel.dims import ParallelDims
+
+    for name, overrides in layouts:
+        check_memory(name, four)  # the experts' FSDP shards (over dp_shard / ep x cp) beside the stage's
+        cfg = load_config(None, STRONG_AUX + overrides)  # and the planner's count, from the config alone
+        for rank in (0, 3):  # the first and the last stage
+            assert predict(cfg, ParallelDims.from_config(cfg, 4), rank) == four[rank][name]["predicted"], name
     for name in four[0]:
         # ZeRO-1 reduces the dense gradients into shards: its experts' (FSDP's) reach the optimizer whole
         check(four, one, name, experts if "zero1" in name else len(one["grads"]))
         assert four[-1][name]["comm"]["all_to_all/ep"]["calls"] > 0  # the last stage has an MoE layer
+
+
+@pytest.mark.slow
+def test_pp2_router_bias_balancing_matches_world1():
+    """Auxiliary-loss-free balancing under pp 2: each stage moves its layers' biases as world 1 does, and the
+    trainer state a checkpoint records holds every stage's biases on every rank (rank 0 writes it)."""
+    base = BASE + ["model.router_bias_update_rate=0.01"]
+    one = world1(base)
+    two = run_ranks("tests.moe_jobs:train_moe", 2, {"base": base, "steps": STEPS, "grads": True, "layouts": [
+        ("pp2_bias", ["parallel.pp=2", "parallel.zero_stage=0"])]})
+    check(two, one, "pp2_bias", len(one["grads"]))
+    assert set(one["router_bias"]) == {"layers.1.feed_forward", "layers.3.feed_forward"}
+    for res in two:
+        got = res["pp2_bias"]["router_bias"]
+        assert got.keys() == one["router_bias"].keys()
+        for k, v in got.items():
+            assert v == pytest.approx(one["router_bias"][k], abs=1e-6), k
+
+
+def test_the_planner_searches_cp_and_pp_for_moe():
+    """etrain plan offers cp and pp (with ep) for the built-in MoE; a pipeline stage counts its own experts
+    (a stage's compute is positive, its all-to-alls those of its MoE layers) and a cp rank routes seq_len / cp."""
+    from trainer.config_load import load_config
+    from trainer.parallel.dims import ParallelDims
+    from trainer.plan.cost import DEVICES
+    from trainer.plan.experts import all_to_all_per_step, expert_counts
+    from trainer.plan.search import enumerate_layouts, evaluate
+    from trainer.plan.shape import planning_config
+
+    cfg = load_config(None, BASE + ["train.micro_batch=1"])
+    layouts = enumerate_layouts(planning_config(cfg), 4)
+    assert {(lay.cp, lay.ep) for lay in layouts if lay.cp == 2} == {(2, 1), (2, 2)}
+    assert {(lay.pp, lay.ep) for lay in layouts if lay.pp == 2} == {(2, 1), (2, 2)}
+    pp = next(lay for lay in layouts if lay.pp == 2 and lay.ep == 2)
+    got = evaluate(planning_config(cfg), pp, DEVICES["cpu"])
+    assert got.valid and got.time["compute_s"] > 0, got
+    pp_cfg = load_config(None, BASE + ["parallel.pp=2", "parallel.ep=2"])
+    dims = ParallelDims.from_config(pp_cfg, 4)
+    whole = expert_counts(cfg, ParallelDims.from_config(cfg, 4))
+    assert expert_counts(pp_cfg, dims, 0)["experts"] == whole["experts"] // 2  # one of the two MoE layers
+    assert expert_counts(pp_cfg, dims, 0)["moe_layers"] == 1
+    cp_cfg = load_config(None, BASE + ["parallel.cp=2", "parallel.ep=2"])
+    cp_dims = ParallelDims.from_config(cp_cfg, 4)
+    assert expert_counts(cp_cfg, cp_dims)["expert_shards"] == 4  # split by ep 2, sharded over dp_shard / ep x cp 2
+    ep_cfg = load_config(None, BASE + ["parallel.ep=2"])
+    full = all_to_all_per_step(ep_cfg, ParallelDims.from_config(ep_cfg, 2), 4)[0]
+    assert all_to_all_per_step(cp_cfg, cp_dims, 4)[0] == pytest.approx(full / 2, rel=0.01)  # half the tokens

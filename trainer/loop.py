@@ -156,6 +156,7 @@ class Trainer:
         # model.init_from is loaded before the first step, unless a checkpoint was loaded (a resume).
         self.weights_from: str | None = None
         self._init_from_pending = bool(cfg.model.init_from)
+        self.pp_router_bias: dict = {}  # pipelined MoE: every stage's routing biases (balance_step gathers them)
 
     # --- state the checkpoint carries ----------------------------------------
 
@@ -167,7 +168,8 @@ class Trainer:
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
             **({"weights_from": self.weights_from} if self.weights_from else {}),
-            **({"router_bias": bias} if (bias := router_bias_state(self.parts.modules[0])) else {}),
+            **({"router_bias": bias} if (bias := self.pp_router_bias if self.dims.pp > 1
+                                         else router_bias_state(self.parts.modules[0])) else {}),
         }
 
     def load_train_state(self, state: dict) -> None:
@@ -176,7 +178,8 @@ class Trainer:
         self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
         if self.cfg.model.is_moe:
-            load_router_bias(self.parts.modules[0], state.get("router_bias") or {})
+            load_router_bias(self.parts.modules, state.get("router_bias") or {})
+            self.pp_router_bias = state.get("router_bias") or {}
 
     def apply_init_from(self) -> None:
         """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the
@@ -309,6 +312,8 @@ class Trainer:
         balance = balance_step(self.parts.modules, cfg.model.router_bias_update_rate,
                                self.dims.group(self.mesh, self.dims.loss_mesh),
                                self.dims.group(self.mesh, Axis.PP)) if moe else None
+        if balance is not None and balance.router_bias is not None:
+            self.pp_router_bias = balance.router_bias
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()

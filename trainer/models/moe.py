@@ -178,6 +178,8 @@ class BalanceStats:
     imbalance: float  # the largest max / mean slots per expert over the MoE layers (0 without MoE layers)
     tokens_per_expert: dict[str, list[float]]  # routed slots per expert, by MoE layer (its block's index)
     dropped: int  # slots dropped by capacity (capacity_factor > 0), all layers
+    # pipelined: every stage's routing biases (router_bias_state), gathered for the checkpoint; None unpipelined
+    router_bias: dict[str, list[float]] | None = None
 
 
 @torch.no_grad()
@@ -211,9 +213,10 @@ def balance_step(model: nn.Module | list[nn.Module], rate: float, group=None, pp
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return stats
     every: list = [None] * dist.get_world_size(pp_group)  # each stage's layers: a few numbers per expert
-    dist.all_gather_object(every, stats, group=pp_group)
-    return BalanceStats(max(s.imbalance for s in every), {k: v for s in every for k, v in s.tokens_per_expert.items()},
-                        sum(s.dropped for s in every))
+    dist.all_gather_object(every, (stats, router_bias_state(model)), group=pp_group)
+    return BalanceStats(max(s.imbalance for s, _ in every),
+                        {k: v for s, _ in every for k, v in s.tokens_per_expert.items()},
+                        sum(s.dropped for s, _ in every), {k: v for _, bias in every for k, v in bias.items()})
 
 
 def keep_counters(layers: list[MoE]) -> Callable[[], None]:
@@ -242,15 +245,16 @@ def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
     return balance_step(model, rate, group).imbalance
 
 
-def router_bias_state(model: nn.Module) -> dict[str, list[float]]:
+def router_bias_state(model: nn.Module | list[nn.Module]) -> dict[str, list[float]]:
     """The routing biases that auxiliary-loss-free balancing moved, by MoE layer path (for the checkpoint's
-    trainer state: a run resumes with them, at any ep); {} while all are zero."""
-    return {name: m.expert_bias.tolist() for name, m in model.named_modules()
-            if isinstance(m, MoE) and bool(m.expert_bias.any())}
+    trainer state: a run resumes with them, at any ep); {} while all are zero. ``model``: or a rank's stages."""
+    return {name: m.expert_bias.tolist() for part in (model if isinstance(model, list) else [model])
+            for name, m in part.named_modules() if isinstance(m, MoE) and bool(m.expert_bias.any())}
 
 
 @torch.no_grad()
-def load_router_bias(model: nn.Module, state: dict[str, list[float]]) -> None:
-    for name, m in model.named_modules():
-        if isinstance(m, MoE):
-            m.expert_bias.copy_(torch.tensor(state.get(name, [0.0] * m.n_experts), dtype=m.expert_bias.dtype))
+def load_router_bias(model: nn.Module | list[nn.Module], state: dict[str, list[float]]) -> None:
+    for part in model if isinstance(model, list) else [model]:
+        for name, m in part.named_modules():
+            if isinstance(m, MoE):
+                m.expert_bias.copy_(torch.tensor(state.get(name, [0.0] * m.n_experts), dtype=m.expert_bias.dtype))
