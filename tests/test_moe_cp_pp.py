@@ -148,3 +148,20 @@ def test_the_planner_searches_cp_and_pp_for_moe():
     ep_cfg = load_config(None, BASE + ["parallel.ep=2"])
     full = all_to_all_per_step(ep_cfg, ParallelDims.from_config(ep_cfg, 2), 4)[0]
     assert all_to_all_per_step(cp_cfg, cp_dims, 4)[0] == pytest.approx(full / 2, rel=0.01)  # half the tokens
+
+
+@pytest.mark.slow
+def test_pp2_and_cp2_eval_loss_holds_every_stages_aux_loss():
+    """The held-out loss of a pipelined MoE adds every stage's aux loss, as world 1's does (and cp's)."""
+    evals = ["eval.every_steps=2", "eval.batches=2", "eval.val_fraction=0.1", "train.steps=2",
+             "metrics.enabled=false"]
+    payload = {"base": STRONG_AUX + evals, "runs": [("w1", ["parallel.zero_stage=0"])]}
+    one = run_ranks("tests.eval_jobs:train_with_eval", 1, payload)[0]["w1"]
+    two = run_ranks("tests.eval_jobs:train_with_eval", 2, {**payload, "runs": [
+        ("pp2", ["parallel.pp=2", "parallel.zero_stage=0"]), ("cp2", ["parallel.cp=2"])]})
+    ref = one["stats"][-1]["eval_loss"]
+    assert ref == pytest.approx(one["again"], rel=1e-6)  # evaluation does not count routing or move anything
+    for rank in two:
+        for name in ("pp2", "cp2"):
+            assert rank[name]["stats"][-1]["eval_loss"] == pytest.approx(ref, rel=1e-5), name
+            assert rank[name]["again"] == pytest.approx(ref, rel=1e-5), name

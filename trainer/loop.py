@@ -377,7 +377,7 @@ class Trainer:
         self.apply_init_from()
         cfg, vb = self.cfg, self.val_batcher
         n_batches = cfg.eval.batches
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum, aux_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         self.parts.train(False)
         try:
             for b in range(n_batches):
@@ -387,6 +387,9 @@ class Trainer:
                     stage_loss = self.parts.pipeline_step(inputs, targets, backward=False)
                     if stage_loss is not None:
                         loss_sum += stage_loss
+                    aux = self.parts.pipeline_aux()  # every stage's MoE layers' aux loss, as world 1's loss has it
+                    if aux is not None:
+                        aux_sum += aux.to(self.device)
                     continue
                 mb = cfg.train.micro_batch
                 n_micro = len(inputs) // mb
@@ -396,6 +399,7 @@ class Trainer:
         finally:
             self.parts.train(True)
         total = loss_sum if self._counts_loss else torch.zeros((), device=self.device)
+        total = total + (aux_sum if self.coords[Axis.TP] == 0 else 0)
         if self.world.size > 1:
             dist.all_reduce(total)
         value = total.item() / self.dims.grad_ranks / n_batches

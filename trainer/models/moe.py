@@ -11,8 +11,8 @@ the Switch Transformer's, ``n_experts * sum_e f_e * P_e`` (f_e: the share of rou
 got, P_e: its mean router probability), times ``aux_loss_coef``. With ``capacity_factor > 0`` an expert
 takes at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` slots, first come first served in
 token order; the rest are dropped (their share of the output is zero). The slots routed and dropped are
-counted per forward (``tokens_per_expert``, ``dropped``), once: not again when activation checkpointing
-reruns the layer in backward.
+counted per training forward (``tokens_per_expert``, ``dropped``), once: not again when activation
+checkpointing reruns the layer in backward, nor in evaluation.
 
 Under context parallelism (``self.cp_group``, set by the spec's ``apply_cp``) each cp rank routes its own
 share of the sequence: f_e counts the slots of the whole sequence (the counts summed over the cp group, no
@@ -21,7 +21,8 @@ and gradients are averaged) is the whole sequence's. Capacity (``capacity_factor
 tokens a rank routes. Under pipeline parallelism (``self.aux_scale``, set by trainer.parallel.parallelize)
 the aux loss is not part of the last stage's loss: :class:`AuxLossToBackward` passes the layer's output on
 unchanged and, in backward, gives the aux loss the gradient ``aux_scale`` (the schedule's 1 / micro-batches,
-as each micro-batch's loss is scaled), and adds what it so trained to ``aux_trained`` (for the step log).
+as each micro-batch's loss is scaled), and adds what it so trained to ``aux_trained`` (for the step log; a
+pipelined evaluation adds it in forward, for the held-out loss).
 
 Experts are computed by a loop over experts on the slots sorted by expert. Under expert parallelism
 (``self.ep``, trainer.parallel.expert) this rank holds ``n_experts / ep`` of them (the weights are DTensors
@@ -134,7 +135,8 @@ class MoE(nn.Module):
         flat = idx.flatten()
         order = flat.argsort(stable=True)  # slots sorted by expert, token order within one
         counts = torch.bincount(flat, minlength=self.n_experts)
-        counting = torch._C._current_graph_task_id() == -1  # not activation checkpointing's rerun in backward
+        # training only, and not activation checkpointing's rerun in backward
+        counting = self.training and torch._C._current_graph_task_id() == -1
         if counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
@@ -158,6 +160,8 @@ class MoE(nn.Module):
             y = y + self.shared(t)
         if self.aux_scale is not None and torch.is_grad_enabled():
             y = AuxLossToBackward.apply(y, self.aux_loss, self.aux_scale, self)
+        elif self.aux_scale is not None:  # a pipelined evaluation: no backward to count it in
+            self.aux_trained = self.aux_trained + self.aux_loss.detach().float() * self.aux_scale
         return y.view(shape)
 
 
