@@ -165,3 +165,14 @@ def test_pp2_and_cp2_eval_loss_holds_every_stages_aux_loss():
         for name in ("pp2", "cp2"):
             assert rank[name]["stats"][-1]["eval_loss"] == pytest.approx(ref, rel=1e-5), name
             assert rank[name]["again"] == pytest.approx(ref, rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_cp2_ep2_under_hsdp_at_world8_matches_world1(reference):
+    """dp_replicate 2 x dp_shard 2 (ep 2) x cp 2: the experts' units replicate across dp_replicate and shard
+    over dp_shard / ep x cp (a 2-D mesh of the replicas and that flattened axis)."""
+    eight = run_ranks("tests.moe_jobs:train_moe", 8, {"base": STRONG_AUX, "steps": STEPS, "grads": True,
+                                                     "layouts": [("hsdp_cp2_ep2", ["parallel.cp=2", "parallel.ep=2",
+                                                                                   "parallel.dp_replicate=2"])]},
+                      timeout=600)
+    check(eight, reference, "hsdp_cp2_ep2", len(reference["grads"]))
