@@ -34,6 +34,7 @@ def train_moe(payload: dict) -> dict:
             if grads:
                 out[name]["grads"] = grads
             out[name]["experts"] = experts_held(trainer)
+            out[name]["router_bias"] = trainer.train_state().get("router_bias")  # what a checkpoint records
             if payload.get("params"):
                 out[name]["params"] = {n: p.detach().clone() for n, p in trainer.parts.named_parameters()}
             del trainer

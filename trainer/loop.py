@@ -42,7 +42,7 @@ from checkpointing.storage import Storage
 from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
-from .parallel.dims import Axis, Mesh, ParallelDims, resolve_device, resolve_precision
+from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
 from .models.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World
@@ -156,6 +156,7 @@ class Trainer:
         # model.init_from is loaded before the first step, unless a checkpoint was loaded (a resume).
         self.weights_from: str | None = None
         self._init_from_pending = bool(cfg.model.init_from)
+        self.pp_router_bias: dict = {}  # pipelined MoE: every stage's routing biases (balance_step gathers them)
 
     # --- state the checkpoint carries ----------------------------------------
 
@@ -167,7 +168,8 @@ class Trainer:
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
             **({"weights_from": self.weights_from} if self.weights_from else {}),
-            **({"router_bias": bias} if (bias := router_bias_state(self.parts.modules[0])) else {}),
+            **({"router_bias": bias} if (bias := self.pp_router_bias if self.dims.pp > 1
+                                         else router_bias_state(self.parts.modules[0])) else {}),
         }
 
     def load_train_state(self, state: dict) -> None:
@@ -176,7 +178,8 @@ class Trainer:
         self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
         if self.cfg.model.is_moe:
-            load_router_bias(self.parts.modules[0], state.get("router_bias") or {})
+            load_router_bias(self.parts.modules, state.get("router_bias") or {})
+            self.pp_router_bias = state.get("router_bias") or {}
 
     def apply_init_from(self) -> None:
         """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the
@@ -247,9 +250,9 @@ class Trainer:
     def memory_predicted(self) -> dict[str, int]:
         if self.parts.local_params:
             per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
-            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over all of dp_shard (ep x the rest)
+            # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over dp_shard (ep x the rest) x cp
             ex = sum(p.numel() for m in self.parts.expert_units for p in m.parameters())
-            fsdp = memory.bytes_per_param(3, self.dims.dp_shard, self.mixed)
+            fsdp = memory.bytes_per_param(3, self.dims.dp_shard * self.dims.cp, self.mixed)
             return {k: round(v * (self.parts.local_params - ex) + fsdp[k] * ex) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 
@@ -275,6 +278,7 @@ class Trainer:
             self.optimizer.before_backward(final=True)
             loss_sum = self.parts.pipeline_step(inputs, targets)
             self.optimizer.after_backward(final=True)
+            aux_sum = self.parts.pipeline_aux()  # every stage's MoE layers' (the last stage's loss has none)
         else:
             mb = cfg.train.micro_batch
             n_micro = len(positions) // mb
@@ -292,8 +296,10 @@ class Trainer:
                 loss_sum += loss.detach()
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
-        moe = self.parts.is_moe and self.parts.pipeline is None
+        moe = self.parts.is_moe
         norm_sq, loss, stop_votes, aux_mean = self._reduce_norm_and_loss(loss_sum, stop, aux_sum if moe else None)
+        if moe and self.parts.pipeline is not None:
+            loss += aux_mean
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
         if math.isfinite(loss) and math.isfinite(grad_norm):
             clip = cfg.train.grad_clip
@@ -302,8 +308,12 @@ class Trainer:
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)
-        balance = balance_step(self.parts.modules[0], cfg.model.router_bias_update_rate,
-                               self.dims.group(self.mesh, Mesh.DP)) if moe else None
+        # the ranks routing different tokens through one layer: data-parallel and cp; under pp, each stage's
+        balance = balance_step(self.parts.modules, cfg.model.router_bias_update_rate,
+                               self.dims.group(self.mesh, self.dims.loss_mesh),
+                               self.dims.group(self.mesh, Axis.PP)) if moe else None
+        if balance is not None and balance.router_bias is not None:
+            self.pp_router_bias = balance.router_bias
         if self.memory_measured is None:
             self.memory_measured = self.optimizer.memory_bytes()
         self.optimizer.zero_grad()
@@ -367,7 +377,7 @@ class Trainer:
         self.apply_init_from()
         cfg, vb = self.cfg, self.val_batcher
         n_batches = cfg.eval.batches
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum, aux_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         self.parts.train(False)
         try:
             for b in range(n_batches):
@@ -377,6 +387,9 @@ class Trainer:
                     stage_loss = self.parts.pipeline_step(inputs, targets, backward=False)
                     if stage_loss is not None:
                         loss_sum += stage_loss
+                    aux = self.parts.pipeline_aux()  # every stage's MoE layers' aux loss, as world 1's loss has it
+                    if aux is not None:
+                        aux_sum += aux.to(self.device)
                     continue
                 mb = cfg.train.micro_batch
                 n_micro = len(inputs) // mb
@@ -386,6 +399,7 @@ class Trainer:
         finally:
             self.parts.train(True)
         total = loss_sum if self._counts_loss else torch.zeros((), device=self.device)
+        total = total + (aux_sum if self.coords[Axis.TP] == 0 else 0)
         if self.world.size > 1:
             dist.all_reduce(total)
         value = total.item() / self.dims.grad_ranks / n_batches
@@ -416,7 +430,9 @@ class Trainer:
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
         parts = [self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote]
         if aux_sum is not None:  # a Mixture of Experts: its aux loss rides along (a dense model's stays 3 numbers)
-            parts.append((aux_sum.float() if counts else torch.zeros((), device=self.device)).to(self.device))
+            # counted once per data-parallel, cp and pipeline rank (each stage's MoE layers)
+            mine = self.coords[Axis.TP] == 0
+            parts.append((aux_sum.float() if mine else torch.zeros((), device=self.device)).to(self.device))
         reduced = torch.stack(parts)
         if self.world.size > 1:
             dist.all_reduce(reduced)

@@ -90,9 +90,11 @@ def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) 
     per = bytes_per_param(stage, n, mixed)
     if not mixed and stage in (1, 2) and cfg.parallel.quantized_weights:
         per["optimizer"] += 4 / n  # qwZ: the fp32 master is a copy (the parameter holds the dequantized values)
-    # Expert parallelism below ZeRO-3: the experts are FSDP's (trainer.zero.hybrid), sharded over all of dp_shard.
-    experts = spec_for(cfg.model).shape().experts if dims.ep > 1 and stage < 3 else 0
-    fsdp = bytes_per_param(3, dims.dp_shard, mixed)
+    # Expert parallelism below ZeRO-3: the experts (of this rank's stages) are FSDP's (trainer.zero.hybrid),
+    # sharded over all of dp_shard (x cp).
+    n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
+    experts = spec_for(cfg.model).shape().stage_experts(stages, n_stages) if dims.ep > 1 and stage < 3 else 0
+    fsdp = bytes_per_param(3, dims.dp_shard * dims.cp, mixed)
     return {k: round(v * (count - experts) + fsdp[k] * experts) for k, v in per.items()}
 
 

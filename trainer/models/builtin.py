@@ -18,13 +18,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from checkpointing.errors import ConfigError
 
 from ..config import ParallelConfig, RunConfig
 from .decoder import Transformer, cut_stage
 from .llama_names import LlamaNames
 from .mixtral_names import MixtralNames
-from .moe import moe_layers
+from .moe import MoE, moe_layers
 from .qwen_moe_names import hf_moe_names
 from .shape import ModelShape
 from .spec import ModelSpec, Stage
@@ -59,19 +58,6 @@ class DecoderSpec(ModelSpec):
                                    moe_ffn=max(sum(p.numel() for p in moe.parameters()) for moe in moe_layers(model)),
                                    moe_every=m.moe_every)
 
-    def preflight(self, cfg: RunConfig) -> None:
-        """The Mixture of Experts trains with data (ZeRO 0-3, HSDP), expert and tensor parallelism (the MoE layers
-        replicated across tp: :mod:`.decoder_tp`)."""
-        p = cfg.parallel
-        if not self.mcfg.is_moe:
-            return None
-        for name in ("pp", "cp"):
-            if getattr(p, name) > 1:
-                raise ConfigError(f"parallel.{name}={getattr(p, name)} is not supported with model.n_experts="
-                                  f"{self.mcfg.n_experts} (Mixture of Experts); set parallel.{name}=1 and use "
-                                  "data or expert parallelism (parallel.ep)")
-        return None
-
     @property
     def draws_random(self) -> bool:
         return self.mcfg.dropout > 0
@@ -100,13 +86,16 @@ class DecoderSpec(ModelSpec):
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
     def allows(self) -> tuple[str, ...]:
-        return ("tp", "sp") if self.mcfg.is_moe else ("tp", "pp", "sp", "cp")
+        return ("tp", "pp", "sp", "cp")
 
     def apply_cp(self, module: nn.Module, cp) -> None:
-        """Every block's attention over the cp group; rotary positions the global ones."""
+        """Every block's attention over the cp group; rotary positions the global ones; a Mixture of Experts'
+        routing counts over the cp group (trainer.models.moe)."""
         module.cp = cp
         for block in module.layers.values():
             block.attention.cp = cp
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.cp_group = cp.group
 
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:
         """Recompute every block in backward, or every k-th (by its index in the whole model), or in every

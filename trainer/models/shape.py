@@ -58,9 +58,9 @@ class ModelShape:
     expert_share: float = 1.0
     moe_layers: int = 0
     # One MoE layer's feed-forward (router, routed and shared experts: replicated across tp, counted), and the
-    # blocks that have one: the last of every ``moe_every``.
+    # blocks that have one: the last of every ``moe_every`` (0: not known).
     moe_ffn: int = 0
-    moe_every: int = 1
+    moe_every: int = 0
 
     @classmethod
     def of(cls, m: ModelConfig) -> ModelShape:
@@ -128,7 +128,7 @@ class ModelShape:
         return layer_split(self.n_layers, n_stages)
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.moe_layers > 0 and index % self.moe_every == self.moe_every - 1
+        return self.moe_every > 0 and self.moe_layers > 0 and index % self.moe_every == self.moe_every - 1
 
     def layer_params(self, index: int, tp: int = 1) -> int:
         """Block ``index``'s parameters on a rank of ``tp``: a Mixture-of-Experts feed-forward is whole on every
@@ -136,6 +136,13 @@ class ModelShape:
         if self.is_moe_layer(index) and self.moe_ffn:
             return self.attention_params(tp) + 2 * self.dim + self.moe_ffn
         return self.block_params(tp)
+
+    def stage_experts(self, stages: list[int], n_stages: int) -> int:
+        """The routed experts' parameters in pipeline ``stages`` of ``n_stages`` (all of them unpipelined)."""
+        if n_stages == 1 or not self.moe_every:
+            return self.experts
+        split = self.stage_layers(n_stages)
+        return self.experts // self.moe_layers * sum(1 for s in stages for i in split[s] if self.is_moe_layer(i))
 
     def local_counts(self, tp: int, stages: list[int], n_stages: int) -> tuple[int, int]:
         """(parameters of one block, parameters a rank holds) on a rank of ``tp`` running pipeline ``stages``

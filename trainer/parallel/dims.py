@@ -56,6 +56,9 @@ DATA_NAMES = tuple(a.value for a in DATA_AXES)  # as mesh[...] takes them
 # The expert mesh (ParallelDims.expert_mesh) splits dp_shard into these two dimensions, ep innermost: the ranks
 # outside ep (over which FSDP shards the experts) and the ranks of one ep group (over which the experts are split).
 EXPERT_SPLIT = ("dp_shard_mod_ep", Axis.EP.value)
+# Under context parallelism the experts also shard over the cp ranks (which route different tokens through the
+# same experts): the expert mesh's dp_shard_mod_ep and cp flattened (ParallelDims.expert_fsdp_mesh).
+EXPERT_SHARD_CP = "dp_shard_mod_ep_cp"
 
 
 class Mesh(StrEnum):
@@ -312,8 +315,14 @@ class ParallelDims:
         return mesh._unflatten(Axis.DP_SHARD.value, (self.dp_shard // self.ep, self.ep), EXPERT_SPLIT)
 
     def expert_fsdp_mesh(self, emesh: DeviceMesh) -> DeviceMesh:
-        """What ZeRO-3 shards the (ep-split) expert weights over: the data-parallel ranks outside ep, 2-D
-        (dp_replicate, dp_shard / ep) under HSDP as :meth:`fsdp_mesh` is."""
+        """What ZeRO-3 shards the (ep-split) expert weights over: the data-parallel ranks outside ep, x the cp
+        ranks (:data:`EXPERT_SHARD_CP`, flattened), 2-D (dp_replicate, that) under HSDP as :meth:`fsdp_mesh` is.
+        Collective under cp (the flattened mesh's group is made)."""
+        if self.cp > 1:
+            flat = emesh[(EXPERT_SPLIT[0], Axis.CP.value)]._flatten(EXPERT_SHARD_CP)
+            if self.dp_replicate == 1:
+                return flat
+            return DeviceMesh._concatenate([emesh[Axis.DP_REPLICATE.value], flat])
         if self.dp_replicate > 1:
             return emesh[(Axis.DP_REPLICATE.value, EXPERT_SPLIT[0])]
         return emesh[EXPERT_SPLIT[0]]

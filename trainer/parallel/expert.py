@@ -2,8 +2,9 @@
 the experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
 
     layers = spec.expert_layers(model)              # the model family's MoE layers (trainer.models.spec)
-    emesh = apply_ep(layers, dims, mesh)            # before AC and FSDP (trainer.parallel.parallelize's order)
-    shard_experts(layers, dims, emesh, ...)         # before the blocks' fully_shard
+    meshes = expert_meshes(dims, mesh)              # once per rank (collective), whatever its stages hold
+    apply_ep(layers, dims, meshes)                  # before AC and FSDP (trainer.parallel.parallelize's order)
+    shard_experts(layers, dims, meshes, ...)        # before the blocks' fully_shard
 
 A layer is what its family says (:meth:`~trainer.models.spec.ModelSpec.expert_layers`): ``experts``, a module
 whose own parameters stack the experts on dim 0, ``n_experts``, and ``ep``, set here to the layer's
@@ -19,14 +20,17 @@ Each rank holds only its own experts: the stacked expert weights become DTensors
 (``Shard(0)``) over the ``ep`` dimension of the expert mesh (:meth:`ParallelDims.expert_mesh`: ``dp_shard``
 split into ``dp_shard / ep`` x ``ep``). They keep their global shapes and names, so DCP reshards a
 checkpoint to any ep and world size. ZeRO-3 shards them further, by a ``fully_shard`` of their own over the
-data-parallel ranks outside ep (``dp_shard / ep``, x ``dp_replicate`` as HSDP): those ranks hold the same
-experts, each computed on its own ep group's tokens, so their summed gradient is divided by the whole
-data-parallel size (``grad_ranks``), not by the size of that mesh (FSDP's default, which would give ``ep``
-times the world-1 gradient). The experts get those units at every ZeRO stage: under ZeRO 0-2 the other
+data-parallel ranks outside ep (``dp_shard / ep``, x ``dp_replicate`` as HSDP), and the cp ranks under
+context parallelism: those ranks hold the same experts, each computed on its own ep group's tokens (a cp
+rank's: its share of the sequences), so their summed gradient is divided by the whole data-parallel size x cp
+(``grad_ranks``), not by the size of that mesh (FSDP's default, which would give ``ep`` times the world-1
+gradient). The experts get those units at every ZeRO stage: under ZeRO 0-2 the other
 parameters keep the stage's treatment and the experts are stepped as ZeRO-3 shards (trainer.zero.hybrid).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -79,11 +83,19 @@ class ExpertParallel:
         return AllToAll.apply(out, in_splits, out_splits, self.group)
 
 
-def apply_ep(layers: list, dims, mesh) -> DeviceMesh | None:
-    """Give every MoE layer (on the meta device, or built whole: its weights kept) its ep group and make its
-    expert weights ``Shard(0)`` DTensors over the expert mesh's ``ep`` dimension; returns that mesh (None at
-    ep 1 or without MoE layers). Collective: every rank builds the expert mesh, in the same order."""
-    emesh = dims.expert_mesh(mesh) if layers else None
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The meshes and the group of expert parallelism on this rank (:func:`expert_meshes`)."""
+
+    emesh: DeviceMesh  # the expert mesh (ParallelDims.expert_mesh): the weights' ep dimension
+    group: dist.ProcessGroup  # this rank's ep group, for the all-to-alls
+    fsdp: DeviceMesh  # what the experts' own FSDP units shard over (ParallelDims.expert_fsdp_mesh)
+
+
+def expert_meshes(dims, mesh) -> ExpertMeshes | None:
+    """The expert mesh, the ep groups and the experts' FSDP mesh (None at ep 1). Collective: every rank calls
+    it once, in the same order, whether or not its pipeline stages hold MoE layers."""
+    emesh = dims.expert_mesh(mesh)
     if emesh is None:
         return None
     from ..telemetry import comm_meter
@@ -99,29 +111,39 @@ def apply_ep(layers: list, dims, mesh) -> DeviceMesh | None:
         raise RuntimeError(f"rank {dist.get_rank()}: ep group rank {dist.get_rank(group)} is not its expert "
                            f"mesh's {ep_mesh.get_local_rank()}")
     comm_meter().label_group(group, "ep")  # etrain_comm_*{kind="all_to_all", axis="ep"}
+    fsdp_mesh = dims.expert_fsdp_mesh(emesh)
+    if fsdp_mesh.size(fsdp_mesh.ndim - 1) > 1:
+        comm_meter().label_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), fsdp_mesh.mesh_dim_names[-1])
+    return ExpertMeshes(emesh, group, fsdp_mesh)
+
+
+def apply_ep(layers: list, dims, meshes: ExpertMeshes | None) -> ExpertMeshes | None:
+    """Give every MoE layer (on the meta device, or built whole: its weights kept) its ep group and make its
+    expert weights ``Shard(0)`` DTensors over the expert mesh's ``ep`` dimension; returns ``meshes`` (None at
+    ep 1 or without MoE layers)."""
+    if meshes is None or not layers:
+        return None
+    ep_mesh = meshes.emesh[Axis.EP.value]
     for moe in layers:
-        moe.ep = ExpertParallel(group, ep_mesh.get_local_rank(), dims.ep, moe.n_experts)
+        moe.ep = ExpertParallel(meshes.group, ep_mesh.get_local_rank(), dims.ep, moe.n_experts)
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             mine = p.detach().chunk(dims.ep, dim=0)[moe.ep.rank]
             shard = DTensor.from_local(mine.clone(), ep_mesh, [Shard(0)], run_check=False,
                                        shape=p.shape, stride=p.stride())
             setattr(moe.experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
-    return emesh
+    return meshes
 
 
-def shard_experts(layers: list, dims, emesh: DeviceMesh, reshard: bool, **policies) -> None:
+def shard_experts(layers: list, dims, meshes: ExpertMeshes, reshard: bool, **policies) -> None:
     """The ep-split experts sharded (at every ZeRO stage): a ``fully_shard`` per MoE layer's experts over the
-    data-parallel ranks outside ep (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks' own
-    ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be smaller
-    than that mesh), and their gradient is divided by the whole data-parallel size (the module docstring)."""
+    data-parallel ranks outside ep, x the cp ranks (:meth:`ParallelDims.expert_fsdp_mesh`), before the blocks'
+    own ``fully_shard`` (which then leaves them out). They shard on dim 1 (the local expert count may be
+    smaller than that mesh), and their gradient is divided by the whole data-parallel size x cp (the module
+    docstring)."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..telemetry import comm_meter
-
-    fsdp_mesh = dims.expert_fsdp_mesh(emesh)
+    fsdp_mesh = meshes.fsdp
     shards = fsdp_mesh.size(fsdp_mesh.ndim - 1)
-    if shards > 1:
-        comm_meter().label_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), "dp_shard_mod_ep")
     for moe in layers:
         dim = 1 if all(p.shape[1] % shards == 0 for p in moe.experts.parameters()) else 0
         fully_shard(moe.experts, mesh=fsdp_mesh, reshard_after_forward=reshard,

@@ -47,13 +47,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
 from ..models import spec_for
-from ..models.moe import aux_loss, moe_layers
+from ..models.moe import aux_loss, keep_counters, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
 from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
-from .expert import apply_ep, shard_experts
+from .expert import apply_ep, expert_meshes, shard_experts
 from .fsdp import fsdp_policies, shard_blocks
 from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
@@ -83,6 +83,9 @@ class ModelParts:
     # Context parallelism (.context): this rank's positions of every sample, in and out; None at cp 1.
     cp: ContextParallel | None = None
     _moe: list | None = None  # the Mixture-of-Experts layers of modules[0] (aux_loss)
+    # The built-in Mixture of Experts, whether or not this rank's pipeline stages hold MoE layers (every rank
+    # takes part in its reductions).
+    moe_model: bool = False
     # Expert parallelism under ZeRO 0-2: the experts' own FSDP units (their optimizer is FSDP's,
     # trainer.zero.hybrid; the other parameters are the ZeRO stage's). Empty otherwise.
     expert_units: list[nn.Module] = field(default_factory=list)
@@ -125,7 +128,7 @@ class ModelParts:
         """Whether the model is a Mixture of Experts (built-in layers, or a model's own with a balancing loss)."""
         if self._moe is None:
             self._moe = moe_layers(self.modules[0]) if self.modules else []
-        return self.aux_fn is not None or bool(self._moe)
+        return self.moe_model or self.aux_fn is not None or bool(self._moe)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mixture of Experts: the load-balancing loss of the last forward (None for a dense model)."""
@@ -134,6 +137,18 @@ class ModelParts:
         if self._moe is None:  # found once: the loss asks every micro-batch
             self._moe = moe_layers(self.modules[0]) if self.modules else []
         return aux_loss(self._moe) if self._moe else None
+
+    def pipeline_aux(self) -> torch.Tensor | None:
+        """Pipelined Mixture of Experts: the aux losses this rank's stages trained in the last step (each
+        micro-batch's scaled as its loss is; trainer.models.moe.AuxLossToBackward; 0 without MoE layers), the
+        counters cleared; None for a dense model."""
+        layers = [m for module in self.modules for m in moe_layers(module)]
+        if not self.moe_model:
+            return None
+        total = sum((torch.as_tensor(m.aux_trained, dtype=torch.float32) for m in layers), torch.zeros(()))
+        for m in layers:
+            m.aux_trained = 0.0
+        return total
 
     def named_parameters(self):
         for m in self.modules:
@@ -172,6 +187,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     use_fsdp = dims.uses_fsdp
     check_device_features(p, device)
     modules, local, cp, expert_units = [], 0, None, []
+    experts_at = expert_meshes(dims, mesh)  # collective: once, whatever this rank's stages hold
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
@@ -180,7 +196,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         local += spec.local_params(model)
         cp = apply_cp(spec, model, dims, mesh, rank, p)
         layers = spec.expert_layers(model)
-        emesh = apply_ep(layers, dims, mesh)
+        emesh = apply_ep(layers, dims, experts_at)
         apply_ac(spec, stage, p)
         apply_compile(spec, stage, p)
         if emesh is not None:  # the experts' own FSDP units, at every ZeRO stage; first: the blocks' leave them out
@@ -201,8 +217,11 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         modules.append(model)
     pipeline = None
     if dims.pp > 1:
-        pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP),
-                            p.pp_schedule, dims.pp_microbatches(cfg))
+        moe = [m for module in modules for m in moe_layers(module)]
+        pipeline = Pipeline(modules, stage_ids, n_stages, device, dims.group(mesh, Axis.PP), p.pp_schedule,
+                            dims.pp_microbatches(cfg), keep_state=(lambda: keep_counters(moe)) if moe else None)
+        for layer in moe:  # the aux loss reaches backward itself, scaled as each micro-batch's loss
+            layer.aux_scale = 1.0 / pipeline.n_microbatches
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
                       loss_fn=spec.loss_fn(), aux_fn=spec.aux_loss_fn(), local_params=local,
-                      draws_random=spec.draws_random, cp=cp, expert_units=expert_units)
+                      draws_random=spec.draws_random, cp=cp, expert_units=expert_units, moe_model=cfg.model.is_moe)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
 from ..config import RunConfig
 from .dims import ParallelDims
 from .tensor import lm_loss
@@ -29,13 +31,22 @@ class Pipeline:
     the local batch, as without pipelining.
     """
 
-    def __init__(self, modules, stage_ids, n_stages, device, group, schedule: str, n_microbatches: int):
+    def __init__(self, modules, stage_ids, n_stages, device, group, schedule: str, n_microbatches: int,
+                 keep_state: Callable[[], Callable[[], None]] | None = None):
+        """``keep_state``: snapshots what the stages' forward and backward count (a Mixture of Experts' routing
+        figures) and returns its restore; the schedule's metadata inference (its first step, and after a switch
+        between training and evaluation) runs the stages once more on the first micro-batch (and on
+        uninitialized activations after the first stage), and is restored away."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches
         self.has_first = 0 in stage_ids
         self.has_last = n_stages - 1 in stage_ids
         stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stage_ids)]
+        if keep_state is not None:
+            for stage in stages:
+                for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+                    setattr(stage, name, _restoring(getattr(stage, name), keep_state))
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
         first = stages if schedule == "interleaved_1f1b" else stages[0]
         self.schedule = cls(first, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -55,3 +66,13 @@ class Pipeline:
         if not self.has_last:
             return None
         return torch.stack([x.detach().float() for x in losses]).sum()
+
+
+def _restoring(fn: Callable, keep_state: Callable[[], Callable[[], None]]) -> Callable:
+    def run(*args, **kwargs):
+        restore = keep_state()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            restore()
+    return run

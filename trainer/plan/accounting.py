@@ -247,7 +247,7 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
         return 0
     block, total = local_counts(cfg, dims, rank)
     if dims.ep > 1:  # a rank gathers (and accumulates the gradients of) only its n_experts / ep experts
-        ex = expert_counts(cfg, dims)
+        ex = expert_counts(cfg, dims, rank)
         total -= ex["experts"] - ex["gathered"]
         block -= (ex["experts"] - ex["gathered"]) // max(1, ex["moe_layers"])
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
@@ -323,7 +323,7 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     # and, with one replica, the copies of a peer's at those steps: five times the state at most.
     out["host_recovery_tier"] = MEMORY_TIER_COPIES * out["host_staging"]
     out["param_count"] = count
-    ex = expert_counts(cfg, dims)
+    ex = expert_counts(cfg, dims, rank)
     if ex["experts"]:  # a Mixture of Experts: each kind of parameter with its own sharding (trainer.plan.experts)
         out.update({f"moe_{k}": v for k, v in ex.items()})
     return out

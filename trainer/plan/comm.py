@@ -53,7 +53,7 @@ from ..config import RunConfig
 from ..memory import local_param_count
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh, ParallelDims
-from .experts import MOE_AXES, expert_counts, moe_comm
+from .experts import MOE_AXES, expert_axis, expert_counts, moe_comm
 
 
 def _ring(kind: str, n: int, size: float) -> float:
@@ -77,7 +77,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     stage = dims.zero_stage
     # Expert parallelism: the experts in FSDP units of their own at every stage (trainer.plan.experts); below
     # ZeRO-3 the stage's collectives carry the dense parameters only.
-    ex = expert_counts(cfg, dims) if dims.ep > 1 else None
+    ex = expert_counts(cfg, dims, rank) if dims.ep > 1 else None
     experts = ex["experts"] if ex else 0
     n, r = dims.dp_shard * dims.cp, dims.dp_replicate  # the cp ranks hold the same parameters
     mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
@@ -86,7 +86,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     shard_axis, dp_axis = (Mesh.DP_SHARD_CP, Mesh.DP_CP) if dims.cp > 1 else (Axis.DP_SHARD, Mesh.DP)
     sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2,
              Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp,
-             MOE_AXES[0]: dims.ep, MOE_AXES[1]: dims.dp_shard // dims.ep}
+             MOE_AXES[0]: dims.ep, expert_axis(dims): dims.dp_shard // dims.ep * dims.cp}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
@@ -122,11 +122,12 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         add(rs_kind, shard_axis, rs * _ring(rs_kind, n, reduced), rs * (blocks + 1), "compute")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * dense / n), blocks + 1)
     if experts:  # under ep at every stage the experts' units, n_experts / ep per layer, over the ranks outside ep
-        held, axis, ranks, calls = ex["gathered"], MOE_AXES[1], dims.dp_shard // dims.ep, ex["moe_layers"]
+        held, axis, calls = ex["gathered"], expert_axis(dims), ex["moe_layers"]
+        ranks = sizes[axis]
         add("all_gather", axis, gathers * _ring("all_gather", ranks, act_b * held), gathers * calls, "compute")
         add("reduce_scatter", axis, rs * _ring("reduce_scatter", ranks, 4 * held), rs * calls, "compute")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * held / ranks), calls)
-    for kind, axis, size, calls, _ in moe_comm(cfg, dims, act_b):
+    for kind, axis, size, calls, _ in moe_comm(cfg, dims, act_b, rank):
         add(kind, axis, size, calls)
     if dims.tp > 1:
         n_stages, stages = dims.stages(rank, p.pp_stages_per_rank)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from ..config import RunConfig
 from ..memory import local_counts
 from ..models import spec_for
-from ..parallel.dims import EXPERT_SPLIT, Axis, Mesh, ParallelDims
+from ..parallel.dims import EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, Mesh, ParallelDims
 from .comm import bubble_fraction, step_comm
 
 GiB = 2**30
@@ -92,7 +92,7 @@ def axis_span(dims: ParallelDims, axis: str, ranks: int = 0) -> int:
     return {Axis.TP: tp, Axis.CP: tp * cp, Axis.DP_SHARD: tp * cp * shard, Mesh.DP_SHARD_CP: tp * cp * shard,
             Axis.DP_REPLICATE: tp * cp * shard * rep, Mesh.DP: tp * cp * shard * rep,
             Mesh.DP_CP: tp * cp * shard * rep, Axis.PP: dims.world_size,
-            Axis.EP: tp * cp * dims.ep, EXPERT_SPLIT[0]: tp * cp * shard}[axis]
+            Axis.EP: tp * cp * dims.ep, EXPERT_SPLIT[0]: tp * cp * shard, EXPERT_SHARD_CP: tp * cp * shard}[axis]
 
 
 def link(dims: ParallelDims, axis: str, dev: Device, ranks: int = 0) -> str:
@@ -111,7 +111,8 @@ def step_flops(cfg: RunConfig, dims: ParallelDims, rank: int) -> float:
     layers = sum(len(split[s]) for s in stages)
     block, params = local_counts(cfg, dims, rank)
     embed = m.embedding_params(dims.tp) if 0 in stages else 0
-    idle = m.experts * (1 - m.expert_share)  # a token computes with top_k of a Mixture of Experts' experts
+    # a token computes with top_k of a Mixture of Experts' experts (those of this rank's stages)
+    idle = m.stage_experts(stages, n_stages) * (1 - m.expert_share)
     dense = 6 * (params - embed - idle) * tokens  # an embedding lookup computes nothing
     attn = 6 * cfg.data.seq_len * m.dim / dims.tp * tokens * layers
     if p.activation_checkpoint == "full":

@@ -19,48 +19,67 @@ recomputation dispatches again), of which ``(ep - 1) / ep`` leave the rank under
 convention of :mod:`trainer.plan.comm` and of the communication meter (which counts an all-to-all's input);
 plus the even all-to-all of the ``n_experts`` int64 counts (forward, and again when recomputed). Calls: 5 (8
 with full recomputation). Capacity (``capacity_factor > 0``) can only lower the slots.
+
+Under context parallelism a rank routes its ``seq_len / cp`` positions, and the experts' FSDP units shard over
+the cp ranks too (``dp_shard / ep x cp``: :data:`~trainer.parallel.dims.EXPERT_SHARD_CP`); under pipeline
+parallelism a rank holds (and dispatches for) the MoE layers of its stages only, per pipeline micro-batch.
 """
 
 from __future__ import annotations
 
 from ..config import RunConfig
 from ..models import spec_for
-from ..parallel.dims import EXPERT_SPLIT, Axis, ParallelDims
+from ..parallel.dims import EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, ParallelDims
 
 MOE_AXES = (Axis.EP.value, EXPERT_SPLIT[0])  # the axes step_comm adds for expert parallelism
 
 
-def expert_counts(cfg: RunConfig, dims: ParallelDims) -> dict:
-    """Whole-model expert and dense parameters, the ways each is sharded on a rank and what it then holds
-    (``*_held``), and the experts a rank gathers to compute (``gathered``: all of its ``n_experts / ep``).
-    All zero for a dense model's experts."""
+def expert_axis(dims: ParallelDims) -> str:
+    """The axis the experts' own FSDP units shard over: dp_shard / ep, x cp under context parallelism."""
+    return EXPERT_SHARD_CP if dims.cp > 1 else EXPERT_SPLIT[0]
+
+
+def stage_moe_layers(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
+    """(routed experts' parameters, MoE layers) of ``rank``'s pipeline stages (the whole model's unpipelined)."""
     m = spec_for(cfg.model).shape()
+    n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
+    experts = m.stage_experts(stages, n_stages)
+    return experts, (m.moe_layers * experts // m.experts if m.experts else 0)
+
+
+def expert_counts(cfg: RunConfig, dims: ParallelDims, rank: int = 0) -> dict:
+    """Expert parameters (of ``rank``'s pipeline stages: the whole model's unpipelined) and the whole model's
+    dense ones, the ways each is sharded on a rank and what it then holds (``*_held``), and the experts a rank
+    gathers to compute (``gathered``: all of its ``n_experts / ep``). All zero for a dense model's experts."""
+    m = spec_for(cfg.model).shape()
+    experts, layers = stage_moe_layers(cfg, dims, rank)
     dense_shards = dims.dp_shard * dims.cp if dims.uses_fsdp else 1
     # under ep the experts are FSDP units of their own at every ZeRO stage (trainer.zero.hybrid below 3)
-    expert_shards = dims.dp_shard if dims.ep > 1 else dense_shards
-    return {"experts": m.experts, "dense": m.dense_params, "moe_layers": m.moe_layers, "ep": dims.ep,
+    expert_shards = dims.dp_shard * dims.cp if dims.ep > 1 else dense_shards
+    return {"experts": experts, "dense": m.dense_params, "moe_layers": layers, "ep": dims.ep,
             "n_experts": cfg.model.n_experts,
             "expert_shards": expert_shards, "dense_shards": dense_shards,
-            "expert_held": m.experts // expert_shards, "dense_held": m.dense_params // dense_shards,
-            "gathered": m.experts // dims.ep}
+            "expert_held": experts // expert_shards, "dense_held": m.dense_params // dense_shards,
+            "gathered": experts // dims.ep}
 
 
-def all_to_all_per_step(cfg: RunConfig, dims: ParallelDims, act_b: int) -> tuple[float, float, int]:
-    """(bytes into the all-to-alls, bus bytes, calls) of one rank's step (the module docstring's formula);
+def all_to_all_per_step(cfg: RunConfig, dims: ParallelDims, act_b: int, rank: int = 0) -> tuple[float, float, int]:
+    """(bytes into the all-to-alls, bus bytes, calls) of ``rank``'s step (the module docstring's formula);
     zeros at ep 1."""
     m, mcfg = spec_for(cfg.model).shape(), cfg.model
-    if dims.ep == 1 or not m.moe_layers:
+    moe_layers = stage_moe_layers(cfg, dims, rank)[1]
+    if dims.ep == 1 or not moe_layers:
         return 0.0, 0.0, 0
     full = cfg.parallel.activation_checkpoint == "full"
-    mb = max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
+    tokens = dims.local_batch(cfg) // mb * cfg.data.seq_len // dims.cp  # a micro-batch's, of this cp rank
     slots = (6 if full else 4) * tokens * mcfg.top_k * m.dim * act_b
     counts = (2 if full else 1) * 8 * mcfg.n_experts
-    size = mb * m.moe_layers * (slots + counts)
-    return size, size * (dims.ep - 1) / dims.ep, mb * m.moe_layers * (8 if full else 5)
+    size = mb * moe_layers * (slots + counts)
+    return size, size * (dims.ep - 1) / dims.ep, mb * moe_layers * (8 if full else 5)
 
 
-def moe_comm(cfg: RunConfig, dims: ParallelDims, act_b: int) -> list[tuple[str, str, float, int, int]]:
-    """(kind, axis, bus bytes, calls, ranks) of expert parallelism's all-to-alls in one step."""
-    _, bus, calls = all_to_all_per_step(cfg, dims, act_b)
+def moe_comm(cfg: RunConfig, dims: ParallelDims, act_b: int, rank: int = 0) -> list[tuple[str, str, float, int, int]]:
+    """(kind, axis, bus bytes, calls, ranks) of expert parallelism's all-to-alls in ``rank``'s step."""
+    _, bus, calls = all_to_all_per_step(cfg, dims, act_b, rank)
     return [("all_to_all", Axis.EP.value, bus, calls, dims.ep)] if calls else []

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..parallel.dims import DATA_AXES, DERIVED, EXPERT_SPLIT, Axis, ParallelDims
+from ..parallel.dims import DATA_AXES, DERIVED, EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, ParallelDims
 
 
 class Optimizer(Protocol):
@@ -65,6 +65,12 @@ def dtensor_replicas(t: DTensor, dims: ParallelDims) -> int:
     names = t.device_mesh.mesh_dim_names or ()
     reps = 1
     for axis in (*DATA_AXES, Axis.CP, Axis.TP):
+        if axis in (Axis.DP_SHARD, Axis.CP) and EXPERT_SHARD_CP in names:
+            # the experts' own FSDP units under cp shard over dp_shard / ep x cp flattened, split over ep
+            if axis == Axis.DP_SHARD:
+                reps *= math.prod(t.device_mesh.size(names.index(n)) for n in (EXPERT_SHARD_CP, Axis.EP.value)
+                                  if t.placements[names.index(n)].is_replicate())
+            continue
         if axis == Axis.DP_SHARD and all(n in names for n in EXPERT_SPLIT):
             # the expert mesh splits dp_shard in two dimensions (ParallelDims.expert_mesh): each counts alone
             reps *= math.prod(t.device_mesh.size(names.index(n)) for n in EXPERT_SPLIT
