@@ -39,6 +39,7 @@ def test_bad_input_exits_2_with_message(args, env, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # the fast tier's 12-minute budget
 def test_tiny_config_learns(tmp_path):
     """200 steps of the tiny config lower the loss by a clear margin."""
     log = tmp_path / "steps.jsonl"

@@ -227,6 +227,7 @@ def test_ep_not_dividing_experts_exits_2():
     assert "parallel.ep=3 does not divide model.n_experts=8" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # the fast tier's 12-minute budget
 def test_ep_at_world4_matches_world1(world1):
     """ep 2 under ZeRO-3 (the experts sharded by FSDP over the 2 ranks outside ep) and under HSDP (2 x 2),
     and ep 4 under ZeRO-1 (the experts in their own FSDP units, the rest ZeRO-1), at world 4: the first 5
@@ -444,6 +445,7 @@ def test_checkpoint_reshards_across_ep_and_world(tmp_path):
     assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(got, plain)), (got, plain)
 
 
+@pytest.mark.slow  # the fast tier's 12-minute budget
 def test_balancing_lowers_the_load_imbalance():
     """50 steps on the stdlib text corpus at a high learning rate: without balancing the router collapses
     onto top_k of the experts (ratio 2 = n_experts / top_k); the aux loss or the bias updates keep the
