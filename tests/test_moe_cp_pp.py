@@ -104,6 +104,19 @@ def test_cp2_ep2_and_pp2_ep2_at_world4_match_world1(reference):
 
 
 @pytest.mark.slow
+def test_tp2_beside_cp2_and_beside_pp2_at_world4_match_world1(reference):
+    """tp 2 (the MoE layers whole on every tp rank) beside cp 2, and beside pp 2, at world 4: the same losses,
+    aux losses, routed slots and first-step gradients as world 1."""
+    layouts = [("tp2_cp2", ["parallel.tp=2", "parallel.cp=2"]),
+               ("tp2_sp_pp2", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2",
+                               "parallel.zero_stage=0"])]
+    four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": STRONG_AUX, "steps": STEPS, "grads": True,
+                                                    "layouts": layouts}, timeout=600)
+    for name, _ in layouts:
+        check(four, reference, name, len(reference["grads"]))
+
+
+@pytest.mark.slow
 def test_pp2_router_bias_balancing_matches_world1():
     """Auxiliary-loss-free balancing under pp 2: each stage moves its layers' biases as world 1 does, and the
     trainer state a checkpoint records holds every stage's biases on every rank (rank 0 writes it)."""
