@@ -111,7 +111,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
         if committed is not None and rec["restored_step"] < committed:
             committed_lost += committed - rec["restored_step"]
         print(f"etrain (standby {standby}) kill {k + 1}: step {s['step']}, pid {victim}: recovered in "
-              f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({rec['phases']}), {rec['steps_lost']} steps "
+              f"{mttr[-1]:.2f} s on {rec['world_after']} workers ({_timeline(rec, t_kill)}), {rec['steps_lost']} steps "
               f"redone, restored {rec['restored_step']} from {rec.get('tier')} (newest commit {committed})",
               flush=True)
     hang = {}
@@ -128,7 +128,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
                 "survivors_kept": set(pids[:-1]) <= set(run.events("formed")[-1]["pids"])}
         print(f"etrain (standby {standby}) hang of pid {victim} at step {s['step']}: recovered in "
               f"{hang['mttr_hang_s']:.2f} s (hang timeout {hang_timeout_s} s), {rec['steps_lost']} steps redone, "
-              f"from {rec.get('tier')} ({rec.get('phases')})", flush=True)
+              f"from {rec.get('tier')} ({_timeline(rec, t_stop)})", flush=True)
     # Resizes from a steady state: a full group, and the standby (if any) up again. Grows to
     # ``workers + 1`` and shrinks back, ``resizes`` times; ``resize_s`` is the median grow.
     grows, shrinks, grow_phases = [], [], []
@@ -158,6 +158,15 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     return {**hang, "mttr": mttr, "steps_lost": lost, "committed_steps_lost": committed_lost, "grows": grows,
             "shrinks": shrinks, "tiers": tiers, "grow_phases": grow_phases,
             "final_phase": result.get("phase"), "final_step": result.get("step"), "steps": steps}
+
+
+def _timeline(rec: dict, t_fault: float) -> dict:
+    """A recovery's phases with the two ends the controller does not time: ``detect_s`` (from the fault to
+    the controller's detection) and ``after_s`` (from the group restored to its first step completed)."""
+    phases = rec.get("phases") or {}
+    inside = sum(phases.get(k, 0.0) for k in ("settle_s", "wait_replacement_s", "form_s", "plan_s", "restore_s"))
+    return {"detect_s": round(rec["detected_unix"] - t_fault, 3), **phases,
+            "after_s": round(rec["first_step_unix"] - rec["detected_unix"] - inside, 3)}
 
 
 # --- torchrun --------------------------------------------------------------------------

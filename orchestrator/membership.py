@@ -142,7 +142,8 @@ class Membership:
         row = first.history_row
         if tier == "memory" and step > self.last_completed_step() and isinstance(row, list):
             self.observers.on_history(self, [HistoryRow.of(row)])  # trained, never reported: its rank 0 died
-        self.progress = {"step": step}
+        if step != self.last_completed_step():  # the figures (loss, lr) of the step it resumes at stay
+            self.progress = {"step": step}
         self.progress_at = self.clock()
         if tier != "memory":  # a restore from memory leaves the newest commit where it was
             self.committed_step = first.from_step

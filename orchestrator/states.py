@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from checkpointing.manager import group_rank_errors
 from checkpointing.names import redact
 
 from .drain import DrainCommit, DrainShrink
+from .hang_probe import HangProbe
 from .pending import PendingRecovery, PendingResize
 from .phase import Phase
 from .policies import Fail, FailureRecord, Resize, ScalingStatus
@@ -162,6 +163,7 @@ class Scheduling(State):
 
 @dataclass
 class Running(State):
+    probe: HangProbe = field(default_factory=HangProbe)  # the members pinged ahead of the hang deadline
     name = Phase.RUNNING
 
     def step(self, c: Controller) -> State:
@@ -183,7 +185,7 @@ class Running(State):
             return Finishing("stop requested", stopping=True)
         if c.spec.requeue:
             return Requeuing()
-        hang = check_hang(c)
+        hang = check_hang(c, self.probe)
         if hang is not None:
             return hang
         return check_drain(c) or check_scaling(c) or self
@@ -413,12 +415,13 @@ def check_durability(c: Controller) -> State | None:
                   "checkpoint.max_consecutive_failures")
 
 
-def check_hang(c: Controller) -> State | None:
-    """Recovering when no step completed within the hang deadline, naming the members that do not answer."""
-    idle = c.clock() - c.progress_at
-    if idle <= c.hang_deadline():
+def check_hang(c: Controller, probe: HangProbe) -> State | None:
+    """Recovering when no step completed within the hang deadline, naming the members that do not answer
+    (pinged ahead of the deadline: :mod:`orchestrator.hang_probe`)."""
+    hung = probe.look(c.group, c.members, c.progress_at, c.clock, c.hang_deadline())
+    if hung is None:
         return None
-    hung = tuple(w for w in c.members if not c.group.alive(w, timeout=2.0))
+    idle = c.clock() - c.progress_at
     msg = (f"no step completed for {idle:.0f} s (deadline {c.hang_deadline():.0f} s); "
            + (f"{len(hung)} worker(s) unresponsive" if hung else "every worker answers: a collective hang"))
     return Recovering.now(c, "hang", msg, hung or tuple(c.members))

@@ -74,7 +74,11 @@ def restore_from_memory(worker, plan: MemoryRestore) -> tuple[str, dict]:
         state = check_trainer_state(snap.trainer_state, snap.step, f"the trainer state of step {snap.step}",
                                     required=True)
         local = view.sources(key)
-        sources = {name: local[name] if name in local else transport.fetcher(key, name)
+        # In the snapshot's own layout a rank reads the files its rank wrote (a standby in a lost rank's
+        # place: that rank's files): those are fetched at once, beside DCP's planning; others when read.
+        same_layout = snap.world_size == tr.world.size
+        mine = {n for n, r in snap.owners.items() if r == tr.world.rank} if same_layout else set()
+        sources = {name: local[name] if name in local else transport.fetcher(key, name, now=name in mine)
                    for name in plan.where if name != METADATA_NAME}
     except Exception as e:
         reason = f"rank {tr.world.rank}: {describe(e)}"
@@ -93,6 +97,25 @@ def restore_from_memory(worker, plan: MemoryRestore) -> tuple[str, dict]:
         return reason or "another rank could not apply the snapshot's state", {}
     log.info("restored step %d from the memory tier", snap.step)
     return "", state
+
+
+def warm_up() -> None:
+    """A snapshot and a restore of one small tensor through the memory tier, in this process and without a
+    process group (at a worker's boot): the first use of DCP's planners, writer and reader in a process
+    costs tens of milliseconds, which a standby's first restore would otherwise pay inside a recovery."""
+    import warnings
+
+    from checkpointing.recovery.tier import MemoryTier
+
+    tier = MemoryTier(0, 1, replicas=0)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in a single process: it does, on purpose
+            warnings.simplefilter("ignore")
+            res = tier.take(0, {"w": torch.zeros(4, 4)}, {"step": 0, "samples_consumed": 0})
+            if res.ok:
+                load_from_memory({"w": torch.empty(4, 4)}, dict(res.snapshot.files), res.snapshot)
+    finally:
+        tier.close()
 
 
 def everyone(*flags: bool, device) -> list[bool]:
@@ -124,11 +147,21 @@ class RayFetchTransport:
         return MemorySnapshot.from_bytes(self._call(holder, "memory_header", key),
                                          f"the memory snapshot of step {key[0]} from {holder}")
 
-    def fetcher(self, key: SnapshotKey, name: str):
-        """A source for the reader: fetches ``name`` when DCP reads it."""
-        return lambda: self.fetch(key, name)
+    def fetcher(self, key: SnapshotKey, name: str, now: bool = False):
+        """A source for the reader: fetches ``name`` when DCP reads it (``now``: asked for at once, taken
+        when DCP reads it)."""
+        if not now:
+            return lambda: self.fetch(key, name)
+        ref = self._ask(self.where[name], "memory_file", key, name)
+        return lambda: self._get(ref)
 
     def _call(self, holder, method: str, *args) -> bytes:
+        return self._get(self._ask(holder, method, *args))
+
+    def _ask(self, holder, method: str, *args):
+        return getattr(self.handles[holder], method).remote(*args)
+
+    def _get(self, ref) -> bytes:
         import ray
 
-        return ray.get(getattr(self.handles[holder], method).remote(*args), timeout=self.timeout_s)
+        return ray.get(ref, timeout=self.timeout_s)

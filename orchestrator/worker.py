@@ -57,6 +57,7 @@ from trainer.world import World, init_distributed, listening_store, shutdown_dis
 from .config import GroupTier
 from .store import HistoryRow
 from .tier_restore import MemoryRestore, everyone, restore_from_memory
+from .tier_restore import warm_up as warm_up_memory_tier
 from .worker_results import Formed, Restored, TrainResult
 
 log = logging.getLogger("etrain")
@@ -118,14 +119,18 @@ class TrainWorker:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Do at boot what the first ``form`` would otherwise pay for on the critical path of a recovery
-        or a grow: read the corpus and import the parallel and checkpoint machinery."""
+        """Do at boot what the first ``form`` and ``restore`` would otherwise pay for on the critical path of a
+        recovery or a grow: read the corpus, import the parallel and checkpoint machinery, use the tier's."""
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.fsdp  # noqa: F401
         import torch.distributed.pipelining  # noqa: F401
         import torch.distributed.tensor.parallel  # noqa: F401
 
         self.corpus, self.val_corpus = load_splits(self.cfg)
+        try:  # and the memory tier's snapshot and restore, once (a standby's first restore is in a recovery)
+            warm_up_memory_tier()
+        except Exception as e:  # best effort: a cold first restore is only slower
+            log.debug("memory tier warm-up: %s", describe(e))
 
     # --- identity -------------------------------------------------------------------
 
@@ -216,7 +221,7 @@ class TrainWorker:
                                       "trainer_s": t3 - t2 - tier_s, "memory_tier_s": tier_s})
 
     def _start_tier(self, recovery: GroupTier | None, rank: int, world_size: int) -> None:
-        """This group's memory tier (collective: two gloo groups of its own), when ``[recovery]`` asks, with
+        """This group's memory tier (its two gloo groups made by its first snapshot), when ``[recovery]`` asks, with
         its budget (``checkpointing.recovery.budget``: by default a share of this host's available memory)."""
         self.tier, self._snap, self.tier_note, self.tier_budget = None, None, "", None
         self.tier_every = recovery.settings.memory_every_steps if recovery is not None else 0

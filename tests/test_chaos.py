@@ -127,8 +127,9 @@ def test_hung_rank_is_detected_within_its_deadline_and_passes_the_oracle(cluster
     result = judge(run.spec.run_id, st, plan, chaos, final, use_reference(st, reference, f"{run.spec.run_id}-ref"))
     assert result["passed"], json.dumps(result, indent=1, default=str)
     f = result["faults"][0]
-    # hang_timeout_s = 4: no step for 4 s is a hang; the controller looks every 0.2 s and pings up to 2 s
-    assert f["detected"] and f["time_to_detect_s"] <= 4 + 3
+    # hang_timeout_s = 4: no step for 4 s is a hang; the members were pinged ahead of it, so the hung one is
+    # known at the deadline (orchestrator.hang_probe), not up to 2 s after it
+    assert f["detected"] and f["time_to_detect_s"] <= 4 + 1.5
     assert f["recovered"]
     events = st.events(run.spec.run_id)
     formed = [e for e in events if e["kind"] == "formed"]

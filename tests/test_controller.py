@@ -286,6 +286,21 @@ def test_hang_is_detected_after_the_derived_deadline_and_recovered(rig):
     assert recovered["steps_lost"] == 2 and recovered["failure_kind"] == "hang"
 
 
+def test_hung_member_is_named_at_the_deadline_not_after_pinging_it(rig):
+    # The members are pinged ahead of the deadline: at the deadline the one that never answered is
+    # known at once, rather than pinged then (2 s of answer time past the deadline).
+    fault = Fault(rank=1, step=4, kind="hang")
+    r = rig(workers=2, faults=[fault], opts=options(hang_timeout_s=6.0))
+    r.drive(lambda r: bool(fault.fired))
+    hung = r.group.by_rank()[1]
+    last_progress = r.ctl.progress_at
+    r.drive(lambda r: r.ctl.state.name == "RECOVERING", limit=500)
+    assert r.ctl.state.suspects == (hung.wid,)
+    assert 6.0 < r.ctl.state.detected_at - last_progress <= 6.0 + 0.3
+    r.drive()
+    assert_finished_cleanly(r)
+
+
 def test_hang_with_fixed_deadline_advancing_the_clock_by_hand(rig):
     fault = Fault(rank=0, step=4, kind="hang")
     r = rig(workers=2, faults=[fault], opts=options(hang_timeout_s=30.0))

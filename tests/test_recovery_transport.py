@@ -73,3 +73,21 @@ def test_a_rank_without_the_last_plan_makes_every_rank_plan_anew():
 
     ranks = run_ranks("tests.memory_tier_jobs:replan_one", 2, {}, timeout=120)
     assert [r["out"] for r in ranks] == [[("agreed", True, ""), ("agreed", True, "")]] * 2, ranks
+
+
+def test_files_fetched_from_other_holders_are_fetched_together_not_one_after_another():
+    # Two fetched files whose fetches each wait for the other: read in turn, the first would time out.
+    import threading
+
+    from checkpointing.recovery.snapshot import MemoryStorage
+
+    both = threading.Barrier(2, timeout=5.0)
+
+    def fetched(data: bytes):
+        def fetch() -> bytes:
+            both.wait()
+            return data
+        return fetch
+
+    storage = MemoryStorage({"a": fetched(b"A"), "b": fetched(b"B"), "c": b"C"})
+    assert storage.get_many(["a", "b", "c"]) == {"a": b"A", "b": b"B", "c": b"C"}

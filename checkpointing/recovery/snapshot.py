@@ -27,6 +27,7 @@ import math
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..dcp_format import CorruptCheckpointError
@@ -82,12 +83,21 @@ class MemoryStorage(Storage):
             self.objects[rel] = data
 
     def get_many(self, rels: Iterable[str]) -> dict[str, bytes | bytearray | memoryview]:
-        out = {}
+        """The objects ``rels``; callable sources (files fetched from other holders) called together, so that
+        their fetches overlap rather than follow one another."""
+        srcs = {}
         for rel in dict.fromkeys(rels):
             with self._objects_lock:
-                src = self.objects.get(rel)
-            if src is None:
+                srcs[rel] = self.objects.get(rel)
+            if srcs[rel] is None:
                 raise FileNotFoundError(rel)
+        fetch = [rel for rel, src in srcs.items() if callable(src)]
+        if len(fetch) > 1:
+            calls = [srcs[rel] for rel in fetch]
+            with ThreadPoolExecutor(min(len(fetch), 8), thread_name_prefix="etrain-memfetch") as pool:
+                srcs.update(zip(fetch, list(pool.map(lambda call: call(), calls))))
+        out = {}
+        for rel, src in srcs.items():
             data = src() if callable(src) else src
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise CorruptCheckpointError(f"the source of {rel} gave a {type(data).__name__}, not bytes")

@@ -1,7 +1,7 @@
 """The memory tier: each rank's training state in host memory, its own and copies in its peers', in the
 format durable checkpoints use, so a restore from memory reshards exactly as a restore from storage.
 
-    tier = MemoryTier(rank, world_size, replicas=1, memory_budget_bytes=8 << 30, node_ids=nodes)  # collective
+    tier = MemoryTier(rank, world_size, replicas=1, memory_budget_bytes=8 << 30, node_ids=nodes)
     res = tier.take(step, state_dict, trainer_state)     # collective; res.status "agreed", "failed" or "refused"
     fut = tier.replicate_async(res.snapshot)             # background thread, a gloo group of its own
     fut = tier.take_async(step, state_dict, trainer_state)   # or: waits for a host copy only, the rest (copies
@@ -34,11 +34,10 @@ snapshot, indexed once per layout: :class:`checkpointing.host_copy.HostCopy`).
 
 Memory: at most two own snapshots per rank (the newest restorable one and the
 one being made or copied), the copies held for peers at those steps and, with
-``take_async``, one host copy of the state.
-``memory_budget_bytes`` (0: no bound; ``checkpointing.recovery.budget`` derives
-a run's default from the host) is checked before a snapshot is taken, on every
-rank, and one refusal refuses it on all (the result's reason names the rank and
-the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
+``take_async``, one host copy of the state. ``memory_budget_bytes`` (0: no bound;
+``checkpointing.recovery.budget`` derives a run's default from the host) is checked
+before a snapshot is taken, on every rank, and one refusal refuses it on all (the
+result's reason names the rank and the bytes, ``over_budget`` has them). A step becomes restorable once agreed and, with
 replicas, once every rank holds its peers' copies of it (:meth:`replicate_async`,
 through :class:`~checkpointing.recovery.transport.PeerCopyTransport`, which ends
 with one all-reduce on the replica group: every rank's copies complete).
@@ -47,6 +46,7 @@ with one all-reduce on the replica group: every rank's copies complete).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import pickle
 import threading
@@ -65,7 +65,7 @@ from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from ..retry import describe
 from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
 from .budget import state_bytes
-from .local_copy import Arena
+from .local_copy import Arena, host_keys
 from ..transaction import group_rank_errors
 
 log = logging.getLogger("etrain")
@@ -104,7 +104,6 @@ class SnapshotResult:
 def _lower_priority(niceness: int = 10) -> None:
     """Lower this thread's scheduling priority (Linux: a thread is a task of its own), best effort."""
     import os
-
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     except (AttributeError, OSError):
@@ -112,14 +111,14 @@ def _lower_priority(niceness: int = 10) -> None:
 
 
 class MemoryTier:
-    """One rank's memory tier. Construction is collective when distributed: two gloo groups beside the
-    training group, one for snapshots and their agreement, one for the copies to peers (each used by one
-    thread at a time: :meth:`take` runs in the caller's thread once the background work ended)."""
+    """One rank's memory tier; when distributed, two gloo groups beside the training group, one for
+    snapshots and their agreement, one for copies to peers (each used by one thread at a time: :meth:`take`
+    runs in the caller's thread once the background work ended), made by the first snapshot (collective:
+    every rank takes it at the same step), so a group forming for a recovery or a resize starts training
+    without waiting for them."""
 
     def __init__(self, rank: int, world_size: int, *, replicas: int = 1, memory_budget_bytes: int = 0,
                  node_ids: list | None = None, group=None, replica_group=None, timeout_s: float = 300.0):
-        import datetime
-
         import torch.distributed as dist
 
         if replicas < 0 or memory_budget_bytes < 0:
@@ -128,15 +127,12 @@ class MemoryTier:
         self.replicas = min(replicas, world_size - 1)
         self.memory_budget_bytes = memory_budget_bytes
         self.peers = {r: replica_peers(r, world_size, self.replicas, node_ids) for r in range(world_size)}
-        distributed = world_size > 1 and dist.is_initialized()
+        self.distributed = world_size > 1 and dist.is_initialized()
+        self.replicating = self.distributed and self.replicas > 0  # a step is restorable once copied to peers
         # A rank that died mid-snapshot fails the others' agreement after timeout_s (never agreed).
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.group = group if group is not None or not distributed else dist.new_group(backend="gloo",
-                                                                                       timeout=timeout)
-        self.replica_group = None
-        if distributed and self.replicas:
-            self.replica_group = replica_group if replica_group is not None else dist.new_group(
-                backend="gloo", timeout=timeout)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = group  # made by the first snapshot (_make_groups) when None and distributed
+        self.replica_group = replica_group if self.replicating else None
         self.snapshots: dict[int, MemorySnapshot] = {}  # own, by step (agreed only)
         self.copies: dict[int, dict[int, MemorySnapshot]] = {}  # step -> source rank -> its snapshot
         self.restorable: int | None = None  # newest step every rank holds completely (own + copies)
@@ -164,6 +160,7 @@ class MemoryTier:
         background work first (bounded memory); copies to peers are :meth:`replicate_async`'s."""
         t0 = time.monotonic()
         self.wait()
+        self._make_groups()
         waited = time.monotonic() - t0
         res = self._take(step, state_dict, trainer_state)
         res.phases["wait_previous"] = waited
@@ -181,6 +178,7 @@ class MemoryTier:
         :class:`SnapshotResult` (``blocking_s``: what training waited; ``replication``)."""
         t0 = time.monotonic()
         self.wait()
+        self._make_groups()
         waited = time.monotonic() - t0
         pending = self._host.copy_async(state_dict)  # CUDA: on the side stream, overlapping the next step
         blocking = time.monotonic() - t0
@@ -190,7 +188,7 @@ class MemoryTier:
             res = self._take(step, pending.wait(), trainer_state, pending.layout)
             res.phases.update(wait_previous=waited, host_copy=blocking - waited)
             res.blocking_s = blocking
-            if res.ok and replicate and self.replica_group is not None:
+            if res.ok and replicate and self.replicating:
                 res.replication = self._replicate(res.snapshot)
             res.seconds = time.monotonic() - t0
             res.phases["background_cpu"] = time.thread_time() - cpu  # this thread's CPU, waits excluded
@@ -198,6 +196,14 @@ class MemoryTier:
 
         self._inflight = self._thread.submit(run)
         return self._inflight
+
+    def _make_groups(self) -> None:
+        """The tier's gloo groups, at its first snapshot (collective; see the class docstring)."""
+        import torch.distributed as dist
+        if self.distributed and self.group is None:
+            self.group = dist.new_group(backend="gloo", timeout=self._timeout)
+        if self.replicating and self.replica_group is None:
+            self.replica_group = dist.new_group(backend="gloo", timeout=self._timeout)
 
     @property
     def busy(self) -> bool:
@@ -269,9 +275,9 @@ class MemoryTier:
                               dict(trainer_state or {}), agreed=True)
         with self._lock:
             self.snapshots[step] = snap
-            if self.replica_group is None:
+            if not self.replicating:
                 self.restorable = step
-        if self.replica_group is None:
+        if not self.replicating:
             self._prune()
         return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases,
                               planned=not reuse)
@@ -400,7 +406,7 @@ class MemoryTier:
         """Send ``snapshot`` to this rank's peers and take theirs, in the background; every rank calls it
         with its snapshot of the same agreed step, in the same order. The future gives a
         :class:`ReplicationResult`; when every rank got all its copies the step becomes restorable."""
-        if self.replica_group is None or not snapshot.agreed:
+        if not self.replicating or not snapshot.agreed:
             fut: Future = Future()
             fut.set_result(ReplicationResult(snapshot.step, snapshot.agreed, "" if snapshot.agreed else "not agreed"))
             return fut
@@ -408,7 +414,6 @@ class MemoryTier:
         return self._inflight
 
     def _replicate(self, snapshot: MemorySnapshot) -> ReplicationResult:
-        from .local_copy import host_keys
         from .transport import PeerCopyTransport
 
         t0 = time.monotonic()
