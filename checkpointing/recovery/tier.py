@@ -52,8 +52,7 @@ import pickle
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +149,8 @@ class MemoryTier:
         self._replays: dict[str, Replay] = {}  # the files of each of those layouts, to lay out again
         self._host = HostCopy()
         self._hosts: list[str] | None = None  # every rank's host key (copies by shared memory), once known
-        self._arena = Arena()  # the memory files own snapshots are written into (.local_copy)
+        # The memory files own snapshots are written into (.local_copy); the tensor bytes of each layout seen.
+        self._arena, self._sizes = Arena(), {}
 
     # --- taking a snapshot -------------------------------------------------------------
 
@@ -219,10 +219,10 @@ class MemoryTier:
         t0 = time.monotonic()
         phases: dict[str, float] = {}
         self._prune()
-        size = state_bytes(state_dict)
+        layout = layout or layout_fingerprint(state_dict)
+        size = self._sizes.get(layout) or self._sizes.setdefault(layout, state_bytes(state_dict))
         storage = MemoryStorage(region=self._arena.take(step, size + size // 32 + (1 << 20)))
         refusal, after = self._over_budget(size) if self.memory_budget_bytes else ("", 0)
-        layout = layout or layout_fingerprint(state_dict)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         ok, why, entries = True, "", []
         if writer is not None:  # laid out by the last plan: copied now, agreed by the vote
