@@ -136,6 +136,21 @@ def test_mixtral_at_world4_ep2_under_hsdp_and_ep4_under_zero3_match_world1(mixtr
     assert_matches_world1(four, world1["zero0"])
 
 
+@pytest.mark.slow
+def test_mixtral_ep4_under_hsdp_at_world8_matches_world1(mixtral):
+    """World 8: ep 4 under HSDP (dp_replicate 2 x dp_shard 4, one expert per rank, each expert's FSDP unit
+    over the two replicas), micro-batches of one sample as world 1's (the router's loss is per micro-batch):
+    the first 5 losses within 1e-4 and the first step's expert gradients within 1e-5 of world 1's."""
+    micro = TRAIN + ["train.micro_batch=1"]
+    one = run_ranks("tests.moe_jobs:train_moe", 1, {"base": micro, "steps": STEPS, "grads": True, "layouts": [
+        ("zero0", hf(mixtral) + ["parallel.zero_stage=0"])]}, timeout=300)[0]["zero0"]
+    eight = run_ranks("tests.moe_jobs:train_moe", 8, {"base": micro, "steps": STEPS, "grads": True, "layouts": [
+        ("ep4_hsdp", hf(mixtral) + ["parallel.ep=4", "parallel.dp_replicate=2"])]}, timeout=900)
+    for rank, res in enumerate(eight):
+        assert res["ep4_hsdp"]["experts"] == {"placement": "Shard(dim=0)", "first": rank % 4, "n": 1}
+    assert_matches_world1(eight, one)
+
+
 def test_mixtral_tp_plan_leaves_its_experts_whole(mixtral):
     """Under tp a Mixtral keeps its own plan for attention, the embedding and the head, and none of transformers'
     expert TP entries (packed_colwise, moe_tp_experts): its sparse blocks run whole on every tp rank."""
