@@ -144,7 +144,9 @@ def test_a_sigkilled_driver_leaves_the_run_interrupted_and_resumable_never_runni
     assert client.get_job_status(run_id) == JobStatus.FAILED
     assert "etrain resume" in st["reason"] and store.get_status(run_id)["phase"] == "INTERRUPTED"
     event = [e for e in store.events(run_id) if e["kind"] == "interrupted"]
-    assert len(event) == 1 and event[0]["noticed_by"] == "etrain status"
+    # Marked once, by whichever noticed the lapsed lease first: this status command or the cluster's allocator
+    # (which watches every run's lease on the cluster).
+    assert len(event) == 1 and event[0]["noticed_by"] in ("etrain status", "the cluster's allocator"), event
     with capsys.disabled():
         print(f"\nSIGKILL -> INTERRUPTED noticed after {time.monotonic() - killed:.1f} s")
     code, out = cli(capsys, "resume", run_id, "--store", root, "--no-progress")
