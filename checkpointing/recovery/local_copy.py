@@ -29,9 +29,8 @@ import mmap
 import os
 import threading
 
-import numpy as np
-
 from ..dcp_format import CorruptCheckpointError
+
 
 def host_key() -> str:
     """Equal for processes that share a kernel boot and a process-id namespace ("" where unknown: never
@@ -218,4 +217,6 @@ class Arena:
 
 def _address(view: memoryview) -> int:
     """Where a (contiguous, byte) buffer's memory starts, read-only ones too."""
+    import numpy as np
+
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
