@@ -18,7 +18,7 @@ PUBLISHER = textwrap.dedent("""
     import os, sys
     from checkpointing.recovery.local_copy import publish
     shared = publish([b"head:", bytes(range(256)) * 4096, b":tail"])
-    print(os.getpid(), shared.fd, shared.size, flush=True)
+    print(os.getpid(), shared.fd, shared.capacity, flush=True)
     sys.stdin.readline()   # mapped by the test: this process ends, its memory file with it
 """)
 

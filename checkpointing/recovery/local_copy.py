@@ -2,19 +2,21 @@
 
     keys = host_keys(group, world_size)     # collective: equal keys can open each other's memory
     shared = publish(snapshot.wire_parts()) # this rank's snapshot in an anonymous memory file (memfd)
+                                            # (or: written into an Arena's Region as the snapshot is taken)
     blob = open_copy(pid, fd, size, where)  # a peer's: mapped read-only, kept alive by the mapping
     shared.close()                          # once every peer mapped it (the copies' agreement)
 
 A snapshot copied to a peer on another host travels over the tier's gloo group
 (:func:`checkpointing.recovery.peer_copy.replicate`): two copies through the kernel's sockets and
 a few milliseconds of CPU per 8 MB on each side, every snapshot. Between two processes of one host
-(the ranks of one node, the common case of a single multi-GPU machine) the sender writes its
-snapshot once into an anonymous memory file (``memfd_create``, one ``writev``) and the peer maps
+(the ranks of one node, the common case of a single multi-GPU machine) the sender's snapshot lies in an
+anonymous memory file (``memfd_create``: the :class:`Region` its files were written into) and the peer maps
 that file read-only through ``/proc/<pid>/fd/<fd>``: nothing is copied again. The pages belong to
 the file, not to the sender: when the sender dies, the peer's mapping keeps them (the point of a
 copy), and they are freed when the last mapping goes (the copy pruned), so nothing can leak past the
-processes that hold it. A peer checks what it mapped exactly as bytes received over the network
-(:meth:`MemorySnapshot.from_bytes`: framing, header checksum, every file against the agreed table).
+processes that hold it. A peer checks what it mapped as bytes received over the network are
+(:meth:`MemorySnapshot.from_bytes`: framing, header checksum, every file's size against the agreed table),
+each file's crc32c when a restore reads it (the bytes never crossed a wire).
 
 ``host_key`` is the kernel's boot id and the process-id namespace: two processes with the same key
 see the same ``/proc``. Opening may still be refused (another user, a hardened ``/proc``); then
@@ -52,38 +54,17 @@ def host_keys(group, world_size: int) -> list[str]:
     return keys
 
 
-class Shared:
-    """This rank's snapshot in an anonymous memory file, open until :meth:`close`."""
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    __del__ = close
-
-
-def publish(parts: list) -> Shared:
-    """``parts`` (bytes-like) written, in order, into a new anonymous memory file (close-on-exec)."""
-    fd = os.memfd_create("etrain-memory-snapshot", os.MFD_CLOEXEC)
+def publish(parts: list) -> Region:
+    """``parts`` (bytes-like) written, in order, into a new anonymous memory file of their size (close-on-exec):
+    a :class:`Region` without a reserve, closed by its owner once every peer mapped it."""
+    size = sum(len(memoryview(p).cast("B")) for p in parts)
+    region = Region(size, 0)
     try:
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        size = sum(len(v) for v in views)
-        os.ftruncate(fd, size)
-        while views:  # writev may write less than asked (and takes at most IOV_MAX buffers)
-            wrote = os.writev(fd, views[:512])
-            while wrote and views:
-                if wrote >= len(views[0]):
-                    wrote -= len(views.pop(0))
-                else:
-                    views[0], wrote = views[0][wrote:], 0
-        return Shared(fd, size)
+        region.put(parts)
     except BaseException:
-        os.close(fd)
+        region.close()
         raise
+    return region
 
 
 def open_copy(pid: int, fd: int, size: int, where: str, offset: int = 0) -> memoryview:

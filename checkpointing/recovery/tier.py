@@ -221,7 +221,8 @@ class MemoryTier:
         self._prune()
         layout = layout or layout_fingerprint(state_dict)
         size = self._sizes.get(layout) or self._sizes.setdefault(layout, state_bytes(state_dict))
-        storage = MemoryStorage(region=self._arena.take(step, size + size // 32 + (1 << 20)))
+        room = size + size // 32 + (1 << 20)  # the files: the tensors, their envelopes and small items
+        storage = MemoryStorage(region=self._arena.take(step, room))
         refusal, after = self._over_budget(size) if self.memory_budget_bytes else ("", 0)
         writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
         ok, why, entries = True, "", []
@@ -247,8 +248,7 @@ class MemoryTier:
             md = self._plans[layout].metadata
         else:
             t1 = time.monotonic()
-            # What a rank copied by its last plan is not this snapshot's.
-            storage = MemoryStorage(region=self._arena.take(step, size + size // 32 + (1 << 20)))
+            storage = MemoryStorage(region=self._arena.take(step, room))  # not what the last plan copied
             ok, why, entries, mine = self._plan_and_copy(writer, storage, step, state_dict, layout)
             phases["plan_and_copy"] = time.monotonic() - t1
             t2 = time.monotonic()

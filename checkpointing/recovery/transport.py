@@ -75,7 +75,7 @@ class PeerCopyTransport:
             self.arena.grow_reserve(len(wire[0]))
         shared = publish(wire)
         self._shared.append(shared)
-        return shared.fd, 0, shared.size
+        return shared.fd, 0, shared.capacity
 
     def agree(self, why: str) -> dict[int, str]:
         """After :meth:`send`, every rank's reason its copies failed, by rank ({} when all succeeded). Every
