@@ -196,7 +196,7 @@ def balance_step(model: nn.Module | list[nn.Module], rate: float, group=None, pp
     import torch.distributed as dist
 
     # The built-in layers, and a model's own sparse blocks that count their load (trainer.models.hf_moe)
-    named = [(name, m) for part in (model if isinstance(model, list) else [model])
+    named = [(name, m) for part in _parts(model)
              for name, m in part.named_modules() if isinstance(m, MoE) or hasattr(m, "etrain_counts_load")]
     stats = BalanceStats(0.0, {}, 0)
     if named:
@@ -236,6 +236,11 @@ def keep_counters(layers: list[MoE]) -> Callable[[], None]:
     return restore
 
 
+def _parts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """A model, or a rank's pipeline stages, as a list of modules."""
+    return model if isinstance(model, list) else [model]
+
+
 def layer_label(path: str) -> str:
     """A MoE layer's label in metrics: its block's index (``layers.3.feed_forward`` -> ``3``), else its path."""
     parts = path.split(".")
@@ -252,13 +257,13 @@ def update_router_bias(model: nn.Module, rate: float, group=None) -> float:
 def router_bias_state(model: nn.Module | list[nn.Module]) -> dict[str, list[float]]:
     """The routing biases that auxiliary-loss-free balancing moved, by MoE layer path (for the checkpoint's
     trainer state: a run resumes with them, at any ep); {} while all are zero. ``model``: or a rank's stages."""
-    return {name: m.expert_bias.tolist() for part in (model if isinstance(model, list) else [model])
+    return {name: m.expert_bias.tolist() for part in _parts(model)
             for name, m in part.named_modules() if isinstance(m, MoE) and bool(m.expert_bias.any())}
 
 
 @torch.no_grad()
 def load_router_bias(model: nn.Module | list[nn.Module], state: dict[str, list[float]]) -> None:
-    for part in model if isinstance(model, list) else [model]:
+    for part in _parts(model):
         for name, m in part.named_modules():
             if isinstance(m, MoE):
                 m.expert_bias.copy_(torch.tensor(state.get(name, [0.0] * m.n_experts), dtype=m.expert_bias.dtype))

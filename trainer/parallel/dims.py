@@ -16,7 +16,7 @@ Context parallelism (``cp``, :mod:`trainer.parallel.context`) multiplies into th
 samples), but the cp ranks hold the same parameters, so ZeRO shards over ``dp_shard x cp``
 (:attr:`Mesh.DP_SHARD_CP`) and gradients and the loss are averaged over ``dp x cp`` (:attr:`Mesh.DP_CP`).
 Expert parallelism (``ep``, :mod:`trainer.parallel.expert`) is carved from ``dp_shard`` (it must divide
-it, at every size the run takes) and adds no ranks: groups of ``ep`` consecutive data-parallel ranks split
+it, at every size the run takes) and adds no ranks: groups of ``ep`` data-parallel ranks along ``dp_shard`` split
 the experts of a Mixture of Experts; gradients and the loss are still averaged over ``dp``. With
 ``parallel.ep = 0`` each size takes its own ep (:meth:`ParallelDims.expert_degree`), so a resize may change it.
 

@@ -142,9 +142,9 @@ class ModelParts:
         """Pipelined Mixture of Experts: the aux losses this rank's stages trained in the last step (each
         micro-batch's scaled as its loss is; trainer.models.moe.AuxLossToBackward; 0 without MoE layers), the
         counters cleared; None for a dense model."""
-        layers = [m for module in self.modules for m in moe_layers(module)]
         if not self.moe_model:
             return None
+        layers = [m for module in self.modules for m in moe_layers(module)]
         total = sum((torch.as_tensor(m.aux_trained, dtype=torch.float32) for m in layers), torch.zeros(()))
         for m in layers:
             m.aux_trained = 0.0
