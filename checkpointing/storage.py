@@ -9,12 +9,15 @@
 Paths are ``str`` relative to the root URL, never ``Path`` (which mangles
 ``s3://``), and confined to it: a key with a ``..`` or ``.`` segment, an
 absolute path, a backslash or a control character is refused
-(:class:`UnsafePathError`) before any request. Objects are written in place; there are no renames (object stores
+(:class:`UnsafePathError`) before any request. A reader sees an object whole or
+not at all, as S3 gives it: on a local disk it is written beside its name
+(``.etrain-partial-*``, never listed) and renamed into place, or linked there
+for an ``exclusive`` write. Objects are otherwise never renamed (object stores
 copy and delete), so a reader must never trust an object that a manifest does
-not list. ``exclusive`` writes never replace an object: ``O_EXCL`` on local
-disks, a conditional put (``If-None-Match: *``, on single and multipart
-uploads) on S3, and a check before the write on other fsspec backends (not
-atomic there). On S3 big objects go up as multipart uploads with several parts in
+not list. ``exclusive`` writes never replace an object: a hard link (which
+fails if the name exists) on local disks, a conditional put (``If-None-Match:
+*``, on single and multipart uploads) on S3, and a check before the write on
+other fsspec backends (not atomic there). On S3 big objects go up as multipart uploads with several parts in
 flight, each part retried on its own; a failed upload is aborted so no
 orphaned parts are billed. Credentials come only from the standard chains
 (environment, config files, instance metadata) through fsspec and botocore;
@@ -32,6 +35,7 @@ import os
 import posixpath
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +56,8 @@ MiB = 1 << 20
 _SLICE = 4 * MiB
 
 Buffer = bytes | bytearray | memoryview
+# A local object being written, beside its final name; never listed.
+PARTIAL_PREFIX = ".etrain-partial-"
 
 
 class _Body:
@@ -240,9 +246,14 @@ class Storage:
                 return crc
             c = Checksum() if checksum else None
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fh = open(path, "xb" if exclusive else "wb")
+            if exclusive and os.path.lexists(path):
+                raise FileExistsError(rel)
+            # Written beside its name and moved into place, so that a reader never sees
+            # it half written (a lock generation rewritten while another process reads it).
+            head, name = os.path.split(path)
+            tmp = os.path.join(head, f"{PARTIAL_PREFIX}{name}.{uuid.uuid4().hex[:8]}")
             try:
-                with fh:
+                with open(tmp, "xb") as fh:
                     for piece in body.slices():
                         if c is not None:
                             c.update(piece)
@@ -253,14 +264,17 @@ class Storage:
                     # manifest can claim it (a PUT that returned already is).
                     fh.flush()
                     os.fsync(fh.fileno())
-            except BaseException:
-                # This attempt created the file: a partial one (ENOSPC, an I/O error) goes,
-                # so it neither fills the disk nor blocks the exclusive create of a retry.
+                if exclusive:
+                    os.link(tmp, path)  # FileExistsError if another writer got there first
+                else:
+                    os.replace(tmp, path)
+            finally:
+                # A partial file (ENOSPC, an I/O error) goes, so it does not fill the disk;
+                # after a link the name holds the bytes and the second name goes too.
                 try:
-                    os.remove(path)
+                    os.remove(tmp)
                 except OSError:
                     pass
-                raise
             return c.hexdigest() if c is not None else None
 
         return self.retry.call(attempt, what=f"writing {rel}")
@@ -420,7 +434,7 @@ class Storage:
             out = {}
             for e in entries:
                 name = posixpath.basename(e["name"].rstrip("/"))
-                if not name or e["name"].rstrip("/") == path.rstrip("/"):
+                if not name or e["name"].rstrip("/") == path.rstrip("/") or name.startswith(PARTIAL_PREFIX):
                     continue
                 out[name] = None if e["type"] == "directory" else int(e.get("size") or 0)
             return out

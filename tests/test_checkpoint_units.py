@@ -110,6 +110,31 @@ def test_storage_round_trip(storage_url):
     assert s.list_dir("never/was") == {}
 
 
+def test_a_rewritten_local_object_is_read_whole_or_not_at_all(tmp_path):
+    """The writer lock's holder rewrites its generation while other processes read it: a reader in
+    another process must see one whole version, never an empty or half-written file."""
+    import subprocess
+    import sys
+    s = Storage(f"file://{tmp_path}/r")
+    versions = [bytes([65 + i]) * (256 * 1024) for i in range(4)]
+    s.put("LOCK/000000000001.json", versions[0], exclusive=True)
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from checkpointing.storage import Storage\n"
+        f"s = Storage('file://{tmp_path}/r'); bad = 0; end = time.monotonic() + 3\n"
+        "while time.monotonic() < end:\n"
+        "    b = s.get('LOCK/000000000001.json'); bad += len(b) != 256 * 1024 or len(set(b)) != 1\n"
+        "    assert set(s.list_dir('LOCK')) == {'000000000001.json'}, s.list_dir('LOCK')\n"
+        "print(bad)\n")], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    i = 0
+    while reader.poll() is None:
+        i += 1
+        s.put("LOCK/000000000001.json", versions[i % 4])
+    out, _ = reader.communicate()
+    assert reader.returncode == 0 and out.strip() == "0", out
+    assert i > 50 and os.listdir(tmp_path / "r" / "LOCK") == ["000000000001.json"]
+
+
 def test_storage_retries_injected_faults(storage_url):
     faults = StorageFaults(error_rate=0.4, delay_s=0.01, seed=3)
     s = Storage(storage_url, part_size=5 * MiB, faults=faults,
