@@ -370,15 +370,19 @@ class Failed(Terminal):
 
 def check_training(c: Controller) -> State | None:
     """React to train calls that returned: done, stopped, failed, or a dead worker."""
-    done = c.group.wait(list(c.train_calls.values()), timeout=c.opts.poll_s)
+    calls = list(c.train_calls.values())
+    t0 = c.clock()
+    # Whichever call returns first is looked at at once: a dead worker is noticed without waiting out the poll.
+    done = c.group.wait(calls, timeout=c.opts.poll_s, first=True)
     if not done:
         return None
-    results, lost = {}, []
-    for call in done:
-        try:
-            results[call.wid] = c.group.result(call)
-        except WorkerLost as e:
-            lost.append((call.wid, str(e)))
+    results, lost = _train_results(c, done)
+    if not lost and all(r.kind == "collective_failed" for r in results.values() if r.failed) and \
+            len(done) < len(calls):
+        # A rank that finished (or stopped) first, or one whose collective failed (an echo: the cause, a
+        # dead or failing peer, comes next): the others are waited for, not spun on.
+        done = c.group.wait(calls, timeout=max(0.0, c.opts.poll_s - (c.clock() - t0)))
+        results, lost = _train_results(c, done)
     if lost:
         # Name ranks, not worker ids: a replacement gets a new id, and the crash-loop rule compares messages.
         ranks = ",".join(str(c.members.index(w)) for w, _ in lost if w in c.members)
@@ -397,6 +401,17 @@ def check_training(c: Controller) -> State | None:
         c.reached(max(r.step for r in results.values()))
         return Finishing("all steps done")
     return None  # "stopped" results are collected by stop_at_boundary
+
+
+def _train_results(c: Controller, done: list) -> tuple[dict, list]:
+    """The returned train calls' results by worker, and the workers lost (with why)."""
+    results, lost = {}, []
+    for call in done:
+        try:
+            results[call.wid] = c.group.result(call)
+        except WorkerLost as e:
+            lost.append((call.wid, str(e)))
+    return results, lost
 
 
 def check_durability(c: Controller) -> State | None:

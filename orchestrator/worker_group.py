@@ -111,8 +111,9 @@ class WorkerGroup(Protocol):
         """Call ``method(*args)`` on the worker; WorkerLost if it is gone already."""
         ...
 
-    def wait(self, calls: list[Call], timeout: float) -> list[Call]:
-        """Those of ``calls`` that have returned, waiting up to ``timeout`` for all of them."""
+    def wait(self, calls: list[Call], timeout: float, *, first: bool = False) -> list[Call]:
+        """Those of ``calls`` that have returned, waiting up to ``timeout`` for all of them (``first``: for
+        any one of them; then every other that has returned by then comes too)."""
         ...
 
     def result(self, call: Call, timeout: float | None = None) -> Any:
@@ -281,13 +282,15 @@ class RayWorkerGroup(WorkerGroup):
             raise WorkerLost(f"worker {wid} is gone")
         return Call(wid, method, getattr(self.workers[wid].actor, method).remote(*args))
 
-    def wait(self, calls: list[Call], timeout: float) -> list[Call]:
+    def wait(self, calls: list[Call], timeout: float, *, first: bool = False) -> list[Call]:
         import ray
 
         if not calls:
             return []
         by_ref = {c.ref: c for c in calls}
-        done, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout)
+        done, _ = ray.wait(list(by_ref), num_returns=1 if first else len(by_ref), timeout=timeout)
+        if first and done and len(by_ref) > 1:
+            done, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
         return [by_ref[r] for r in done]
 
     def result(self, call: Call, timeout: float | None = None) -> Any:

@@ -263,8 +263,9 @@ class FakeGroup(WorkerGroup):
             self._execute(w, call, method, args)
         return call
 
-    def wait(self, calls: list[Call], timeout: float) -> list[Call]:
-        """One training step for every epoch whose ranks are all in train, then the calls that are done."""
+    def wait(self, calls: list[Call], timeout: float, *, first: bool = False) -> list[Call]:
+        """One training step for every epoch whose ranks are all in train, then the calls that are done
+        (the clock moves by ``timeout`` unless all are, or, with ``first``, any is)."""
         if self.wait_budget is not None:
             self.wait_budget -= 1
             if self.wait_budget < 0:
@@ -273,7 +274,7 @@ class FakeGroup(WorkerGroup):
             return []
         self._advance()
         done = [c for c in calls if c.ref.done]
-        if len(done) < len(calls):
+        if len(done) < len(calls) and not (first and done):
             self.clock.advance(timeout)
         return done
 
