@@ -192,3 +192,44 @@ def ac_probe(payload: dict) -> dict:
         return out
     finally:
         shutdown_distributed()
+
+
+def deferred_draw(payload: dict) -> dict:
+    """Per layout, a Trainer that drew its weights at build against one that left them undrawn
+    (``draw_weights=False``) and drew them at its first step: whether the undrawn one's weights were zero
+    until then, the largest difference of this rank's weights after ``initial_weights`` (optimizer view and
+    module parameters), and both trainers' losses over ``payload["steps"]`` steps."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().float().clone()
+
+    def weights(tr):
+        return ({k: local(t) for k, t in tr.optimizer.checkpoint_state()["model"].items()},
+                {k: local(p) for m in tr.parts.modules for k, p in m.named_parameters()})
+
+    def diff(a, b):
+        assert a.keys() == b.keys()
+        return max(float((a[k] - b[k]).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+    with metered_world() as (world, _):
+        corpus = load_corpus(load_config(None, payload["base"]).data)
+        out = {}
+        for name, overrides in payload["layouts"]:
+            cfg = load_config(None, payload["base"] + overrides)
+            got = {}
+            for draw in (True, False):
+                forget_meshes()
+                tr = Trainer(cfg, world, corpus=corpus, device=CPU, draw_weights=draw)
+                if not draw:
+                    state, params = weights(tr)
+                    got["zero_before"] = all(not t.any() for t in (*state.values(), *params.values()))
+                    tr.initial_weights()
+                got[draw] = weights(tr)
+                got[f"losses_{draw}"] = [tr.train_step().loss for _ in range(payload["steps"])]
+                del tr
+                gc.collect()
+            out[name] = {"zero_before": got["zero_before"], "state_diff": diff(got[True][0], got[False][0]),
+                         "param_diff": diff(got[True][1], got[False][1]),
+                         "losses": (got["losses_True"], got["losses_False"])}
+        return out

@@ -43,6 +43,7 @@ from . import memory
 from .config import RunConfig
 from .data import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
+from .models.decoder import fill_local
 from .models.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World
@@ -126,7 +127,9 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, world: World, *, corpus: Corpus | None = None,
-                 val_corpus: Corpus | None = None, device: torch.device | None = None):
+                 val_corpus: Corpus | None = None, device: torch.device | None = None, draw_weights: bool = True):
+        """``draw_weights=False``: the initial weights are drawn only if no checkpoint is loaded before their
+        first use (:meth:`initial_weights`): a group re-formed to restore draws no model only to load over it."""
         self.cfg = cfg
         self.world = world
         self.dims = ParallelDims.from_config(cfg, world.size)
@@ -145,7 +148,7 @@ class Trainer:
             val_corpus, cfg.data.seq_len, cfg.train.seed, cfg.train.global_batch, self.dp_rank, self.dims.dp)
         self.last_eval: tuple[int, float] | None = None  # (step, held-out loss) of the newest evaluation
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.parts = build_model_parts(cfg, self.dims, self.mesh, world.rank, self.device)
+        self.parts = build_model_parts(cfg, self.dims, self.mesh, world.rank, self.device, draw=draw_weights)
         self.optimizer = build_optimizer(self.parts, cfg, self.dims, self.mesh, world.rank)
         self.mixed = resolve_precision(cfg.parallel, self.device) != torch.float32
         self.step = 0
@@ -153,8 +156,9 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.memory_measured: dict[str, int] | None = None
         self.parts.train()
-        # model.init_from is loaded before the first step, unless a checkpoint was loaded (a resume).
+        # The initial weights (undrawn ones, then model.init_from) at first use, unless a checkpoint was loaded.
         self.weights_from: str | None = None
+        self._draw_pending = self.parts.undrawn is not None
         self._init_from_pending = bool(cfg.model.init_from)
         self.pp_router_bias: dict = {}  # pipelined MoE: every stage's routing biases (balance_step gathers them)
 
@@ -175,13 +179,29 @@ class Trainer:
     def load_train_state(self, state: dict) -> None:
         self.step = int(state["step"])
         self.samples_consumed = int(state["samples_consumed"])
-        self._init_from_pending = False  # the checkpoint's weights, never model.init_from over them
+        # The checkpoint's weights, never drawn ones or model.init_from over them.
+        self._draw_pending = self._init_from_pending = False
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
         if self.cfg.model.is_moe:
             load_router_bias(self.parts.modules, state.get("router_bias") or {})
             self.pp_router_bias = state.get("router_bias") or {}
 
-    def apply_init_from(self) -> None:
+    @torch.no_grad()
+    def initial_weights(self) -> None:
+        """The weights a run starts from (unless a checkpoint was loaded), once, before their first use: those
+        the build left undrawn, drawn into the optimizer's weights as a checkpoint's are loaded (each rounded
+        through its parameter's dtype: ZeRO 0-2 made their fp32 masters from the cast parameters), then
+        ``model.init_from`` over them. Collective under ZeRO 0-2 (``after_load``)."""
+        if self._draw_pending:
+            self._draw_pending = False
+            dtypes = {fqn: p.dtype for m in self.parts.modules for fqn, p in m.named_parameters()}
+            for fqn, t in self.optimizer.checkpoint_state()["model"].items():
+                if (full := self.parts.undrawn(fqn, tuple(t.shape))) is not None:
+                    fill_local(t, full.to(dtypes.get(fqn, full.dtype)))
+            self.optimizer.after_load()
+        self._apply_init_from()
+
+    def _apply_init_from(self) -> None:
         """Load ``model.init_from`` into this layout (collective-free, once, before anything uses the
         weights): optimizer state starts fresh; the manifest's trainer_state records weights_from."""
         if not self._init_from_pending:
@@ -204,7 +224,7 @@ class Trainer:
 
     def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
         """Checkpoint the current step (collective). Blocks only for staging when the manager is async."""
-        self.apply_init_from()
+        self.initial_weights()
         return manager.save(self.step, self.optimizer.checkpoint_state(), layout=self.layout(),
                             config_hash=self.cfg.config_hash(), trainer_state=self.train_state(),
                             config=self.cfg.to_dict())
@@ -263,7 +283,7 @@ class Trainer:
         step's own all-reduce, so every rank learns the outcome at the same step boundary.
         A callable is asked at the all-reduce, after the backward pass: a stop requested
         while the step computes still ends this step, not the next one."""
-        self.apply_init_from()
+        self.initial_weights()
         cfg, t0 = self.cfg, time.monotonic()
         lr = lr_at(cfg, self.step)
         positions = self.batcher.local_positions(self.samples_consumed)
@@ -374,7 +394,7 @@ class Trainer:
 
         The same batches at every evaluation and every world size: positions ``[0, batches x global_batch)``
         of the split's own sample order, each data-parallel rank taking its share as in training."""
-        self.apply_init_from()
+        self.initial_weights()
         cfg, vb = self.cfg, self.val_batcher
         n_batches = cfg.eval.batches
         loss_sum, aux_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)

@@ -140,7 +140,7 @@ class UserModelSpec(ModelSpec):
         apply_block_ac(stage.blocks, mode, every_k)
 
     @torch.no_grad()
-    def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
+    def materialize(self, stage: Stage, device: str | torch.device, seed: int, draw: bool = True) -> None:
         """Allocate a stage built with its parameters on meta (and parallelized: only this rank's shards)
         on ``device``, zero-filled until its weights are loaded; its buffers keep their values. A stage
         built whole on the host (its weights drawn already) is left as it is."""

@@ -20,7 +20,7 @@ from torch import nn
 
 
 from ..config import ParallelConfig, RunConfig
-from .decoder import Transformer, cut_stage
+from .decoder import Transformer, cut_stage, initial_weight
 from .llama_names import LlamaNames
 from .mixtral_names import MixtralNames
 from .moe import MoE, moe_layers
@@ -107,9 +107,20 @@ class DecoderSpec(ModelSpec):
             elif mode == "every_k":
                 block.checkpoint_activations = int(name) % every_k == 0
 
-    def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
+    def materialize(self, stage: Stage, device: str | torch.device, seed: int, draw: bool = True) -> None:
         stage.module.to_empty(device=device)
-        stage.module.init_weights(seed)
+        if draw:
+            stage.module.init_weights(seed)
+            return
+        from torch.distributed.tensor import DTensor
+
+        stage.module.init_buffers()
+        with torch.no_grad():
+            for p in stage.module.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).zero_()
+
+    def initial_weight(self, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        return initial_weight(self.mcfg, fqn, shape, seed)
 
     def cast(self, module: nn.Module, dtype: torch.dtype) -> None:
         module.to(dtype)

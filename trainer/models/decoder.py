@@ -154,34 +154,46 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter from a generator seeded by (seed, FQN), so that every layout, pipeline
-        stage and world size starts identical.
+        """Fill every parameter from a generator seeded by (seed, FQN) (:func:`initial_weight`), so that every
+        layout, pipeline stage and world size starts identical, and set the buffers (:meth:`init_buffers`).
 
         Parameters may be plain tensors or, once parallelized (TP, FSDP), DTensors: each whole tensor
         is drawn on the host, one at a time, and this rank keeps its own block of it (:func:`fill_local`).
         """
-        self.rope = rope_table(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope.device)
-        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        self.init_buffers()
         for fqn, p in self.named_parameters():
-            g = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
-            t = torch.empty(p.shape, dtype=torch.float32)
-            leaf = fqn.rsplit(".", 2)
-            if fqn.endswith("norm.weight"):
-                t.fill_(1.0)
-            elif fqn == "tok_embeddings.weight":
-                nn.init.normal_(t, std=1.0, generator=g)
-            elif fqn == "output.weight":
-                std = self.cfg.dim**-0.5
-                nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
-            elif leaf[-2] in ("wo", "w2") or fqn.endswith("experts.w2"):
-                nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
-            else:
-                nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
-            fill_local(p, t)
+            fill_local(p, initial_weight(self.cfg, fqn, tuple(p.shape), seed))
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The buffers, which no checkpoint holds: the rotary table, and the MoE layers' routing biases and
+        counts at zero (a checkpoint's biases come with its trainer state)."""
+        self.rope = rope_table(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
                 m.tokens_per_expert.zero_()
+
+
+def initial_weight(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole fp32 initial value of parameter ``fqn``, drawn on the host from a generator seeded by (seed,
+    FQN): the same in every layout, and whether drawn at build or later (``Trainer.initial_weights``)."""
+    g = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
+    t = torch.empty(shape, dtype=torch.float32)
+    leaf = fqn.rsplit(".", 2)
+    out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+    if fqn.endswith("norm.weight"):
+        t.fill_(1.0)
+    elif fqn == "tok_embeddings.weight":
+        nn.init.normal_(t, std=1.0, generator=g)
+    elif fqn == "output.weight":
+        std = cfg.dim**-0.5
+        nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+    elif leaf[-2] in ("wo", "w2") or fqn.endswith("experts.w2"):
+        nn.init.trunc_normal_(t, std=out_std, a=-3 * out_std, b=3 * out_std, generator=g)
+    else:
+        nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
+    return t
 
 
 def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:

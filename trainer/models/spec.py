@@ -157,8 +157,15 @@ class ModelSpec(ABC):
         """Activation checkpointing of the stage's blocks ("full", "every_k" or "selective")."""
 
     @abstractmethod
-    def materialize(self, stage: Stage, device: str | torch.device, seed: int) -> None:
-        """Allocate what is still on the meta device (this rank's shards only) on ``device``, and fill it."""
+    def materialize(self, stage: Stage, device: str | torch.device, seed: int, draw: bool = True) -> None:
+        """Allocate what is still on the meta device (this rank's shards only) on ``device``, and fill it.
+        ``draw=False``: the weights this model would draw stay zero, for a checkpoint's to be loaded over
+        them (a group that re-forms to restore), or for :meth:`initial_weight` to draw them later."""
+
+    def initial_weight(self, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor | None:
+        """The whole initial value of parameter ``fqn`` that ``materialize(draw=False)`` left undrawn; None
+        where this model draws nothing (its weights come from ``model.init_from``, or were built whole)."""
+        return None
 
     @abstractmethod
     def cast(self, module: nn.Module, dtype: torch.dtype) -> None:

@@ -37,6 +37,7 @@ fill its own shards.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ class ModelParts:
     # Expert parallelism under ZeRO 0-2: the experts' own FSDP units (their optimizer is FSDP's,
     # trainer.zero.hybrid; the other parameters are the ZeRO stage's). Empty otherwise.
     expert_units: list[nn.Module] = field(default_factory=list)
+    # Built without drawing the initial weights (build_model_parts(draw=False)): a parameter's whole initial
+    # value by (FQN, shape), None where the model draws none. None: everything was drawn.
+    undrawn: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -171,7 +175,7 @@ def check_device_features(pcfg, device: torch.device) -> None:
 
 
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,
-                      device: torch.device) -> ModelParts:
+                      device: torch.device, *, draw: bool = True) -> ModelParts:
     """Build, parallelize and initialise this rank's part of the model, in the order of the module docstring.
 
     No rank ever holds more of a stage than its own shards plus one whole tensor being drawn (the built-in
@@ -179,6 +183,8 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     brings, unless ``model.init_from`` fills it: then its parameters are built on the meta device). ZeRO 0-2
     shard in the optimizer (:mod:`trainer.zero`), not here; they read each gradient as its parameter's
     local shard, so TP gradients are brought to their parameters' placements (FSDP2 does that itself).
+    ``draw=False``: the initial weights are not drawn (a checkpoint's are about to be loaded over them);
+    ``ModelParts.undrawn`` draws them if none is (``Trainer.initial_weights``).
     """
     spec = spec_for(cfg.model)
     p = cfg.parallel
@@ -206,7 +212,7 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
         if use_fsdp:
             shard_blocks(model, stage.blocks, dims.fsdp_mesh(mesh), p, device, pipelined=dims.pp > 1)
         # FSDP's CPU offload keeps the sharded parameters in host memory.
-        spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed)
+        spec.materialize(stage, "cpu" if use_fsdp and p.offload == "cpu" else device, cfg.train.seed, draw=draw)
         if not use_fsdp:
             if dtype != torch.float32:
                 spec.cast(model, dtype)
@@ -224,4 +230,5 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
             layer.aux_scale = 1.0 / pipeline.n_microbatches
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
                       loss_fn=spec.loss_fn(), aux_fn=spec.aux_loss_fn(), local_params=local,
-                      draws_random=spec.draws_random, cp=cp, expert_units=expert_units, moe_model=cfg.model.is_moe)
+                      draws_random=spec.draws_random, cp=cp, expert_units=expert_units, moe_model=cfg.model.is_moe,
+                      undrawn=None if draw else functools.partial(spec.initial_weight, seed=cfg.train.seed))
