@@ -51,6 +51,7 @@ def worker(args) -> None:
 
     from checkpointing.recovery.tier import MemoryTier
     from trainer.config_load import load_config
+    from trainer.heap import freeze_boot_heap
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -62,6 +63,7 @@ def worker(args) -> None:
     cfg = load_config("examples/tiny.toml", [f'model.preset="{args.preset}"', "data.max_bytes=2000000",
                                              "train.global_batch=12", "train.micro_batch=1", f"train.steps={10**6}",
                                              "metrics.enabled=false"])
+    freeze_boot_heap()  # as a TrainWorker does once booted (trainer.heap)
     trainer = Trainer(cfg, world, device=torch.device("cpu"))
     tier = MemoryTier(world.rank, world.size, replicas=1)
     agreed = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from trainer.config import RunConfig
+from trainer.heap import freeze_boot_heap
 
 from .auth import job_env
 from .autoscale import AutoscaleObserver, DemandBoard
@@ -50,6 +51,7 @@ class ControllerActor:
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config), AutoscaleObserver(DemandBoard())]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,
                               drains=DrainWatch(source=ray_draining_nodes))
+        freeze_boot_heap()  # no 150 ms garbage collection while it notices a failure
 
     def run(self) -> dict:
         try:

@@ -37,6 +37,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
 from .config_load import load_config
+from .heap import freeze_boot_heap
 
 if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
     from .loop import StepStats
@@ -315,6 +316,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     metrics = None
     trackers = Trackers([])
     try:
+        freeze_boot_heap()  # a full garbage collection in a step: under 1 ms, not 150 (trainer.heap)
         trainer = Trainer(cfg, world, corpus=corpus, val_corpus=val_corpus, device=device)
         meter.name_axes(trainer.mesh)
         metrics = start_metrics(cfg, world)
