@@ -7,8 +7,8 @@ checkpointing every 10 steps and with the memory tier on (the default:
 a snapshot after every step, one copy in a peer's memory), twice: with one
 warm standby worker (``elastic.standby = 1``: the standby takes the dead
 worker's place) and with none (the survivors go on smaller at once and the
-group grows back when the replacement is up). Every few steps one worker
-process is SIGKILLed; the figure is the time from the kill to the first step
+group grows back when the replacement is up). Every few steps (once the
+standby is up, with one) one worker process is SIGKILLed; the figure is the time from the kill to the first step
 completed after the recovery (``mttr_s`` with the standby,
 ``mttr_no_standby_s`` without; medians over kills), the steps redone
 (``steps_lost``, with ``steps_lost_median`` and ``steps_lost_max`` over every
@@ -98,8 +98,10 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
     mttr, lost, committed_lost, tiers = [], [], 0, []
     for k in range(kills):
         target = every * (k + 1) + 3
-        s = run.wait(lambda x: x["phase"] == Phase.RUNNING and x["step"] >= target and x["world_size"] == workers,
-                     what=f"step {target} on {workers} workers")
+        # With a standby, a kill waits for it to be up: mttr_s is the recovery with one (a kill before the
+        # replacement of the last one booted would measure the recovery without).
+        s = run.wait(lambda x: x["phase"] == Phase.RUNNING and x["step"] >= target and x["world_size"] == workers
+                     and x["standby_ready"] >= standby, what=f"step {target} on {workers} workers")
         committed = s["latest_checkpoint"]
         victim = run.events("formed")[-1]["pids"][-1]
         t_kill = time.time()
