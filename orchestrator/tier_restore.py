@@ -18,8 +18,9 @@ were never in it (:class:`RayFetchTransport`); the copies to peers while trainin
 group of their own (``PeerCopyTransport``): two implementations of one interface,
 :class:`checkpointing.recovery.transport.SnapshotTransport`.
 
-Every rank agrees before loading (an all-reduce), and DCP raises a failed read on
-every rank, so the whole group falls back to the durable checkpoint together.
+Each rank loads its part alone (DCP's load plans are not exchanged: the global load plan is
+every rank's own), then every rank agrees on the outcome (one small all-reduce), so a read
+that failed on any rank sends the whole group to the durable checkpoint together.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def restore_from_memory(worker, plan: MemoryRestore) -> tuple[str, dict]:
                    for name in plan.where if name != METADATA_NAME}
     except Exception as e:
         reason = f"rank {tr.world.rank}: {describe(e)}"
+    if not reason:
+        try:  # each rank reads alone (no exchange of DCP's load plans); the ranks agree on the outcome after
+            load_from_memory(tr.optimizer.checkpoint_state(), sources, snap, collective=False)
+        except Exception as e:
+            reason = f"rank {tr.world.rank}: {describe(e)}"
     if not everyone(not reason, device=tr.device)[0]:
-        return reason or "another rank could not prepare the restore from memory", {}
-    try:
-        load_from_memory(tr.optimizer.checkpoint_state(), sources, snap)
-    except Exception as e:  # DCP raises a read that failed on any rank on every rank
-        return describe(e), {}
+        return reason or "another rank could not read the snapshot from memory", {}
     try:
         tr.optimizer.after_load()
         tr.load_train_state(state)

@@ -171,9 +171,10 @@ def hostile_copy(payload: dict) -> dict:
 
 
 def bad_trainer_state(payload: dict) -> dict:
-    """One rank restores from its own memory snapshot through ``TrainWorker.restore``'s path
+    """Each rank restores from its own memory snapshot through ``TrainWorker.restore``'s path
     (``orchestrator.tier_restore.restore_from_memory``) after the snapshot's trainer state was replaced
-    by ``payload["trainer_state"]``: the reason it gave (""=restored) and the trainer's step and cursor."""
+    by ``payload["trainer_state"]`` (if given), and rank ``payload["flip_rank"]``'s own files had a byte
+    flipped (if given): the reason it gave (""=restored) and the trainer's step and cursor."""
     from types import SimpleNamespace
 
     from checkpointing.recovery.held import HeldView
@@ -188,7 +189,18 @@ def bad_trainer_state(payload: dict) -> dict:
         trainer.train_step()
         res = tier.take(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
         assert res.ok, res.reason
-        res.snapshot.trainer_state = payload["trainer_state"]
+        res.snapshot.trainer_state = payload.get("trainer_state", res.snapshot.trainer_state)
+        if "flip_rank" in payload:  # every rank holds every file (a replica of each other's), one rank's own bad
+            import torch.distributed as dist
+
+            every = [None] * world.size
+            dist.all_gather_object(every, {n: bytes(b) for n, b in res.snapshot.files.items()})
+            own = set(res.snapshot.files)
+            res.snapshot.files = {n: b for files in every for n, b in files.items()}
+            for name in own if world.rank == payload["flip_rank"] else ():
+                bad = bytearray(res.snapshot.files[name])
+                bad[len(bad) // 2] ^= 0xFF
+                res.snapshot.files[name] = bytes(bad)
         key = SnapshotKey(res.snapshot.step, 0)
         worker = SimpleNamespace(trainer=_trainer(payload, world),
                                  memory_view=lambda: HeldView({key: (res.snapshot, {})}))

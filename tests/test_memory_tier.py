@@ -298,3 +298,15 @@ def test_a_bad_trainer_state_falls_back_before_anything_is_loaded(trainer_state,
                      {"base": BASE, "run_id": "bad-state", "trainer_state": trainer_state}, timeout=120)
     assert why in r["reason"] and r["state"] == {}, r
     assert (r["step"], r["samples_consumed"]) == (0, 0)  # nothing applied: the durable checkpoint loads next
+
+
+def test_a_read_that_fails_on_one_rank_sends_every_rank_to_the_durable_checkpoint():
+    """Each rank reads its part of a snapshot alone (no exchange of DCP's load plans); one rank's corrupt
+    file must still fail the restore on every rank, together, without a hang."""
+    ranks = run_ranks("tests.memory_tier_jobs:bad_trainer_state", 2, {"base": BASE, "run_id": "bad-read",
+                                                                       "flip_rank": 1}, timeout=120)
+    assert "rank 1" in ranks[1]["reason"] and "crc32c" in ranks[1]["reason"].lower(), ranks[1]
+    assert ranks[0]["reason"] == "another rank could not read the snapshot from memory", ranks[0]
+    assert all(r["state"] == {} for r in ranks)
+    # nothing applied: the durable checkpoint loads next
+    assert [(r["step"], r["samples_consumed"]) for r in ranks] == [(0, 0), (0, 0)]

@@ -82,14 +82,18 @@ def _key(k) -> SnapshotKey | int:
 
 
 def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], snapshot: MemorySnapshot, *,
-                     process_group=None) -> None:
+                     process_group=None, collective: bool = True) -> None:
     """Load step ``snapshot.step`` into ``state_dict`` in place, resharded to its layout, from ``sources``
     (file name -> bytes, or a callable that fetches them: this rank's own files, the copies it holds, files
     of another holder). Collective. ``snapshot`` (any rank's of that step, its files may be left out)
     gives the agreed table and the DCP metadata: every file is checked against the table before use, and
     the metadata is read with the restricted unpickler. Goes through the durable reader and planner
     (:class:`checkpointing.dcp_read.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
-    load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad."""
+    load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad.
+
+    ``collective=False``: each rank reads its part alone, without DCP's exchange of load plans (two
+    object collectives, each rank's plan pickled: DCP's global load plan is every rank's own, unchanged),
+    and a failed read raises on that rank only: the caller agrees on the outcome."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -106,7 +110,7 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     reader.read_metadata()  # checked here (the restricted unpickler), before DCP sees it
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
-                 no_dist=not dist.is_initialized())
+                 no_dist=not (collective and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         cause = load_failure(e)
         if isinstance(cause, CorruptCheckpointError):
