@@ -313,7 +313,7 @@ class Controller(Membership):
         out = {}
         lost, raised = [], []
         while pending and self.clock() < deadline:
-            for call in self.group.wait(pending, timeout=min(1.0, max(0.0, deadline - self.clock())), first=True):
+            for call in self.group.wait(pending, timeout=min(1.0, max(0.0, deadline - self.clock()))):
                 pending.remove(call)
                 try:
                     out[call.wid] = self.group.result(call)

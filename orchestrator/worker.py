@@ -339,6 +339,7 @@ class TrainWorker:
                     "reason": self.tier_note or "the memory tier is off on some rank"}
         ok, reason, refused = held, "", None
         if not held:
+            tr.initial_weights()  # a group that has not stepped yet: its weights drawn (or init_from) first
             res = tier.take(tr.step, tr.optimizer.checkpoint_state(), tr.train_state())
             ok, reason = res.ok, res.reason
             refused = self._tier_refused(res, "refused") if res.status == "refused" else None

@@ -187,3 +187,57 @@ def test_resize_2_3_2_from_memory_is_bitwise_the_resize_through_storage(cluster,
     assert [r["step"] for r in memory] == [0, 6, 12] == [r["step"] for r in stored]
     assert_bitwise_equal(state_at(root, "through-memory", 18, tmp_path),
                          state_at(root, "through-storage", 18, tmp_path))
+
+
+def _two_workers(root: str, run_id: str, flush_first: bool) -> list[dict]:
+    """Two workers driven by hand train 6 steps and save the last. With ``flush_first``, their first group
+    flushes step 0 to memory before any step (a resize right after the start) and a second group restores
+    it and trains. The restores' results."""
+    from dataclasses import asdict
+
+    import ray
+
+    from orchestrator.config import GroupTier, RecoveryConfig
+    from orchestrator.restore_plan import group_restore_plan
+    from orchestrator.worker_group import RayWorkerGroup
+    from trainer.config_load import load_config
+
+    cfg = load_config("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', f'run_id="{run_id}"'])
+    group = RayWorkerGroup(cfg, run_id, "")
+    wids = group.start(2)
+    recovery = GroupTier(RecoveryConfig(memory_every_steps=1, replicas=1, memory_budget_bytes=0))
+
+    def call(method, *args):
+        return ray.get([group.submit(w, method, *args).ref for w in wids], timeout=300)
+
+    def form(epoch):
+        port = call("rendezvous_port")[0]
+        ray.get([group.submit(w, "form", epoch, r, 2, "127.0.0.1", port, recovery).ref
+                 for r, w in enumerate(wids)], timeout=300)
+
+    try:
+        wait_for(lambda: len(group.ready(wids, timeout=1.0)) == 2, "two workers", timeout=180)
+        form(1)
+        restores = [asdict(call("restore", None)[0])]
+        if flush_first:
+            assert [r["step"] for r in call("memory_flush")] == [0, 0]
+            plan, why = group_restore_plan(group, wids)
+            assert plan is not None and plan.step == 0, why
+            form(2)
+            restores.append(asdict(call("restore", plan)[0]))
+        assert {r.status for r in call("train", 6)} == {"done"}
+        assert call("save")[0]["status"] == "committed"
+        return restores
+    finally:
+        group.shutdown()
+
+
+def test_a_flush_before_the_first_step_holds_the_drawn_weights(cluster, tmp_path):
+    """A group builds its model without drawing the initial weights (a restore follows, which loads over
+    them); a flush to memory before the first step must hold the drawn weights, not the undrawn zeros,
+    and the run restored from it ends bitwise where one that never re-formed ends."""
+    root = f"file://{tmp_path}/runs"
+    plain = _two_workers(root, "plain", flush_first=False)
+    flushed = _two_workers(root, "flushed", flush_first=True)
+    assert [r["tier"] for r in plain] == ["none"] and [r["tier"] for r in flushed] == ["none", "memory"]
+    assert_bitwise_equal(state_at(root, "flushed", 6, tmp_path), state_at(root, "plain", 6, tmp_path))
