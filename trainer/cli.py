@@ -37,7 +37,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
 from .config_load import load_config
-from .heap import freeze_boot_heap
+from .heap import freeze_boot_heap, thaw_heap
 
 if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
     from .loop import StepStats
@@ -410,6 +410,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
             print(f"etrain: error: {e}", file=sys.stderr)
         return Outcome(1, str(e))
     finally:
+        thaw_heap()  # a process that goes on (tests run many runs in one) frees what this run made
         say_tracker_notices(trackers.close(cfg.logging.flush_timeout_s) if trackers else [])
         if metrics is not None:
             metrics.close()
