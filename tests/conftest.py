@@ -64,6 +64,15 @@ def new_bucket(endpoint: str) -> str:
     return name
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow_on_s3``: the S3 case of a ``storage_url`` test runs with the slow tier; the same
+    test on a local disk stays in the fast one."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if item.get_closest_marker("slow_on_s3") and spec is not None and spec.params.get("storage_url") == "s3":
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(params=["file", "s3"])
 def storage_url(request, tmp_path):
     """A fresh checkpoint root: a local directory, then an S3 bucket on the moto server."""
