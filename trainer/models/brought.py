@@ -45,7 +45,7 @@ from .blocks import apply_block_ac, find_blocks, parameters_on_meta, shares_para
 from .llama_layout import cut_hf_stage, llama_like
 from .refs import resolve_ref
 from .shape import ModelShape
-from .spec import ModelInfo, ModelSpec, Stage
+from .spec import ModelInfo, ModelSpec, Stage, zero_parameters
 
 # The HF TP styles this module can express with torch's own ParallelStyles.
 HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
@@ -146,13 +146,10 @@ class UserModelSpec(ModelSpec):
         built whole on the host (its weights drawn already) is left as it is."""
         if not stage.params_on_meta:
             return
-        from torch.distributed.tensor import DTensor
-
         model = stage.module
         buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
         model.to_empty(device=device)
-        for p in model.parameters():
-            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+        zero_parameters(model)
         for m, name, b in buffers:
             m._buffers[name] = b.to(device)
 

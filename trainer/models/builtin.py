@@ -26,7 +26,7 @@ from .mixtral_names import MixtralNames
 from .moe import MoE, moe_layers
 from .qwen_moe_names import hf_moe_names
 from .shape import ModelShape
-from .spec import ModelSpec, Stage
+from .spec import ModelSpec, Stage, zero_parameters
 
 
 class DecoderSpec(ModelSpec):
@@ -112,12 +112,8 @@ class DecoderSpec(ModelSpec):
         if draw:
             stage.module.init_weights(seed)
             return
-        from torch.distributed.tensor import DTensor
-
         stage.module.init_buffers()
-        with torch.no_grad():
-            for p in stage.module.parameters():
-                (p.to_local() if isinstance(p, DTensor) else p).zero_()
+        zero_parameters(stage.module)
 
     def initial_weight(self, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return initial_weight(self.mcfg, fqn, shape, seed)

@@ -77,6 +77,17 @@ class HFNames(Protocol):
     # Where the transformers model has tensors the model lacks, added() -> {name: shape}: exported as zeros.
 
 
+def zero_parameters(module: nn.Module) -> None:
+    """Every parameter's local part (a DTensor's own shard) set to zero: weights that are loaded (or drawn)
+    over next, allocated uninitialized (``to_empty``)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for p in module.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+
+
 class ModelSpec(ABC):
     """A model family: built from the ``[model]`` section, asked by everything that needs the model."""
 
