@@ -115,6 +115,10 @@ class DecoderSpec(ModelSpec):
         stage.module.init_buffers()
         zero_parameters(stage.module)
 
+    @property
+    def draws_weights(self) -> bool:
+        return True
+
     def initial_weight(self, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return initial_weight(self.mcfg, fqn, shape, seed)
 

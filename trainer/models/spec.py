@@ -173,9 +173,15 @@ class ModelSpec(ABC):
         ``draw=False``: the weights this model would draw stay zero, for a checkpoint's to be loaded over
         them (a group that re-forms to restore), or for :meth:`initial_weight` to draw them later."""
 
+    @property
+    def draws_weights(self) -> bool:
+        """Whether ``materialize`` draws initial weights (so that ``draw=False`` leaves some undrawn); a model
+        a user brings draws none here (its weights come from ``model.init_from``, or were built whole)."""
+        return False
+
     def initial_weight(self, fqn: str, shape: tuple[int, ...], seed: int) -> torch.Tensor | None:
-        """The whole initial value of parameter ``fqn`` that ``materialize(draw=False)`` left undrawn; None
-        where this model draws nothing (its weights come from ``model.init_from``, or were built whole)."""
+        """The whole initial value of parameter ``fqn`` that ``materialize(draw=False)`` left undrawn (where
+        :attr:`draws_weights`); None for a parameter the model does not draw."""
         return None
 
     @abstractmethod

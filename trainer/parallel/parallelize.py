@@ -90,8 +90,8 @@ class ModelParts:
     # Expert parallelism under ZeRO 0-2: the experts' own FSDP units (their optimizer is FSDP's,
     # trainer.zero.hybrid; the other parameters are the ZeRO stage's). Empty otherwise.
     expert_units: list[nn.Module] = field(default_factory=list)
-    # Built without drawing the initial weights (build_model_parts(draw=False)): a parameter's whole initial
-    # value by (FQN, shape), None where the model draws none. None: everything was drawn.
+    # Built without drawing the initial weights (build_model_parts(draw=False), a model that draws them): a
+    # parameter's whole initial value by (FQN, shape), None where the model draws none. None: nothing undrawn.
     undrawn: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None
 
     @property
@@ -231,4 +231,5 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     return ModelParts(modules, stage_ids, n_stages, pipeline, use_fsdp, forward_fn=spec.forward_fn(),
                       loss_fn=spec.loss_fn(), aux_fn=spec.aux_loss_fn(), local_params=local,
                       draws_random=spec.draws_random, cp=cp, expert_units=expert_units, moe_model=cfg.model.is_moe,
-                      undrawn=None if draw else functools.partial(spec.initial_weight, seed=cfg.train.seed))
+                      undrawn=functools.partial(spec.initial_weight, seed=cfg.train.seed)
+                      if not draw and spec.draws_weights else None)
