@@ -199,10 +199,10 @@ def deferred_draw(payload: dict) -> dict:
     (``draw_weights=False``) and drew them at its first step: whether the undrawn one's weights were zero
     until then, the largest difference of this rank's weights after ``initial_weights`` (optimizer view and
     module parameters), and both trainers' losses over ``payload["steps"]`` steps."""
-    from torch.distributed.tensor import DTensor
+    from trainer.zero.common import local_tensor
 
     def local(t):
-        return (t.to_local() if isinstance(t, DTensor) else t).detach().float().clone()
+        return local_tensor(t).detach().float().clone()
 
     def weights(tr):
         return ({k: local(t) for k, t in tr.optimizer.checkpoint_state()["model"].items()},
