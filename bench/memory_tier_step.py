@@ -19,7 +19,8 @@ holds), ``snapshots`` (how many became restorable), and figures a loaded
 machine moves less: ``host_copy_ms`` (what training waited, rank 0's median),
 ``background_cpu_ms`` (the tier thread's CPU per snapshot, rank 0's median) and
 ``cpu_ratio`` (the ranks' process CPU, every thread's, in "on" rounds over "off"
-rounds: what the tier costs the cores the ranks share).
+rounds: what the tier costs the cores the ranks share), and ``snapshots_in_place`` (rank 0's snapshots whose
+host copy went straight into the memory file its files lie in: all but the first few).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def worker(args) -> None:
     times_on, times_off = alternate(rounds, on, off)
     step_on, step_off = slowest_rank_means(times_on, times_off)
     ok = sum(1 for f in agreed if f.result().ok and f.result().replication and f.result().replication.ok)
+    in_place = sum(1 for f in agreed if f.result().in_place)  # the host copy went where the files lie
     import statistics
 
     waits = [f.result().phases.get("wait_previous", 0.0) for f in agreed]
@@ -110,7 +112,8 @@ def worker(args) -> None:
     if world.is_main:
         print(f"world {world.size}, preset {args.preset}: {rounds} rounds of {per_round} steps each way; "
               f"step {step_off * 1e3:.1f} ms without the tier, {step_on * 1e3:.1f} ms with a snapshot after each "
-              f"({ok} of {len(agreed)} agreed and copied to a peer; {held / 2**20:.1f} MiB held per rank)")
+              f"({ok} of {len(agreed)} agreed and copied to a peer, {in_place} taken in place; "
+              f"{held / 2**20:.1f} MiB held per rank)")
         print(f"  rank 0 medians: waited for the previous snapshot {statistics.median(waits) * 1e3:.1f} ms, "
               f"host copy {statistics.median(copies) * 1e3:.1f} ms, "
               f"background {statistics.median(background) * 1e3:.1f} ms "
@@ -123,7 +126,7 @@ def worker(args) -> None:
                           "bytes_per_rank": held, "host_copy_ms": round(statistics.median(copies) * 1e3, 2),
                           "background_cpu_ms": round(statistics.median(cpu_thread) * 1e3, 2),
                           "cpu_ratio": round(cpu_ratio, 4), "snapshots": ok,
-                          "snapshots_taken": len(agreed)}), flush=True)
+                          "snapshots_taken": len(agreed), "snapshots_in_place": in_place}), flush=True)
     shutdown_distributed()
 
 

@@ -108,7 +108,7 @@ class _StagedFile:
     slots: list = dataclasses.field(default_factory=list)  # (index in parts or None, item, data) per item
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview | None:
+def host_bytes(t: torch.Tensor) -> memoryview | None:
     """A zero-copy byte view of a contiguous host tensor; None when it must be copied first."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
@@ -325,7 +325,7 @@ class EtrainWriter(StorageWriter):
                 views.append(memoryview(env.prefix))
                 slots.append((len(views) if data.numel() else None, item, data))
                 if data.numel():
-                    view = _host_bytes(data)
+                    view = host_bytes(data)
                     if view is None:
                         copies.append((len(views), data))
                     keep.append(data)

@@ -4,6 +4,8 @@ durable checkpoint's async save and the memory recovery tier share.
     host = HostCopy()
     copy = host.copy(state_dict)           # every tensor in a host buffer kept from one copy to the next
     pending = host.copy_async(state_dict)  # CUDA: queued on a side stream; pending.wait() on the host later
+    placement = host.place(where)          # this layout's buffers at other memory (a memory file's bytes)
+    pending = host.copy_async(state_dict, into=placement)   # host state: copied there while the layout holds
     fence_writes()                         # before the optimizer writes in place: the GPU waits for the reads
     layout = layout_fingerprint(state_dict)  # what a DCP save plan depends on
     planned = PlannedLayout(plan_id, layout, writer.plan, paths, writer.results, is_coordinator, metadata,
@@ -62,12 +64,14 @@ class PlannedLayout:
 class PendingCopy:
     """A copy queued on the side stream: :meth:`wait` blocks the calling (host) thread until the host
     buffers hold it and returns the copied state; nothing to wait for when every tensor was on the host.
-    ``layout``: the copy's :func:`layout_fingerprint` when known (host state), else None."""
+    ``layout``: the copy's :func:`layout_fingerprint` when known (host state), else None. ``into``: the
+    :class:`Placement` the copy went to, or None (the copy's own buffers)."""
 
-    def __init__(self, state: dict, event=None, layout: str | None = None):
+    def __init__(self, state: dict, event=None, layout: str | None = None, into: Placement | None = None):
         self.state = state
         self.event = event  # a CUDA event recorded on the side stream after the last copy, or None
         self.layout = layout
+        self.into = into
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -119,8 +123,10 @@ class HostCopy:
         when this returns (CUDA copies: the host waits for the side stream's event, not the compute stream)."""
         return self.copy_async(state_dict).wait()
 
-    def copy_async(self, state_dict: dict) -> PendingCopy:
-        """Queue the copy; for CUDA state, returns before it is done (:class:`PendingCopy`)."""
+    def copy_async(self, state_dict: dict, into: Placement | None = None) -> PendingCopy:
+        """Queue the copy; for CUDA state, returns before it is done (:class:`PendingCopy`). Host state whose
+        layout is the one ``into`` was placed for is copied into its buffers instead of this copy's own
+        (:meth:`place`); CUDA state always goes to the pinned buffers."""
         import torch
 
         leaves: list = []
@@ -128,7 +134,7 @@ class HostCopy:
         tree = _flatten(state_dict, leaves, key)
         _, dtensor = _tensor_types()
         if not any((t._local_tensor if type(t) is dtensor else t).is_cuda for t in leaves):
-            return self._copy_indexed(state_dict, leaves, key, tree)
+            return self._copy_indexed(state_dict, leaves, key, tree, into)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._slot = (self._slot + 1) % self.SLOTS
@@ -141,10 +147,11 @@ class HostCopy:
         _LIVE.add(self)
         return PendingCopy(out, self._event)
 
-    def _copy_indexed(self, state_dict: dict, leaves: list, key: list, tree) -> PendingCopy:
+    def _copy_indexed(self, state_dict: dict, leaves: list, key: list, tree, into: Placement | None) -> PendingCopy:
         """Host state (``leaves``, ``key``, ``tree``: :func:`_flatten`'s): while the layout's key is the last
-        one's, one ``foreach`` copy into the buffers (and DTensor views) indexed for it, else the full copy,
-        which indexes the new layout. The copy carries its layout's fingerprint, computed once per layout."""
+        one's, one ``foreach`` copy into the buffers (and DTensor views) indexed for it (or ``into``'s, placed
+        for it), else the full copy, which indexes the new layout. The copy carries its layout's fingerprint,
+        computed once per layout."""
         import torch
 
         _, dtensor = _tensor_types()
@@ -156,10 +163,34 @@ class HostCopy:
             self._index = _Index(key, views, [v._local_tensor if type(v) is dtensor else v for v in views],
                                  layout_fingerprint(out))
             return PendingCopy(out, layout=self._index.layout)
+        target = into if into is not None and into.index is index else index
         if leaves:
-            torch._foreach_copy_(index.buffers, [(t._local_tensor if type(t) is dtensor else t).detach()
-                                                 for t in leaves])
-        return PendingCopy(_fill(tree, index.views), layout=index.layout)
+            torch._foreach_copy_(target.buffers, [(t._local_tensor if type(t) is dtensor else t).detach()
+                                                  for t in leaves])
+        return PendingCopy(_fill(tree, target.views), layout=index.layout, into=into if target is into else None)
+
+    def place(self, where) -> Placement | None:
+        """The current layout's buffers in other memory: ``where(buffer)`` gives a tensor of the buffer's shape
+        and dtype in the memory it should lie in, or None (then nothing is placed: None). A copy of a state of
+        this layout ``into`` the placement (:meth:`copy_async`) fills those tensors; a new layout drops it."""
+        from torch.distributed.tensor import DTensor
+
+        index = self._index
+        if index is None:
+            return None
+        placed = []
+        for buf in index.buffers:
+            t = where(buf)
+            if t is None or t.shape != buf.shape or t.dtype != buf.dtype or not t.is_contiguous():
+                return None
+            placed.append(t)
+        views = [DTensor.from_local(t, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride())
+                 if isinstance(v, DTensor) else t for v, t in zip(index.views, placed)]
+        return Placement(index, placed, views)
+
+    def holds(self, placement: Placement | None) -> bool:
+        """Whether ``placement`` was placed for the layout this copy holds now (a copy into it would use it)."""
+        return placement is not None and placement.index is self._index
 
     def fence(self) -> None:
         """The current stream waits for this copy's reads (:func:`fence_writes`)."""
@@ -196,6 +227,16 @@ class HostCopy:
                                       stride=obj.stride())
             self._views[key] = view
         return view
+
+
+@dataclass
+class Placement:
+    """One layout's host buffers placed in other memory (:meth:`HostCopy.place`), and the copy's tensors
+    over them (the buffers, or DTensors over them), in the order :func:`_flatten` walks a state of it."""
+
+    index: _Index  # the layout's own buffers, which these stand in for
+    buffers: list
+    views: list
 
 
 @dataclass

@@ -42,12 +42,12 @@ def snapshot(payload: dict) -> dict:
         tier = MemoryTier(world.rank, world.size, replicas=payload.get("replicas", 1),
                           memory_budget_bytes=payload.get("budget", 0), node_ids=payload.get("node_ids"),
                           timeout_s=payload.get("timeout_s", 300))
+        out: dict = {}
         for _ in range(payload.get("train", 2) - 1):
             trainer.train_step()
-        out: dict = {}
-        if payload.get("async"):  # one snapshot before the last step: the one after reuses its plan
-            first = tier.take_async(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
-            out["first"] = (first.result().status, first.result().planned)
+            if payload.get("async"):  # a snapshot after each step before the last: the last reuses their plan
+                res = tier.take_async(trainer.step, trainer.optimizer.checkpoint_state(), trainer.train_state())
+                out.setdefault("first", (res.result().status, res.result().planned))
         trainer.train_step()
         if payload.get("durable", True):
             mgr = checkpoint_manager(trainer.cfg, world)
@@ -88,7 +88,7 @@ def _snapshot_now(payload, trainer, tier, state, train_state, out: dict) -> dict
     else:
         res = tier.take(trainer.step, state, train_state)
         rep = tier.replicate_async(res.snapshot).result() if res.ok else None
-    out.update(status=res.status, reason=res.reason, planned=res.planned, phases=res.phases)
+    out.update(status=res.status, reason=res.reason, planned=res.planned, phases=res.phases, in_place=res.in_place)
     if res.ok:
         out.update(replicated=rep.ok, replicate_reason=rep.reason, snapshot=res.snapshot.to_bytes(),
                    copies={s: c.to_bytes() for s, c in tier.copies.get(res.snapshot.step, {}).items()})
@@ -265,5 +265,40 @@ def shared_copies(payload: dict) -> dict:
                                   for src, c in copies.items())}
     finally:
         local_copy.publish = publish
+        tier.close()
+        shutdown_distributed()
+
+
+def in_place(payload: dict) -> dict:
+    """Seven snapshots at world 3 (replicas 1, one host) of a state changed in place between them: whether each
+    went in place, whether each rank's copies of the last are byte for byte its sender's files (mapped from
+    its memory file), and whether the last restores this rank's state from this rank's files."""
+    import mmap
+
+    world = World.from_env()
+    init_distributed(world, CPU)
+    tier = MemoryTier(world.rank, world.size, replicas=1, timeout_s=60)
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        state = {f"w{world.rank}": torch.randn(256, 64, generator=g), f"n{world.rank}": torch.tensor(0)}
+        went = []
+        for step in range(1, 8):
+            state[f"w{world.rank}"].normal_(generator=g)
+            state[f"n{world.rank}"].fill_(step)
+            res = tier.take_async(step, state, {"step": step, "samples_consumed": 12 * step}).result()
+            assert res.ok and res.replication.ok, (res.reason, res.replication)
+            went.append(res.in_place)
+        own = {n: bytes(v) for n, v in tier.snapshots[7].files.items()}
+        everyone: list = [None] * world.size
+        torch.distributed.all_gather_object(everyone, own)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        load_from_memory(back, tier.sources(7), tier.snapshots[7], collective=False)
+        copies = tier.copies[7]
+        return {"in_place": went, "restorable": tier.restorable,
+                "restored": all(torch.equal(back[k], state[k]) for k in state),
+                "mapped": [all(isinstance(v.obj, mmap.mmap) for v in c.files.values()) for c in copies.values()],
+                "same_bytes": all({n: bytes(v) for n, v in c.files.items()} == everyone[src]
+                                  for src, c in copies.items())}
+    finally:
         tier.close()
         shutdown_distributed()

@@ -173,28 +173,31 @@ def _all_sources(ranks: list[dict]) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    """A world-2 ZeRO-3 run: a durable checkpoint and a memory snapshot (with copies) of step 2, taken in the
-    background (take_async), after one of step 1."""
+    """A world-2 ZeRO-3 run: a durable checkpoint and a memory snapshot (with copies) of step 6, taken in the
+    background (take_async), after one of each step before: by then the host copy goes straight into the memory
+    file the snapshot's files lie in, laid out there by the snapshot of step 4 (in place, only the non-tensor
+    items written again)."""
     url = f"file://{tmp_path_factory.mktemp('mem-tier')}"
     base = BASE + [f'checkpoint.url="{url}"']
     ranks = run_ranks("tests.memory_tier_jobs:snapshot", 2,
-                      {"base": base, "layout": ZERO3, "train": 2, "run_id": "w2", "async": True}, timeout=300)
+                      {"base": base, "layout": ZERO3, "train": 6, "run_id": "w2", "async": True}, timeout=300)
     return base, url, ranks
 
 
 @pytest.mark.compat
 def test_a_world2_snapshot_restores_at_world3_bitwise_as_the_durable_checkpoint(world2, tmp_path):
     base, url, ranks = world2
-    # Taken with take_async: training waited for a host copy; the second snapshot reused the first's plan.
+    # Taken with take_async: training waited for a host copy; the later snapshots reused the first's plan, the
+    # last one in place.
     assert [r["first"] for r in ranks] == [("agreed", True)] * 2
-    assert [(r["status"], r["planned"]) for r in ranks] == [("agreed", False)] * 2
+    assert [(r["status"], r["planned"], r["in_place"]) for r in ranks] == [("agreed", False, True)] * 2
     assert all(r["replicated"] for r in ranks)
-    assert all(r["restorable"] == 2 and r["held"] > 0 for r in ranks)
+    assert all(r["restorable"] == 6 and r["held"] > 0 for r in ranks)
     snap = ranks[1]["snapshot"]
     out = run_ranks("tests.memory_tier_jobs:restore", 3, {"base": base, "layout": ZERO3, "run_id": "w2",
                                                           "snapshot": snap, "sources": _all_sources(ranks)})
     for r in out:
-        assert r["memory_step"] == r["durable_step"] == 2
+        assert r["memory_step"] == r["durable_step"] == 6
         assert_same(r["memory"], r["durable"], "world 3")
         assert_same(r["memory"], ranks[0]["state"], "world 3 vs the saved state")
         assert r["memory_loss"] == r["durable_loss"]
@@ -204,7 +207,7 @@ def test_a_world2_snapshot_restores_at_world3_bitwise_as_the_durable_checkpoint(
     for name, data in _all_sources(ranks).items():
         (mem_dir / name).write_bytes(data)
     dcp_to_torch_save(str(mem_dir), str(tmp_path / "mem.pt"))
-    dcp_to_torch_save(f"{url[len('file://'):]}/w2/checkpoints/step_000000002", str(tmp_path / "dur.pt"))
+    dcp_to_torch_save(f"{url[len('file://'):]}/w2/checkpoints/step_000000006", str(tmp_path / "dur.pt"))
     stock_mem, stock_dur = (torch.load(tmp_path / n, weights_only=True) for n in ("mem.pt", "dur.pt"))
     assert_same(stock_mem, stock_dur, "stock DCP")
 
@@ -217,7 +220,7 @@ def test_rank1_restores_from_rank0s_copy_alone_into_zero1(world2):
     (copy,) = [MemorySnapshot.from_bytes(b) for b in ranks[0]["copies"].values()]
     assert copy.rank == 1 and copy.files == MemorySnapshot.from_bytes(ranks[1]["snapshot"]).files
     plan = plan_restore({0: ranks[0]["holdings"]}, ranks[0]["needed"])
-    assert plan is not None and plan.step == 2 and set(plan.where.values()) == {0}
+    assert plan is not None and plan.step == 6 and set(plan.where.values()) == {0}
     assert set(plan.where) == set(own.file_table())
     out = run_ranks("tests.memory_tier_jobs:restore", 2, {"base": base, "layout": ZERO1, "run_id": "w2",
                                                           "snapshot": ranks[0]["snapshot"],
@@ -226,7 +229,7 @@ def test_rank1_restores_from_rank0s_copy_alone_into_zero1(world2):
         assert_same(r["memory"], r["durable"], "world 2 ZeRO-1")
         assert r["memory_loss"] == r["durable_loss"]
     # Without the copy the step is incomplete: the plan falls back to the durable checkpoint.
-    assert plan_restore({0: {2: own.names()}}, ranks[0]["needed"]) is None
+    assert plan_restore({0: {6: own.names()}}, ranks[0]["needed"]) is None
 
 
 def test_a_snapshot_one_rank_failed_to_copy_is_never_used(world2):

@@ -26,6 +26,7 @@ and every rank copies over the network from the next snapshot on (:class:`.tier.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -98,24 +99,79 @@ class Region:
         self.step, self.used = -1, 0
         self._given: dict[int, tuple[memoryview, int]] = {}  # the views put gave, and where each starts
         self._lock = threading.Lock()
+        self.placed = None  # the host copy's buffers placed here (.replay.Placed), kept while the layout holds
+        self.protected: list = []  # this step's placed tensor bytes (protect)
+        self.refused = False  # a put was refused this step (every later one is too)
+        self.copied = 0  # bytes put copied in this step (a placed tensor's are not)
+        self.laid_out = None  # the placed replay whose files lie here whole, nothing else written since
 
     def put(self, parts: list) -> memoryview | None:
-        """``parts`` joined into the next bytes of the region (None when they do not fit): a view of them."""
+        """``parts`` joined into the next bytes of the region (None when they do not fit, or would write over the
+        bytes of a tensor placed here, :meth:`protect`): a view of them. A part that already lies where it
+        goes (a placed tensor's bytes) is not copied; one lying elsewhere in the region is refused."""
         views = [memoryview(p).cast("B") for p in parts]
         n = sum(len(v) for v in views)
         with self._lock:
-            if self.used + n > self.capacity:
+            if self.refused or self.used + n > self.capacity:
                 return None
-            start = pos = self.reserve + self.used
+            start = self.reserve + self.used
             self.used += n
-        base = _address(self.view)
-        for v in views:  # memmove through ctypes lets go of the interpreter lock (training's Python runs on)
-            if len(v):
-                ctypes.memmove(base + pos, _address(v), len(v))
+        base, end = self.address(), self.address() + len(self.view)
+        moves, pos = [], start
+        for v in views:
+            at = _address(v)
+            if len(v) and base <= at < end:
+                if at != base + pos:  # a placed tensor's bytes, not where the files put them
+                    return self._refuse()
+            elif len(v):
+                if self.protected and _overlaps(self.protected, pos, pos + len(v)):
+                    return self._refuse()
+                moves.append((pos, at, len(v)))
             pos += len(v)
+        if moves:
+            self.laid_out = None  # other bytes than the last layout's
+        return self._write(start, n, moves)
+
+    def put_patched(self, n: int, patches: list) -> memoryview | None:
+        """The next ``n`` bytes of the region as they lie (a file laid out there before, ``laid_out``) with
+        ``patches`` (``[(offset in them, bytes)]``) written over them: a view of them (None when they do not
+        fit or a patch would land on placed bytes)."""
+        with self._lock:
+            if self.refused or self.used + n > self.capacity:
+                return None
+            start = self.reserve + self.used
+            self.used += n
+        moves = []
+        for off, raw in patches:
+            view = memoryview(raw).cast("B")
+            if off < 0 or off + len(view) > n or _overlaps(self.protected, start + off, start + off + len(view)):
+                return self._refuse()
+            if len(view):
+                moves.append((start + off, _address(view), len(view)))
+        return self._write(start, n, moves)
+
+    def _write(self, start: int, n: int, moves: list) -> memoryview:
+        base = self.address()
+        for pos, at, size in moves:  # memmove through ctypes lets go of the interpreter lock (training runs on)
+            ctypes.memmove(base + pos, at, size)
+        with self._lock:
+            self.copied += sum(size for *_, size in moves)
         out = self.view[start : start + n].toreadonly()
         self._given[id(out)] = (out, start)
         return out
+
+    def _refuse(self) -> None:
+        """From now until the next :meth:`reset`, every put is refused (the files go elsewhere)."""
+        with self._lock:
+            self.refused, self.laid_out = True, None
+        return None
+
+    def protect(self, ranges: list) -> None:
+        """The bytes ``[(start, end)]`` (sorted) hold placed tensors of this step: no put writes over them."""
+        self.protected = list(ranges)
+
+    def address(self) -> int:
+        return _address(self.view)
 
     def publish(self, head: bytes | memoryview, files: list) -> tuple[int, int] | None:
         """Write the wire form's ``head`` just before ``files`` (views this region gave, in wire order) when
@@ -137,6 +193,7 @@ class Region:
         with self._lock:
             self.step, self.used = step, 0
             self._given.clear()
+            self.protected, self.refused, self.copied = [], False, 0
         return self
 
     def close(self) -> None:
@@ -160,13 +217,13 @@ class Arena:
         self.frozen = False
         self._lock = threading.Lock()
 
-    def take(self, step: int, nbytes: int) -> Region | None:
+    def take(self, step: int, nbytes: int, avoid: Region | None = None) -> Region | None:
         """A region for step ``step``'s files (at most ``nbytes``): a free one that fits, else a new one
-        (a free one too small is let go). None once frozen, or where memory files do not exist."""
+        (a free one too small is let go), never ``avoid``. None once frozen, or where memory files do not exist."""
         if self.frozen or not hasattr(os, "memfd_create"):
             return None
         with self._lock:
-            free = [r for r in self.regions if r.step not in self.held]
+            free = [r for r in self.regions if r.step not in self.held and r is not avoid]
             fits = [r for r in free if r.capacity >= nbytes and r.reserve >= self.reserve]
             if fits:
                 return fits[0].reset(step)
@@ -176,6 +233,15 @@ class Arena:
             region = Region(nbytes, self.reserve).reset(step)
             self.regions.append(region)
             return region
+
+    def take_placed(self, step: int, current) -> Region | None:
+        """A free region for step ``step`` whose placed buffers (``Region.placed``) ``current`` says are the
+        host copy's layout and the last plan's now, else None."""
+        with self._lock:
+            for r in self.regions if not self.frozen else ():
+                if r.step not in self.held and r.reserve >= self.reserve and current(r.placed):
+                    return r.reset(step)
+        return None
 
     def region_of(self, step: int) -> Region | None:
         with self._lock:
@@ -194,6 +260,12 @@ class Arena:
         with self._lock:
             self.frozen = True
             self.held = {r.step for r in self.regions}
+
+
+def _overlaps(ranges: list, start: int, end: int) -> bool:
+    """Whether ``[start, end)`` meets one of the sorted, disjoint ``ranges``."""
+    i = bisect.bisect_right(ranges, (start, float("inf")))
+    return (i > 0 and ranges[i - 1][1] > start) or (i < len(ranges) and ranges[i][0] < end)
 
 
 def _address(view: memoryview) -> int:

@@ -71,6 +71,15 @@ class MemoryStorage(Storage):
         self._store(rel, data, exclusive)
         return checksum(data)
 
+    def put_patched(self, rel: str, size: int, patches: list) -> str:
+        """A file laid out in the region before, with ``patches`` written over it (``Region.put_patched``):
+        stored as the region's view of it, and its crc32c. OSError when the region will not take it."""
+        data = self.region.put_patched(size, patches) if self.region is not None else None
+        if data is None:
+            raise OSError(f"{rel}: the memory file it was laid out in would not take it")
+        self._store(rel, data, True)
+        return checksum(data)
+
     def put_many(self, items: list, *, exclusive: bool = False) -> None:
         for rel, data in items:
             self._store(rel, bytes(data), exclusive)

@@ -53,51 +53,21 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..manifest import FileEntry
 from .held import Entry, HeldView
-from .replay import Replay, Replayed
+from .replay import Patched, Replay, Replayed, place
+from .results import ReplicationResult, SnapshotResult
 from .restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
 from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
 from ..retry import describe
 from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
 from .budget import state_bytes
-from .local_copy import Arena, host_keys
+from .local_copy import Arena, Region, host_keys
 from ..transaction import group_rank_errors
 
 log = logging.getLogger("etrain")
-
-
-@dataclass
-class ReplicationResult:
-    step: int
-    ok: bool
-    reason: str = ""
-    seconds: float = 0.0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-
-
-@dataclass
-class SnapshotResult:
-    """What became of one :meth:`MemoryTier.take`."""
-
-    step: int
-    status: str  # "agreed", "failed" (some rank could not copy: never used) or "refused" (over budget)
-    reason: str = ""
-    snapshot: MemorySnapshot | None = None  # this rank's, when agreed
-    seconds: float = 0.0  # the whole snapshot, start to agreement (and copies, in take_async)
-    phases: dict[str, float] = field(default_factory=dict)
-    blocking_s: float = 0.0  # of which training waited (take: all; take_async: the host copy)
-    planned: bool = False  # laid out by dcp.save's planning (else by the last plan: the layout held)
-    replication: ReplicationResult | None = None  # take_async's copies to peers
-    over_budget: dict[int, tuple[int, int]] = field(default_factory=dict)  # refused: {rank: (bytes, its budget)}
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "agreed"
 
 
 def _lower_priority(niceness: int = 10) -> None:
@@ -180,12 +150,17 @@ class MemoryTier:
         self.wait()
         self._make_groups()
         waited = time.monotonic() - t0
-        pending = self._host.copy_async(state_dict)  # CUDA: on the side stream, overlapping the next step
+        self._prune()  # a free memory file whose bytes the host copy's buffers are placed in: copied there
+        region = self._arena.take_placed(step, self._placed_now)
+        # CUDA: on the side stream, overlapping the next step (never into a memory file)
+        pending = self._host.copy_async(state_dict, into=region.placed.placement if region else None)
+        if pending.into is not None:  # the state lies in the memory file: no write of this step may land on it
+            region.protect(region.placed.ranges)
         blocking = time.monotonic() - t0
 
         def run() -> SnapshotResult:
             cpu = time.thread_time()
-            res = self._take(step, pending.wait(), trainer_state, pending.layout)
+            res = self._take(step, pending.wait(), trainer_state, pending.layout, region if pending.into else None)
             res.phases.update(wait_previous=waited, host_copy=blocking - waited)
             res.blocking_s = blocking
             if res.ok and replicate and self.replicating:
@@ -211,23 +186,31 @@ class MemoryTier:
         return self._inflight is not None and not self._inflight.done()
 
     def _take(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None,
-              layout: str | None = None) -> SnapshotResult:
+              layout: str | None = None, lies_in: Region | None = None) -> SnapshotResult:
         """Lay out and copy by the last plan when this rank's layout still matches it, then one vote that is
         also the agreement when every rank did so; else lay out with ``dcp.save`` (planning) and agree in a
-        second vote. ``layout``: the state's fingerprint when known (the host copy's). Collective on
-        ``self.group``; never raises for one rank's failure."""
+        second vote. ``layout``: the state's fingerprint when known (the host copy's); ``lies_in``: the memory
+        file the state lies in (the host copy placed there). Collective on ``self.group``; never raises for one
+        rank's failure."""
         t0 = time.monotonic()
         phases: dict[str, float] = {}
         self._prune()
         layout = layout or layout_fingerprint(state_dict)
         size = self._sizes.get(layout) or self._sizes.setdefault(layout, state_bytes(state_dict))
         room = size + size // 32 + (1 << 20)  # the files: the tensors, their envelopes and small items
-        storage = MemoryStorage(region=self._arena.take(step, room))
+        storage = MemoryStorage(region=lies_in or self._arena.take(step, room))
         refusal, after = self._over_budget(size) if self.memory_budget_bytes else ("", 0)
-        writer, plan_id = (None, None) if refusal else self._lay_out_as_planned(storage, step, state_dict, layout)
+        writer, plan_id = None, None
+        if not refusal:
+            writer, plan_id = self._lay_out_as_planned(storage, step, state_dict, layout, lies_in)
         ok, why, entries = True, "", []
         if writer is not None:  # laid out by the last plan: copied now, agreed by the vote
             ok, why, entries = self._copy(writer)
+        # the files written where the state lies: by the placed buffers' replay, nothing refused
+        replay = getattr(writer, "replay", None)
+        in_place = bool(ok and lies_in and not lies_in.refused and replay is lies_in.placed.replay)
+        if in_place:  # the placed replay's files lie there whole: the next snapshot there writes only items
+            lies_in.laid_out = replay
         phases["lay_out"] = time.monotonic() - t0
         try:
             votes = self._gather((refusal, plan_id, (after, self.memory_budget_bytes), step, ok, why,
@@ -248,7 +231,7 @@ class MemoryTier:
             md = self._plans[layout].metadata
         else:
             t1 = time.monotonic()
-            storage = MemoryStorage(region=self._arena.take(step, room))  # not what the last plan copied
+            storage = MemoryStorage(region=self._arena.take(step, room, avoid=lies_in))  # not the last plan's
             ok, why, entries, mine = self._plan_and_copy(writer, storage, step, state_dict, layout)
             phases["plan_and_copy"] = time.monotonic() - t1
             t2 = time.monotonic()
@@ -273,6 +256,10 @@ class MemoryTier:
         files = {e.path: storage.objects[f"{step_rel(step)}/{e.path}"] for e in entries}
         snap = MemorySnapshot(step, self.rank, self.world_size, files, md, table, owners,
                               dict(trainer_state or {}), agreed=True)
+        region = storage.region  # written back to back by the layout's replay: the next copies go there
+        if reuse and not lies_in and isinstance(writer, Replayed) and writer.replay is self._replays.get(layout) \
+                and region is not None and not region.refused and not self._placed_now(region.placed):
+            region.placed = place(writer.replay, region, self._host, layout)
         with self._lock:
             self.snapshots[step] = snap
             if not self.replicating:
@@ -280,7 +267,7 @@ class MemoryTier:
         if not self.replicating:
             self._prune()
         return SnapshotResult(step, "agreed", snapshot=snap, seconds=time.monotonic() - t0, phases=phases,
-                              planned=not reuse)
+                              planned=not reuse, in_place=reuse and in_place)
 
     def _plan_and_copy(self, writer, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
         """Lay out with ``dcp.save`` (DCP's planning: collective) and copy: (ok, why, entries, this rank's
@@ -335,20 +322,28 @@ class MemoryTier:
         log.warning("%s", self.last_reason)
         return SnapshotResult(step, "failed", self.last_reason, seconds=time.monotonic() - t0, phases=phases)
 
-    def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str):
+    def _lay_out_as_planned(self, storage: MemoryStorage, step: int, state_dict: dict, layout: str,
+                            lies_in: Region | None = None):
         """This rank's files laid out by the last plan (views of the state, nothing copied yet) when its
         layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote. The
-        replay of the last layout's files first (no DCP, no per-item work), else the writer's ``write_data``."""
+        replay of the last layout's files first (no DCP, no per-item work; only the non-tensor items when the
+        state ``lies_in`` the memory file its files were laid out in), else the writer's ``write_data``."""
         from ..dcp_io import EtrainWriter, PlannedItems, same_results
 
         planned = self._plans.get(layout)
         if planned is None:
             return None, None
-        replay = self._replays.get(layout)
+        region = storage.region
+        placed = region.placed if region is not None and self._placed_now(region.placed) else None
         try:
-            files = replay.files(state_dict) if replay is not None else None
-            if files is not None:
-                return Replayed(storage, step_rel(step), files), planned.plan_id
+            if placed is not None and region is lies_in and region.laid_out is placed.replay:
+                patches = placed.replay.patches(state_dict)  # the files lie there: their non-tensor items
+                if patches is not None:
+                    return Patched(storage, step_rel(step), patches, placed.replay), planned.plan_id
+            for replay in (placed.replay if placed else None, self._replays.get(layout)):  # the placed one first
+                files = replay.files(state_dict) if replay is not None else None
+                if files is not None:
+                    return Replayed(storage, step_rel(step), files, replay), planned.plan_id
         except Exception as e:
             log.debug("memory snapshot of step %d: cannot replay the last layout (%s)", step, describe(e))
         writer = EtrainWriter(storage, step_rel(step), token=self._token, executor=self._io)
@@ -364,6 +359,11 @@ class MemoryTier:
             log.debug("memory snapshot of step %d: cannot reuse the last plan (%s)", step, describe(e))
         writer.release()
         return None, None
+
+    def _placed_now(self, placed) -> bool:
+        """Whether a region's placed buffers (``Region.placed``) are the host copy's layout and its last plan's."""
+        return (placed is not None and self._host.holds(placed.placement)
+                and placed.base is self._replays.get(placed.layout))
 
     def _gather(self, value) -> list:
         import torch.distributed as dist
