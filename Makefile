@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
 
-.PHONY: install sysdeps demo test test-ray soak test-compat bench clean
+.PHONY: install sysdeps demo test test-ray soak test-compat test-exhaustive bench clean
 
 # Re-runs only when pyproject.toml changes. torch is installed first, pinned,
 # so that pip never pulls a CUDA build as a dependency of something else.
@@ -30,13 +30,18 @@ demo: $(STAMP)
 
 # Unit, multi-process (gloo), real etcd, S3 (moto) and Prometheus tests: about 10 minutes here.
 test: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -q -m "not ray and not soak and not slow" tests
+	$(BIN)/python -m pytest -q -m "not ray and not soak and not slow and not exhaustive" tests
 
 # The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/test_orchestrator.py,
-# tests/test_chaos.py, tests/test_terminal.py, ...), and the few long multi-process tests marked
-# slow: about 11 minutes here. CI runs it after `make test`.
+# tests/test_chaos.py, tests/test_terminal.py, ...), and the long multi-process tests marked
+# slow: about 30 minutes here. CI runs it after `make test`.
 test-ray: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -q -m "(ray or slow) and not soak" tests
+	$(BIN)/python -m pytest -q -m "(ray or slow) and not soak and not exhaustive" tests
+
+# What CI leaves out: the same properties at a larger world (8 ranks), on S3 as well as a local disk, or
+# through another entry point (tests marked exhaustive; about 6 minutes here). Run it before a release.
+test-exhaustive: sysdeps $(STAMP)
+	$(BIN)/python -m pytest -q -m "exhaustive" tests
 
 # The chaos soak in its bounded form (1-2 minutes): a worker killed every 10-20 s over 200 steps.
 # ETRAIN_SOAK_STEPS=3000 makes it a long soak.
@@ -66,7 +71,7 @@ $(COMPAT_STAMP): pyproject.toml
 # after the first download (about 8 minutes).
 test-compat: sysdeps $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c 'import sys, torch; print("torch", torch.__version__, "on Python", sys.version.split()[0])'
-	$(COMPAT_VENV)/bin/python -m pytest -q -m compat tests
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "compat and not exhaustive" tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/step.py --quick

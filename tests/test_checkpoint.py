@@ -54,7 +54,7 @@ PP2 = ["parallel.pp=2"]
 
 
 @pytest.mark.compat
-@pytest.mark.slow_on_s3
+@pytest.mark.exhaustive_on_s3
 def test_reshard_between_layouts(storage_url):
     """ZeRO 3 <-> 0, FSDP <-> HSDP, TP 1 <-> 2, PP 1 <-> 2, all at world 4."""
     acts = [
@@ -83,7 +83,7 @@ def test_reshard_between_layouts(storage_url):
     assert saved["z3"]["optim.layers.0.attention.wq.weight.exp_avg"].abs().sum() > 0
 
 
-@pytest.mark.slow_on_s3
+@pytest.mark.exhaustive_on_s3
 def test_reshard_data_parallel_4_3_2_1_4(storage_url):
     """Each world loads the previous one's checkpoint, checks it bitwise, trains a step and saves."""
     chain = [4, 3, 2, 1, 4]

@@ -333,7 +333,7 @@ WORLD8 = {  # seq 256, a global batch of 8: dp_shard 2 inside each layout
 }
 
 
-@pytest.mark.slow  # 8 processes on this machine's 2 cores
+@pytest.mark.exhaustive  # 8 processes; cp 2 beside HSDP, tp 2 + SP and pp 2 at world 4 run in the slow tier
 def test_world8_layouts_train_as_cp1():
     """At world 8, cp 2 beside HSDP (dp_shard 2 x dp_replicate 2), tp 2 with sequence parallelism, and pp 2
     with full activation checkpointing, at seq_len 256: the first 5 losses as cp 1's within 1e-4, and rank

@@ -136,7 +136,7 @@ def test_mixtral_at_world4_ep2_under_hsdp_and_ep4_under_zero3_match_world1(mixtr
     assert_matches_world1(four, world1["zero0"])
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # world 8; ep 2 under HSDP and ep 4 at world 4 run in the slow tier
 def test_mixtral_ep4_under_hsdp_at_world8_matches_world1(mixtral):
     """World 8: ep 4 under HSDP (dp_replicate 2 x dp_shard 4, one expert per rank, each expert's FSDP unit
     over the two replicas), micro-batches of one sample as world 1's (the router's loss is per micro-batch):

@@ -254,7 +254,7 @@ def test_ep_at_world4_matches_world1(world1):
     assert_matches_world1(four, one)  # ZeRO-1: the experts' gradients (FSDP's) only reach the optimizer whole
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # world 8; ep under HSDP at world 4 runs in the slow tier
 def test_ep4_under_hsdp_at_world8_matches_world1():
     """ep 4 x HSDP at world 8 (dp_replicate 2 x dp_shard 4, ep carved from dp_shard: each rank holds 1 of the
     4 experts, replicated across the 2 replicas; one sample per rank): the first 5 losses within 1e-4 of
@@ -323,7 +323,7 @@ def test_ep2_tp2_world4_matches_world1(world1):
         assert res["ep2_tp2_zero3"]["comm"]["all_to_all/ep"]["calls"] == 2 * 2 * 5
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # world 8; ep 2 x tp 2 at world 4 runs in the slow tier
 def test_ep2_tp2_world8_shards_the_experts_outside_ep(world1):
     """ep 2 x tp 2 at world 8 (dp_shard 4) under ZeRO-3: the experts' FSDP units over the 2 ranks outside ep at
     each tp coordinate reduce-scatter their gradient, divided by the data-parallel size (4), not summed over tp:

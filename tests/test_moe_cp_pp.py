@@ -180,7 +180,7 @@ def test_pp2_and_cp2_eval_loss_holds_every_stages_aux_loss():
             assert rank[name]["again"] == pytest.approx(ref, rel=1e-5), name
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # world 8; cp 2 x ep 2 at world 4 runs in the slow tier
 def test_cp2_ep2_under_hsdp_at_world8_matches_world1(reference):
     """dp_replicate 2 x dp_shard 2 (ep 2) x cp 2: the experts' units replicate across dp_replicate and shard
     over dp_shard / ep x cp (a 2-D mesh of the replicas and that flattened axis)."""

@@ -303,6 +303,7 @@ def _wait_job(client, job: str, want, timeout: float = 240.0) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.exhaustive  # tests/test_terminal.py starts `etrain run` on a local Ray too (the slow tier)
 def test_etrain_run_without_a_cluster_starts_a_local_ray_on_loopback(tmp_path):
     """`etrain run` on a machine with no cluster: a local Ray whose workers meet on 127.0.0.1."""
     root = f"file://{tmp_path}/runs"

@@ -55,6 +55,7 @@ def _doc(root: str, *extra: str) -> tuple[dict, list[str]]:
 
 
 @pytest.mark.ray
+@pytest.mark.exhaustive  # a killed worker: tests/test_chaos*.py; an HF model and the API: make test and below
 def test_submit_an_hf_model_kill_a_worker_and_pass_the_oracle(ray_cluster, tmp_path):
     from orchestrator.chaos.cli import judge
     from orchestrator.chaos.injector import Chaos

@@ -20,7 +20,7 @@ from orchestrator.chaos.oracle import oracle
 from orchestrator.scheduling.demand import resize_cost, throughput
 from tests.cluster import GLOBAL_BATCH, STEPS, start_run
 
-A_STEPS = 260
+A_STEPS = 160  # A outlives B (40 steps at 2 workers) at 1 worker with steps to spare for the growth back
 
 
 def resizes(store, run_id: str) -> list[tuple[int, int]]:
