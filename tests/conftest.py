@@ -65,12 +65,16 @@ def new_bucket(endpoint: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.exhaustive_on_s3``: the S3 case of a ``storage_url`` test runs with ``make test-exhaustive``;
-    the same test on a local disk stays in ``make test``."""
+    """``@pytest.mark.slow_on_s3`` (``exhaustive_on_s3``): the S3 case of a ``storage_url`` test runs with the slow
+    tier (``make test-exhaustive``); the same test on a local disk stays in ``make test``."""
     for item in items:
         spec = getattr(item, "callspec", None)
-        if item.get_closest_marker("exhaustive_on_s3") and spec is not None and spec.params.get("storage_url") == "s3":
+        if spec is None or spec.params.get("storage_url") != "s3":
+            continue
+        if item.get_closest_marker("exhaustive_on_s3"):
             item.add_marker(pytest.mark.exhaustive)
+        elif item.get_closest_marker("slow_on_s3"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -102,6 +102,7 @@ def test_reshard_data_parallel_4_3_2_1_4(storage_url):
 
 
 @pytest.mark.compat
+@pytest.mark.slow_on_s3
 def test_bit_exact_resume(storage_url):
     """20 steps straight == 10 steps + save + new processes + load + 10 steps, bitwise."""
     straight = plan(2, storage_url, [{"train": 20}])
@@ -120,6 +121,7 @@ def test_bit_exact_resume(storage_url):
         assert abs(a - b) <= 1e-5 * abs(b), (a, b)
 
 
+@pytest.mark.slow_on_s3
 def test_crash_during_save_leaves_step_invisible(storage_url):
     out = run_ranks("tests.ckpt_jobs:crash_during_save", 2,
                     {"base": base(storage_url) + ["checkpoint.timeout_s=4"]}, expect_exit={1: 17})
@@ -139,6 +141,7 @@ def ckpt_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow_on_s3
 def test_flipped_byte_fails_verify_and_load_falls_back(storage_url):
     plan(2, storage_url, [{"train": 1, "save": "run", "state": False},
                           {"load": "run", "train": 1, "save": "run", "state": False}])
@@ -162,6 +165,7 @@ def test_flipped_byte_fails_verify_and_load_falls_back(storage_url):
     assert [r["step"] for r in json.loads(ls.stdout)] == [1, 2]
 
 
+@pytest.mark.slow_on_s3
 def test_storage_faults_retry_then_commit_or_fail_cleanly(storage_url):
     flaky = ['checkpoint.faults={error_rate = 0.3, delay_s = 0.01, seed = 5}']
     down = ['checkpoint.faults={fail_after = 0}', "checkpoint.timeout_s=3"]

@@ -451,6 +451,7 @@ def _umount(path):
     subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
+@pytest.mark.slow  # about 10 s
 def test_a_url_that_cannot_be_written_is_found_before_training(tmp_path):
     a_file = tmp_path / "plain-file"
     a_file.write_text("x")

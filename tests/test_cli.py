@@ -77,6 +77,7 @@ def _rank_pids(agent_pid: int) -> dict[int, int]:
     return {int(rank): pid for pid, rank in ranks.items() if rank.isdigit()}
 
 
+@pytest.mark.slow  # about 14 s: two torchrun launches
 def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
     """A rank SIGKILLed twice under ``torchrun --max-restarts``: every restart forms its group afresh
     (torchrun's static rendezvous keeps one store for the job: stale keys hung or refused restarts),

@@ -216,6 +216,7 @@ def test_bad_models_exit_2_before_any_process_group():
         assert message in err, err
 
 
+@pytest.mark.slow  # about 12 s: trainer processes, each importing transformers
 def test_hf_model_without_a_plan_refuses_tp_and_vocab_must_fit(configs, tmp_path):
     r = run_module("trainer", ["--set", 'model.source="hf"', "--set", f'model.hf_config="{configs["gpt2"]}"',
                                "--set", "parallel.tp=2"])

@@ -311,6 +311,7 @@ def test_an_mlflow_uri_with_a_password_is_refused_without_repeating_it(capsys):
     assert "s3cret" not in out.err + out.out
 
 
+@pytest.mark.slow  # about 8 s; the Ray run with a stalled tracker is in this tier too
 def test_torchrun_run_with_a_stalled_tracker_server_finishes_on_time(tmp_path):
     """`python -m trainer` with an MLflow server that never answers: the steps go on, the final flush waits
     flush_timeout_s and the run exits 0 saying what it could not send (before: stalled for 120 s a request)."""
