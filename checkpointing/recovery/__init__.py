@@ -6,7 +6,10 @@ One module per concept:
 - ``snapshot``: one rank's snapshot of a step (the standard-DCP files of that step), its wire format
   and which peers hold copies of it;
 - ``tier``: :class:`~checkpointing.recovery.tier.MemoryTier`, taking, agreeing and holding snapshots;
-- ``replay``: a snapshot's files laid out again by the last layout, without DCP (the per-step path);
+  ``results``: what became of a snapshot and of its copies;
+- ``replay``: a snapshot's files laid out again by the last layout, without DCP (the per-step path), and
+  the host copy's buffers placed where those files put each tensor (snapshots in place);
+- ``local_copy``: the memory files a rank's snapshots are written into, mapped by peers on the same host;
 - ``transport``: how a held snapshot moves (:class:`~checkpointing.recovery.transport.SnapshotTransport`):
   pushed to peers while training (``PeerCopyTransport``), fetched from holders on restore
   (``orchestrator.tier_restore.RayFetchTransport``);
