@@ -111,12 +111,11 @@ class Region:
         goes (a placed tensor's bytes) is not copied; one lying elsewhere in the region is refused."""
         views = [memoryview(p).cast("B") for p in parts]
         n = sum(len(v) for v in views)
-        with self._lock:
-            if self.refused or self.used + n > self.capacity:
-                return None
-            start = self.reserve + self.used
-            self.used += n
-        base, end = self.address(), self.address() + len(self.view)
+        start = self._reserve(n)
+        if start is None:
+            return None
+        base = self.address()
+        end = base + len(self.view)
         moves, pos = [], start
         for v in views:
             at = _address(v)
@@ -136,11 +135,9 @@ class Region:
         """The next ``n`` bytes of the region as they lie (a file laid out there before, ``laid_out``) with
         ``patches`` (``[(offset in them, bytes)]``) written over them: a view of them (None when they do not
         fit or a patch would land on placed bytes)."""
-        with self._lock:
-            if self.refused or self.used + n > self.capacity:
-                return None
-            start = self.reserve + self.used
-            self.used += n
+        start = self._reserve(n)
+        if start is None:
+            return None
         moves = []
         for off, raw in patches:
             view = memoryview(raw).cast("B")
@@ -149,6 +146,15 @@ class Region:
             if len(view):
                 moves.append((start + off, _address(view), len(view)))
         return self._write(start, n, moves)
+
+    def _reserve(self, n: int) -> int | None:
+        """Where the next ``n`` bytes of the region start (taken), or None: they do not fit, or puts are refused."""
+        with self._lock:
+            if self.refused or self.used + n > self.capacity:
+                return None
+            start = self.reserve + self.used
+            self.used += n
+        return start
 
     def _write(self, start: int, n: int, moves: list) -> memoryview:
         base = self.address()
@@ -224,7 +230,7 @@ class Arena:
             return None
         with self._lock:
             free = [r for r in self.regions if r.step not in self.held and r is not avoid]
-            fits = [r for r in free if r.capacity >= nbytes and r.reserve >= self.reserve]
+            fits = [r for r in free if r.capacity >= nbytes and self._roomy(r)]
             if fits:
                 return fits[0].reset(step)
             for r in free:
@@ -239,9 +245,13 @@ class Arena:
         host copy's layout and the last plan's now, else None."""
         with self._lock:
             for r in self.regions if not self.frozen else ():
-                if r.step not in self.held and r.reserve >= self.reserve and current(r.placed):
+                if r.step not in self.held and self._roomy(r) and current(r.placed):
                     return r.reset(step)
         return None
+
+    def _roomy(self, region: Region) -> bool:
+        """Whether ``region`` leaves room for the wire form's header and metadata (``grow_reserve``)."""
+        return region.reserve >= self.reserve
 
     def region_of(self, step: int) -> Region | None:
         with self._lock:
