@@ -122,15 +122,16 @@ class Membership:
         recovery = None
         if self.recovery.enabled:
             recovery = GroupTier(self.recovery, tuple(self.group.info(w).get("node_id", "") for w in chosen))
+        # Planned before the form: a member that restores a snapshot it does not hold asks for it as it forms.
+        plan, why = self.memory_plan(chosen)
+        t_plan = self.clock()
         key = secrets.token_hex(16)  # the epoch's rendezvous keys, known only to its members (TrainWorker.form)
-        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key)
+        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key, plan)
                  for r, w in enumerate(chosen)]
         formed = self._collect(calls, "form")
         t1 = self.clock()
-        plan, why = self.memory_plan(chosen)
-        t_plan = self.clock()
         restored = self._group_call(chosen, "restore", plan)
-        self.form_phases = {"form_s": t1 - t0, "plan_s": t_plan - t1, "restore_s": self.clock() - t_plan}
+        self.form_phases = {"form_s": t1 - t_plan, "plan_s": t_plan - t0, "restore_s": self.clock() - t1}
         for r in formed.values():  # the slowest rank's time in each part of forming
             for k, v in r.phases.items():
                 self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))

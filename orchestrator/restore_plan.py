@@ -1,6 +1,7 @@
 """Where a group restores from in the memory tier: asked of the live workers, decided by the controller.
 
     plan, why = group_restore_plan(group, holders, committed_step)   # plan None: restore from storage
+    group.submit(w, "form", ..., plan)                                 # a member new to the step asks for it
     group.submit(w, "restore", plan)                                   # every member of the new group
     why, events, tier = restore_outcome(restored, why, recovering)     # the events the controller tells
 

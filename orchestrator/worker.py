@@ -57,7 +57,7 @@ from trainer.world import World, init_distributed, listening_store, shutdown_dis
 
 from .config import GroupTier
 from .store import HistoryRow
-from .tier_restore import MemoryRestore, everyone, restore_from_memory
+from .tier_restore import MemoryRestore, ask_header, everyone, restore_from_memory
 from .tier_restore import warm_up as warm_up_memory_tier
 from .worker_results import Formed, Restored, TrainResult
 
@@ -108,6 +108,7 @@ class TrainWorker:
         self.tier_every = 0  # its snapshot after every N-th step
         self.held = HeldSnapshots()  # what the tiers of earlier groups held
         self._snap = None  # the future of the tier's last snapshot
+        self._asked: dict = {}  # the header of the snapshot the group restores next, asked for at the form
         self.tier_note = ""  # why the tier is off in this group, when it is
         self.tier_budget = None  # this group's checkpointing.recovery.budget.Budget
         self._tier_events: list[dict] = []  # the tier turned off (rank 0), for the controller (progress)
@@ -177,13 +178,14 @@ class TrainWorker:
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: GroupTier | None = None, key: str = "") -> Formed:
+             recovery: GroupTier | None = None, key: str = "", plan: MemoryRestore | None = None) -> Formed:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
         memory tier's settings (``[recovery]`` as the controller parsed it, and each rank's node), None for
         none.
         ``key``: the epoch's secret, which prefixes every key of its rendezvous (the controller draws one
-        per epoch and tells only the members)."""
+        per epoch and tells only the members). ``plan``: the restore from memory that follows, if any."""
         t0 = time.monotonic()
+        self._asked = ask_header(self.memory_view(), plan)
         self._teardown()
         local = ray_device_index()
         world = World(rank=rank, size=world_size, local_rank=local, master_addr=master_addr, master_port=master_port)
@@ -258,7 +260,7 @@ class TrainWorker:
         t0 = time.monotonic()
         fallback = ""
         if plan is not None:
-            fallback, state = restore_from_memory(self, plan)
+            fallback, state = restore_from_memory(self, plan, self._asked)
             if not fallback:  # with the restored step's history row: a rank 0 that died may never have sent it
                 return Restored(self.trainer.step, "memory", time.monotonic() - t0,
                                 history_row=state.get("history_row"), memory_tier=self._tier_state())
@@ -355,7 +357,7 @@ class TrainWorker:
             self.ckpt.close()
         self.trainer = None
         self.ckpt = None
-        shutdown_distributed()
+        shutdown_distributed(background=True)  # the old groups are freed beside the next form
 
     @on_torch_thread
     def leave(self) -> None:

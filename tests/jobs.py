@@ -233,3 +233,41 @@ def deferred_draw(payload: dict) -> dict:
                          "param_diff": diff(got[True][1], got[False][1]),
                          "losses": (got["losses_True"], got["losses_False"])}
         return out
+
+
+def reform_in_background(payload: dict) -> dict:
+    """Two groups in a row on one rendezvous store, as a re-formed TrainWorker has them: the first (a world
+    group and a subgroup, as the memory tier makes) left with ``shutdown_distributed(background=True)``, the
+    second formed at once with the ranks swapped. Per epoch the all-reduced sums; whether the first
+    epoch's group objects were freed in the end (weak references), and by the thread."""
+    import datetime
+    import weakref
+
+    import torch.distributed as dist
+
+    from trainer.world import join_freeing, listening_store
+
+    world = World.from_env()
+    timeout = datetime.timedelta(seconds=60)
+    store = (listening_store(world.master_addr, world.master_port, timeout, world_size=world.size)
+             if world.is_main else dist.TCPStore(world.master_addr, world.master_port, world.size, is_master=False,
+                                                  timeout=timeout))
+    sums, refs = [], []
+    for epoch in (1, 2):
+        rank = world.rank if epoch == 1 else world.size - 1 - world.rank
+        init_distributed(World(rank=rank, size=world.size, master_addr=world.master_addr,
+                               master_port=world.master_port), CPU,
+                         store=dist.PrefixStore(f"epoch_{epoch}", store), timeout_s=60)
+        sub = dist.new_group(list(range(world.size)), backend="gloo")
+        t = torch.tensor([float(rank + 1), float(epoch)])
+        dist.all_reduce(t)
+        s = torch.tensor([float(rank)])
+        dist.all_reduce(s, group=sub)
+        sums.append([*t.tolist(), *s.tolist()])
+        if epoch == 1:
+            refs = [weakref.ref(dist.group.WORLD), weakref.ref(sub)]
+        del sub
+        shutdown_distributed(background=True)
+        gc.collect()
+    join_freeing(timeout=30)
+    return {"sums": sums, "freed": [r() is None for r in refs]}

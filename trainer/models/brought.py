@@ -45,7 +45,7 @@ from .blocks import apply_block_ac, find_blocks, parameters_on_meta, shares_para
 from .llama_layout import cut_hf_stage, llama_like
 from .refs import resolve_ref
 from .shape import ModelShape
-from .spec import ModelInfo, ModelSpec, Stage, zero_parameters
+from .spec import ModelInfo, ModelSpec, Stage, to_empty, zero_parameters
 
 # The HF TP styles this module can express with torch's own ParallelStyles.
 HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
@@ -148,7 +148,7 @@ class UserModelSpec(ModelSpec):
             return
         model = stage.module
         buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-        model.to_empty(device=device)
+        to_empty(model, device)
         zero_parameters(model)
         for m, name, b in buffers:
             m._buffers[name] = b.to(device)

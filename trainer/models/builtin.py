@@ -26,7 +26,7 @@ from .mixtral_names import MixtralNames
 from .moe import MoE, moe_layers
 from .qwen_moe_names import hf_moe_names
 from .shape import ModelShape
-from .spec import ModelSpec, Stage, zero_parameters
+from .spec import ModelSpec, Stage, to_empty, zero_parameters
 
 
 class DecoderSpec(ModelSpec):
@@ -108,7 +108,7 @@ class DecoderSpec(ModelSpec):
                 block.checkpoint_activations = int(name) % every_k == 0
 
     def materialize(self, stage: Stage, device: str | torch.device, seed: int, draw: bool = True) -> None:
-        stage.module.to_empty(device=device)
+        to_empty(stage.module, device)
         if draw:
             stage.module.init_weights(seed)
             return

@@ -77,6 +77,24 @@ class HFNames(Protocol):
     # Where the transformers model has tensors the model lacks, added() -> {name: shape}: exported as zeros.
 
 
+def to_empty(module: nn.Module, device: str | torch.device) -> None:
+    """``module.to_empty(device=device)``, each DTensor made from an empty local tensor: DTensor's own
+    ``empty_like`` propagates the sharding of each shape once per process group (1-2 ms each on CPU),
+    inside every re-formation's build of the model. The same tensors, the same module hooks (FSDP2's
+    ``_apply``, through which ``to_empty`` goes too, re-registers its shards)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return torch.empty_like(t, device=device)
+        local = torch.empty_like(t._local_tensor, device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+
+    module._apply(empty)
+
+
 def zero_parameters(module: nn.Module) -> None:
     """Every parameter's local part (a DTensor's own shard) set to zero: weights that are loaded (or drawn)
     over next, allocated uninitialized (``to_empty``)."""
