@@ -4,6 +4,7 @@ durable checkpoint's async save and the memory recovery tier share.
     host = HostCopy()
     copy = host.copy(state_dict)           # every tensor in a host buffer kept from one copy to the next
     pending = host.copy_async(state_dict)  # CUDA: queued on a side stream; pending.wait() on the host later
+    pending = host.copy_async(state_dict, defer=True)  # host state: copied by pending.wait() or fence_writes()
     placement = host.place(where)          # this layout's buffers at other memory (a memory file's bytes)
     pending = host.copy_async(state_dict, into=placement)   # host state: copied there while the layout holds
     fence_writes()                         # before the optimizer writes in place: the GPU waits for the reads
@@ -21,6 +22,7 @@ reuses its plan (``checkpointing.transaction``, ``checkpointing.recovery.tier``)
 from __future__ import annotations
 
 import hashlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -67,28 +69,55 @@ class PendingCopy:
     ``layout``: the copy's :func:`layout_fingerprint` when known (host state), else None. ``into``: the
     :class:`Placement` the copy went to, or None (the copy's own buffers)."""
 
-    def __init__(self, state: dict, event=None, layout: str | None = None, into: Placement | None = None):
+    def __init__(self, state: dict, event=None, layout: str | None = None, into: Placement | None = None,
+                 deferred: _Deferred | None = None):
         self.state = state
         self.event = event  # a CUDA event recorded on the side stream after the last copy, or None
         self.layout = layout
         self.into = into
+        self.deferred = deferred  # host state copied later (copy_async(defer=True)), or None
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        return (self.deferred is None or self.deferred.done) and (self.event is None or self.event.query())
 
     def wait(self) -> dict:
+        if self.deferred is not None:
+            self.deferred.run()
         if self.event is not None:
             self.event.synchronize()
         return self.state
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every HostCopy with a CUDA copy in flight, for fence_writes
+class _Deferred:
+    """A host copy not made yet (:meth:`HostCopy.copy_async` with ``defer``): made once, by the first thread
+    that needs it, the one that waits for the copy (:meth:`PendingCopy.wait`) or the training thread before
+    the optimizer writes the state (:func:`fence_writes`)."""
+
+    def __init__(self, buffers: list, sources: list):
+        self._args: tuple | None = (buffers, sources)
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._args is None
+
+    def run(self) -> None:
+        with self._lock:
+            if self._args is not None:
+                import torch
+
+                torch._foreach_copy_(*self._args)
+                self._args = None
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every HostCopy with a copy in flight, for fence_writes
 
 
 def fence_writes() -> None:
-    """Make the current CUDA stream wait (on the GPU, the host does not block) until every queued device-to-host
-    copy has read its tensors: the optimizer step calls it before writing parameters and state in place.
-    Nothing to do without CUDA or a copy in flight."""
+    """Before the optimizer step writes parameters and state in place: make the current CUDA stream wait (on
+    the GPU, the host does not block) until every queued device-to-host copy has read its tensors, and make
+    every deferred host copy that its thread has not made yet (here, in the calling thread). Nothing to do
+    without a copy in flight."""
     for host in list(_LIVE):
         host.fence()
 
@@ -96,12 +125,14 @@ def fence_writes() -> None:
 class HostCopy:
     """Host buffers for a state dict, kept from one copy to the next (DTensors rewrapped over them).
 
-    CPU tensors are copied in the calling thread, as they always were. CUDA tensors are copied on a side
-    stream, which first waits for the compute stream (the values as of the call), into pinned buffers that
-    alternate between two sets (ping-pong: copy N+1 may be queued while copy N is still read on the host;
-    copy N+2 reuses N's buffers, so N must have been consumed by then). An event after the last copy lets
-    :func:`fence_writes` order the optimizer's in-place writes after the reads, and :meth:`PendingCopy.wait`
-    tell the host when the buffers are filled; forward and backward of the next step overlap the copy.
+    CPU tensors are copied in the calling thread, or (``defer``) by the thread that waits for the copy: the
+    foreach copy releases the GIL, so it runs while training computes the next step. CUDA tensors are copied
+    on a side stream, which first waits for the compute stream (the values as of the call), into pinned
+    buffers that alternate between two sets (ping-pong: copy N+1 may be queued while copy N is still read on
+    the host; copy N+2 reuses N's buffers, so N must have been consumed by then). An event after the last
+    copy lets :func:`fence_writes` order the optimizer's in-place writes after the reads, and
+    :meth:`PendingCopy.wait` tell the host when the buffers are filled; forward and backward of the next
+    step overlap the copy.
     """
 
     SLOTS = 2  # buffer sets for CUDA state (ping-pong); host state needs one
@@ -114,6 +145,7 @@ class HostCopy:
         self._stream = None  # the side stream, made at the first CUDA copy
         self._event = None  # recorded after the last queued copy
         self._index: _Index | None = None  # host state: the buffers of the last layout, in walk order
+        self._deferred: _Deferred | None = None  # the last deferred host copy
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.buffers, *self._more) for t in d.values())
@@ -123,18 +155,23 @@ class HostCopy:
         when this returns (CUDA copies: the host waits for the side stream's event, not the compute stream)."""
         return self.copy_async(state_dict).wait()
 
-    def copy_async(self, state_dict: dict, into: Placement | None = None) -> PendingCopy:
+    def copy_async(self, state_dict: dict, into: Placement | None = None, defer: bool = False) -> PendingCopy:
         """Queue the copy; for CUDA state, returns before it is done (:class:`PendingCopy`). Host state whose
         layout is the one ``into`` was placed for is copied into its buffers instead of this copy's own
-        (:meth:`place`); CUDA state always goes to the pinned buffers."""
+        (:meth:`place`); CUDA state always goes to the pinned buffers. ``defer``: host state of the last
+        layout is copied later, by :meth:`PendingCopy.wait` or :func:`fence_writes`, whichever comes first
+        (the caller's promise: nothing writes the state in place before either; the first copy of a layout,
+        which indexes it, is made now)."""
         import torch
 
+        if self._deferred is not None:  # a deferred copy into these buffers lands before this one
+            self._deferred.run()
         leaves: list = []
         key: list = []
         tree = _flatten(state_dict, leaves, key)
         _, dtensor = _tensor_types()
         if not any((t._local_tensor if type(t) is dtensor else t).is_cuda for t in leaves):
-            return self._copy_indexed(state_dict, leaves, key, tree, into)
+            return self._copy_indexed(state_dict, leaves, key, tree, into, defer)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._slot = (self._slot + 1) % self.SLOTS
@@ -147,7 +184,8 @@ class HostCopy:
         _LIVE.add(self)
         return PendingCopy(out, self._event)
 
-    def _copy_indexed(self, state_dict: dict, leaves: list, key: list, tree, into: Placement | None) -> PendingCopy:
+    def _copy_indexed(self, state_dict: dict, leaves: list, key: list, tree, into: Placement | None,
+                      defer: bool = False) -> PendingCopy:
         """Host state (``leaves``, ``key``, ``tree``: :func:`_flatten`'s): while the layout's key is the last
         one's, one ``foreach`` copy into the buffers (and DTensor views) indexed for it (or ``into``'s, placed
         for it), else the full copy, which indexes the new layout. The copy carries its layout's fingerprint,
@@ -164,10 +202,16 @@ class HostCopy:
                                  layout_fingerprint(out))
             return PendingCopy(out, layout=self._index.layout)
         target = into if into is not None and into.index is index else index
+        deferred = None
         if leaves:
-            torch._foreach_copy_(target.buffers, [(t._local_tensor if type(t) is dtensor else t).detach()
-                                                  for t in leaves])
-        return PendingCopy(_fill(tree, target.views), layout=index.layout, into=into if target is into else None)
+            sources = [(t._local_tensor if type(t) is dtensor else t).detach() for t in leaves]
+            if defer:
+                deferred = self._deferred = _Deferred(target.buffers, sources)
+                _LIVE.add(self)
+            else:
+                torch._foreach_copy_(target.buffers, sources)
+        return PendingCopy(_fill(tree, target.views), layout=index.layout, into=into if target is into else None,
+                           deferred=deferred)
 
     def place(self, where) -> Placement | None:
         """The current layout's buffers in other memory: ``where(buffer)`` gives a tensor of the buffer's shape
@@ -193,7 +237,10 @@ class HostCopy:
         return placement is not None and placement.index is self._index
 
     def fence(self) -> None:
-        """The current stream waits for this copy's reads (:func:`fence_writes`)."""
+        """This copy's deferred host copy made, if its thread has not yet; the current stream waits for this
+        copy's reads (:func:`fence_writes`)."""
+        if self._deferred is not None:
+            self._deferred.run()
         if self._event is not None:
             import torch
 

@@ -126,12 +126,14 @@ class Membership:
         plan, why = self.memory_plan(chosen)
         t_plan = self.clock()
         key = secrets.token_hex(16)  # the epoch's rendezvous keys, known only to its members (TrainWorker.form)
-        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key, plan)
+        # Each member restores as soon as it formed (restore=True): one call, no member waiting for the slowest.
+        calls = [self.group.submit(w, "form", self.epoch, r, size, addr, port, recovery, key, plan, True)
                  for r, w in enumerate(chosen)]
         formed = self._collect(calls, "form")
-        t1 = self.clock()
-        restored = self._group_call(chosen, "restore", plan)
-        self.form_phases = {"form_s": t1 - t_plan, "plan_s": t_plan - t0, "restore_s": self.clock() - t1}
+        restored = {w: f.restored for w, f in formed.items()}
+        form_s = max(f.seconds for f in formed.values())  # the slowest member's form; the rest of the call restores
+        self.form_phases = {"plan_s": t_plan - t0, "form_s": form_s,
+                            "restore_s": max(0.0, self.clock() - t_plan - form_s)}
         for r in formed.values():  # the slowest rank's time in each part of forming
             for k, v in r.phases.items():
                 self.form_phases[k] = max(v, self.form_phases.get(k, 0.0))

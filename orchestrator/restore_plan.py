@@ -1,8 +1,8 @@
 """Where a group restores from in the memory tier: asked of the live workers, decided by the controller.
 
     plan, why = group_restore_plan(group, holders, committed_step)   # plan None: restore from storage
-    group.submit(w, "form", ..., plan)                                 # a member new to the step asks for it
-    group.submit(w, "restore", plan)                                   # every member of the new group
+    group.submit(w, "form", ..., plan, True)                           # every member of the new group: it
+                                                                       # forms, then restores (TrainWorker)
     why, events, tier = restore_outcome(restored, why, recovering)     # the events the controller tells
 
 Each holder answers ``memory_holdings`` (``TrainWorker``: per snapshot key, the

@@ -2,12 +2,12 @@
 
 The controller drives every member of a group with the same calls at once:
 
-    form(epoch, rank, world, addr, port, recovery, key)
+    form(epoch, rank, world, addr, port, recovery, key, plan, restore=True)
                                            new process group + Trainer for this layout (at rank 0's
                                            rendezvous_port(), under the epoch's secret key), and its
-                                           memory tier
-    restore(plan)                          the step ``plan`` names from the memory tier, else the
-                                           newest valid checkpoint, resharded (or a fresh start)
+                                           memory tier; then (restore) the step ``plan`` names from the
+                                           memory tier, else the newest valid checkpoint, resharded (or
+                                           a fresh start), as ``restore(plan)`` does
     train(until_step)                      the step loop; returns done / stopped / failed
     save()                                 a checkpoint now, committed before it returns
     memory_flush()                         the current step in the memory tier (a resize's)
@@ -17,21 +17,20 @@ and ``request_stop()``; from any thread ``memory_holdings()``, ``memory_file()``
 and ``memory_header()``, what this worker holds of the memory tier (its own
 group's and earlier groups', see ``checkpointing.recovery.held``) for a restore
 planned by the controller: the files a restoring rank does not hold come from
-their holder by a Ray actor call.
-The calls that touch torch (the five above and
-``leave``) run on one thread of their own, the actor's ``torch`` concurrency
-group: DTensor keeps per-thread caches that must be cleared when the process
-joins a new group (``trainer.world.forget_meshes``). A stop request is a
-vote carried by the step's own all-reduce, so every rank stops after the
-same step. When a peer vanishes,
-the collective in ``train`` fails and ``train`` returns "failed" while this
-process lives on, ready to ``form`` the next epoch: that is in-place
-recovery. The worker never talks to other workers except through
-torch.distributed.
+their holder by a Ray actor call. The calls that touch torch (those above,
+``restore`` and ``leave``) run on one thread of their own, the actor's ``torch``
+concurrency group: DTensor keeps per-thread caches that must be cleared when the
+process joins a new group (``trainer.world.forget_meshes``). A stop request is a
+vote carried by the step's own all-reduce, so every rank stops after the same
+step. When a peer vanishes, the collective in ``train`` fails and ``train``
+returns "failed" while this process lives on, ready to ``form`` the next epoch:
+that is in-place recovery. The worker never talks to other workers except
+through torch.distributed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -59,7 +58,7 @@ from .config import GroupTier
 from .store import HistoryRow
 from .tier_restore import MemoryRestore, ask_header, everyone, restore_from_memory
 from .tier_restore import warm_up as warm_up_memory_tier
-from .worker_results import Formed, Restored, TrainResult
+from .worker_results import Formed, Restored, TrainResult, refused_event
 
 log = logging.getLogger("etrain")
 
@@ -178,14 +177,26 @@ class TrainWorker:
 
     @on_torch_thread
     def form(self, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-             recovery: GroupTier | None = None, key: str = "", plan: MemoryRestore | None = None) -> Formed:
+             recovery: GroupTier | None = None, key: str = "", plan: MemoryRestore | None = None,
+             restore: bool = False) -> Formed:
         """Leave the old process group (if any) and join epoch ``epoch`` as ``rank``. ``recovery``: the
         memory tier's settings (``[recovery]`` as the controller parsed it, and each rank's node), None for
         none.
         ``key``: the epoch's secret, which prefixes every key of its rendezvous (the controller draws one
-        per epoch and tells only the members). ``plan``: the restore from memory that follows, if any."""
+        per epoch and tells only the members). ``plan``: the restore from memory that follows, if any;
+        with ``restore``, made here as soon as this member formed (``Formed.restored``), each member on its
+        own (a survivor reading its own memory need not wait for a standby's model to be built first)."""
         t0 = time.monotonic()
         self._asked = ask_header(self.memory_view(), plan)
+        try:
+            formed = self._join(t0, epoch, rank, world_size, master_addr, master_port, recovery, key)
+            return dataclasses.replace(formed, restored=self.restore(plan)) if restore else formed
+        except BaseException:  # leave the group: the peers' collectives of the restore fail now, not at a timeout
+            self._teardown()
+            raise
+
+    def _join(self, t0: float, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
+              recovery: GroupTier | None, key: str) -> Formed:
         self._teardown()
         local = ray_device_index()
         world = World(rank=rank, size=world_size, local_rank=local, master_addr=master_addr, master_port=master_port)
@@ -203,7 +214,7 @@ class TrainWorker:
         init_distributed(world, device, store=dist.PrefixStore(f"etrain/epoch_{epoch}/{key}", store),
                          timeout_s=self.pg_timeout_s)
         t2 = time.monotonic()
-        # The controller restores next (memory, a checkpoint, or none: the weights are drawn at the first step).
+        # The restore is next (memory, a checkpoint, or none: the weights are drawn at the first step).
         self.trainer = Trainer(self.cfg, world, corpus=self.corpus, val_corpus=self.val_corpus, device=device,
                                draw_weights=False)
         self.meter.name_axes(self.trainer.mesh)
@@ -281,14 +292,6 @@ class TrainWorker:
             return None
         return {**self.tier_budget.to_dict(), "describe": self.tier_budget.describe(), "rank": self.rank}
 
-    def _tier_refused(self, res, action: str) -> dict:
-        """The event for a snapshot refused over the budget: ``action`` (off: the tier turned itself off
-        for this group; refused: that snapshot only), the first rank over its budget, its bytes, its budget."""
-        rank = min(res.over_budget)
-        held, budget = res.over_budget[rank]
-        return {"action": action, "step": res.step, "rank": rank, "bytes": held, "budget_bytes": budget,
-                "ranks": sorted(res.over_budget), "reason": res.reason}
-
     def memory_holdings(self) -> dict:
         """Per snapshot key (step, epoch), the files this worker holds and the files of that step."""
         view = self.memory_view()
@@ -317,7 +320,7 @@ class TrainWorker:
                 log.warning("%s; recoveries restore from the durable checkpoint", self.tier_note)
                 if self.rank == 0:  # the controller polls rank 0: one event for the group
                     with self._lock:
-                        self._tier_events.append(self._tier_refused(res, "off"))
+                        self._tier_events.append(refused_event(res, "off"))
                 self.held.keep(self.epoch, tier.detach())
                 self.tier = None
                 return
@@ -344,7 +347,7 @@ class TrainWorker:
             tr.initial_weights()  # a group that has not stepped yet: its weights drawn (or init_from) first
             res = tier.take(tr.step, tr.optimizer.checkpoint_state(), tr.train_state())
             ok, reason = res.ok, res.reason
-            refused = self._tier_refused(res, "refused") if res.status == "refused" else None
+            refused = refused_event(res, "refused") if res.status == "refused" else None
         return {"step": tr.step if ok else None, "seconds": time.monotonic() - t0, "reason": reason,
                 "refused": refused}
 

@@ -4,6 +4,7 @@ call, so that the controller and its states read named fields, never dict keys w
     TrainResult(status="failed", step=12, error="rank 1: connection reset", kind="collective_failed")
     Formed(rank=0, seconds=0.41, phases={"process_group_s": 0.2, ...})
     Restored(step=12, tier="memory", seconds=0.05, history_row=[...])
+    refused_event(snapshot_result, "off")   # the memory_tier event of a snapshot refused over its budget
 
 They travel through Ray (pickled by value), so they hold plain data only.
 """
@@ -32,15 +33,6 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
-class Formed:
-    """A member joined an epoch's process group as ``rank``; ``phases``: where its ``seconds`` went."""
-
-    rank: int
-    seconds: float
-    phases: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class Restored:
     """Where a member's ``restore`` took its state from.
 
@@ -58,3 +50,24 @@ class Restored:
     fallback: str = ""
     memory_tier: dict | None = None
     history_row: list | None = None
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A member joined an epoch's process group as ``rank``; ``phases``: where its ``seconds`` went;
+    ``restored``: the restore it made next when the form asked for one (``TrainWorker.form(restore=True)``)."""
+
+    rank: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    restored: Restored | None = None
+
+
+def refused_event(res, action: str) -> dict:
+    """The ``memory_tier`` event of a snapshot refused over the budget (``res``: its
+    ``checkpointing.recovery.results.SnapshotResult``): ``action`` (off: the tier turned itself off for this
+    group; refused: that snapshot only), the first rank over its budget, its bytes, its budget."""
+    rank = min(res.over_budget)
+    held, budget = res.over_budget[rank]
+    return {"action": action, "step": res.step, "rank": rank, "bytes": held, "budget_bytes": budget,
+            "ranks": sorted(res.over_budget), "reason": res.reason}

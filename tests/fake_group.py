@@ -330,24 +330,21 @@ class FakeGroup(WorkerGroup):
             call.ref.set(next(self._ports))
         elif method == "ping":
             call.ref.set(1000 + w.seq)
-        elif method == "form":
-            epoch, rank, world, _addr, _port, *_recovery = args
+        elif method == "form":  # (epoch, rank, world, addr, port[, recovery, key, plan, restore])
+            epoch, rank, world, _addr, _port, *rest = args
             w.epoch, w.rank, w.world = int(epoch), int(rank), int(world)
             w.stop, w.train, w.last, w.step = False, None, {}, 0
-            call.ref.set(Formed(rank, 0.0))
+            if len(rest) < 4 or not rest[3]:
+                call.ref.set(Formed(rank, 0.0))
+            elif (restored := self._restore(w, call)) is not None:  # as the worker does: restored once formed
+                call.ref.set(Formed(rank, 0.0, restored=restored))
         elif method == "memory_holdings":  # the fake keeps no memory tier: every restore is from storage
             call.ref.set({"holdings": {}, "needed": {}})
         elif method == "memory_flush":
             call.ref.set({"step": None, "seconds": 0.0, "reason": "no memory tier"})
         elif method == "restore":
-            latest = self.storage.latest()
-            fault = self._fault(w.rank, latest, "restore")
-            if fault is not None and self._apply_outside_train(w, fault, call):
-                return
-            w.step = latest or 0
-            saved = self.storage.committed.get(latest, {}) if latest is not None else {}
-            call.ref.set(Restored(w.step, "durable" if latest is not None else "none", 0.0, from_step=latest,
-                                  world_size_at_save=saved.get("world_size")))
+            if (restored := self._restore(w, call)) is not None:
+                call.ref.set(restored)
         elif method == "save":
             fault = self._fault(w.rank, w.step, "save")
             if fault is not None and self._apply_outside_train(w, fault, call):
@@ -372,6 +369,17 @@ class FakeGroup(WorkerGroup):
             call.ref.set(False)
         else:
             raise AssertionError(f"fake: unknown worker method {method!r}")
+
+    def _restore(self, w: FakeWorker, call: Call) -> Restored | None:
+        """The newest checkpoint restored, or None when a restore fault decided the call's outcome."""
+        latest = self.storage.latest()
+        fault = self._fault(w.rank, latest, "restore")
+        if fault is not None and self._apply_outside_train(w, fault, call):
+            return None
+        w.step = latest or 0
+        saved = self.storage.committed.get(latest, {}) if latest is not None else {}
+        return Restored(w.step, "durable" if latest is not None else "none", 0.0, from_step=latest,
+                        world_size_at_save=saved.get("world_size"))
 
     def _apply_outside_train(self, w: FakeWorker, fault: Fault, call: Call) -> bool:
         """A fault during restore or save; True if it decided the call's outcome."""

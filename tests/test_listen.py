@@ -40,7 +40,7 @@ def test_controller_gives_every_epoch_a_rendezvous_key_of_its_own(tmp_path):
         forms = [(wid, args) for wid, method, args in r.group.log if method == "form"]
         by_epoch: dict[int, set] = {}
         for _, args in forms:
-            assert len(args) == 7, f"form got no rendezvous key: {args}"
+            assert len(args) == 9, f"form got no rendezvous key (or no plan and restore): {args}"
             by_epoch.setdefault(args[0], set()).add(args[6])
         assert len(by_epoch) >= 2
         keys = [k for ks in by_epoch.values() for k in ks]

@@ -17,7 +17,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import available_bytes, tier_budget
 from orchestrator.config import RecoveryConfig, recovery_from_raw
 from orchestrator.progress import describe_event, tier_status_line
-from orchestrator.worker_results import Restored
+from orchestrator.worker_results import Formed, Restored
 from tests.fake_group import FakeGroup
 from tests.test_controller import Rig
 
@@ -106,6 +106,8 @@ class TierGroup(FakeGroup):
         value = call.ref.value if call.ref.done else None
         if method == "restore" and isinstance(value, Restored):
             call.ref.value = replace(value, memory_tier={**BUDGET, "rank": w.rank})
+        if method == "form" and isinstance(value, Formed) and value.restored is not None:  # formed, then restored
+            call.ref.value = replace(value, restored=replace(value.restored, memory_tier={**BUDGET, "rank": w.rank}))
         if method == "progress" and isinstance(value, dict) and w.rank == 0 and w.step >= OFF_AT and not self.told:
             TierGroup.told = True
             value["memory_tier"] = [{"action": "off", "step": OFF_AT, "rank": 1, "bytes": 150_000,

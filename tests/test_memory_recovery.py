@@ -162,11 +162,12 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
                 assert plan is not None, why
             epoch += 1
             port = call(members[:1], "rendezvous_port")[0]
-            # As the controller forms a group: the plan with the form (a member new to the step asks for it).
-            ray.get([group.submit(w, "form", epoch, r, size, "127.0.0.1", port,
-                                  recovery if through_memory else None, "", plan).ref
-                     for r, w in enumerate(members)], timeout=300)
-            restores.append(asdict(call(members, "restore", plan)[0]))  # a worker_results.Restored
+            # As the controller forms a group: the plan with the form (a member new to the step asks for it),
+            # each member restoring as soon as it formed.
+            formed = ray.get([group.submit(w, "form", epoch, r, size, "127.0.0.1", port,
+                                           recovery if through_memory else None, "", plan, True).ref
+                              for r, w in enumerate(members)], timeout=300)
+            restores.append(asdict(formed[0].restored))  # a worker_results.Restored
             assert {r.status for r in call(members, "train", until)} == {"done"}
             if until == 18:
                 assert call(members, "save")[0]["status"] == "committed"

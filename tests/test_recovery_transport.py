@@ -40,6 +40,33 @@ def test_the_host_copy_is_indexed_once_per_layout_and_copied_anew_when_it_change
     assert torch.equal(bigger.state["optim"]["w"]["exp_avg"], state(n=40, seed=3)["optim"]["w"]["exp_avg"])
 
 
+def test_a_deferred_host_copy_is_made_by_its_waiter_or_before_the_optimizer_writes_whichever_is_first():
+    from checkpointing.host_copy import fence_writes
+
+    host = HostCopy()
+    live = state(seed=1)
+    first = host.copy_async(live, defer=True)  # a new layout: indexed and copied in the call
+    assert first.done() and torch.equal(first.state["model"]["w"], live["model"]["w"])
+    # The same layout: nothing copied in the call; the training thread's fence makes the copy, as of then.
+    live["model"]["w"].add_(1.0)
+    pending = host.copy_async(live, defer=True)
+    assert not pending.done()
+    assert not torch.equal(pending.state["model"]["w"], live["model"]["w"])  # the buffers still hold copy 1
+    fence_writes()  # what the optimizer step calls before writing in place
+    assert pending.done()
+    expected = live["model"]["w"].clone()
+    live["model"]["w"].mul_(3.0)  # the optimizer's write, after the fence: not in the copy
+    assert torch.equal(pending.wait()["model"]["w"], expected)
+    # The waiter first (the tier's thread): the copy is made by wait(), once; the fence then has nothing to do.
+    again = host.copy_async(live, defer=True)
+    out = again.wait()
+    assert again.done() and torch.equal(out["model"]["w"], live["model"]["w"])
+    assert torch.equal(out["optim"]["w"]["exp_avg"], live["optim"]["w"]["exp_avg"])
+    live["model"]["w"].zero_()
+    fence_writes()
+    assert not torch.equal(again.state["model"]["w"], live["model"]["w"])
+
+
 def test_a_replayed_snapshot_restores_its_own_state_and_a_resized_item_is_laid_out_anew():
     tier = MemoryTier(0, 1)
     try:

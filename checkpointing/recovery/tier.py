@@ -139,10 +139,10 @@ class MemoryTier:
 
     def take_async(self, step: int, state_dict: dict[str, Any], trainer_state: dict | None = None, *,
                    replicate: bool = True) -> Future:
-        """Like :meth:`take`, but training waits only for a copy of this rank's tensors into host buffers
-        kept from one snapshot to the next (what the async durable checkpoint waits for; CUDA tensors: only
-        for the copy to be queued on a side stream, which the background thread waits for), after the
-        previous snapshot's background work if that is still running. Laying the files out, the
+        """Like :meth:`take`, but training waits only for the previous snapshot's background work if that is
+        still running: the copy of this rank's tensors into host buffers kept from one snapshot to the next
+        is the background thread's (CUDA: queued on a side stream; the first copy of a layout: made now), and
+        the optimizer's next write waits for it (``fence_writes``). Laying the files out, the
         agreement and (``replicate``) the copies to peers run in the tier's background thread, in order.
         Collective: every rank calls it for the same steps in the same order. The future gives the
         :class:`SnapshotResult` (``blocking_s``: what training waited; ``replication``)."""
@@ -152,8 +152,8 @@ class MemoryTier:
         waited = time.monotonic() - t0
         self._prune()  # a free memory file whose bytes the host copy's buffers are placed in: copied there
         region = self._arena.take_placed(step, self._placed_now)
-        # CUDA: on the side stream, overlapping the next step (never into a memory file)
-        pending = self._host.copy_async(state_dict, into=region.placed.placement if region else None)
+        # CUDA: on the side stream, host: in the thread (both overlapping the next step; fence_writes() orders)
+        pending = self._host.copy_async(state_dict, into=region.placed.placement if region else None, defer=True)
         if pending.into is not None:  # the state lies in the memory file: no write of this step may land on it
             region.protect(region.placed.ranges)
         blocking = time.monotonic() - t0
