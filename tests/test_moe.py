@@ -139,6 +139,7 @@ def world1() -> dict:
                                                     "layouts": [("world1", ["parallel.zero_stage=0"])]})[0]["world1"]
 
 
+@pytest.mark.compat  # expert parallelism's mesh: torch 2.11's DeviceMesh._unflatten differs (trainer/compat.py)
 def test_ep2_world2_matches_world1(world1):
     """Experts split over 2 ranks (each holds its 2 experts: DTensors Shard(0) over ep; tokens by all-to-all,
     uneven splits, gradients through it): the first 5 losses within 1e-4 of world 1's and the first step's

@@ -30,6 +30,8 @@ Differences met by code that suits every release, so without a shim:
 * ``torch.distributed.pipelining`` in 2.11 checks a stage's input strides
   against the ones it inferred: ``trainer.parallel.pipeline.Pipeline`` hands the
   first stage contiguous tokens.
+* ``DeviceMesh._unflatten`` in 2.11 refuses a dim given by its name (its check is
+  inverted): ``ParallelDims.expert_mesh`` (expert parallelism) gives its index.
 
 CI tests the ends of the range (``make test`` on 2.13, ``make test-compat`` on
 2.11: tests/test_compat.py and the tests marked ``compat``); 2.12 was checked

@@ -312,7 +312,9 @@ class ParallelDims:
         data-parallel ranks. Collective: every rank builds it, in the same order."""
         if self.ep == 1 or mesh is None:
             return None
-        return mesh._unflatten(Axis.DP_SHARD.value, (self.dp_shard // self.ep, self.ep), EXPERT_SPLIT)
+        # The dim by index: torch 2.11's _unflatten refuses a dim given by its name (an inverted check).
+        dim = mesh.mesh_dim_names.index(Axis.DP_SHARD.value)
+        return mesh._unflatten(dim, (self.dp_shard // self.ep, self.ep), EXPERT_SPLIT)
 
     def expert_fsdp_mesh(self, emesh: DeviceMesh) -> DeviceMesh:
         """What ZeRO-3 shards the (ep-split) expert weights over: the data-parallel ranks outside ep, x the cp
