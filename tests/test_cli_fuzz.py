@@ -8,6 +8,7 @@ Every invocation ends with exit 0, 1 or 2 and a message, never a traceback (an e
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -16,6 +17,8 @@ from orchestrator.cli import main as etrain
 from orchestrator.documents import RunSpec
 from orchestrator.store import open_store
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.toml")
 SECRET = "hunter2pw"
 HOSTILE = ["", "-1", "0", "1", "3", "nan", "inf", "-inf", "1e999", "abc", "../../etc/passwd", "/nonexistent/x.png",
            "x.foo", f"s3://bob:{SECRET}@bucket/runs", f"http://127.0.0.1:1/?token={SECRET}", "file:///dev/null",
@@ -51,16 +54,17 @@ def invocations(rng: random.Random, w: dict):
         ["resize", run(), "--workers", v(), *store],
         ["plot", run(), "-o", rng.choice([v(), w["out"]]), *store],
         ["plot", "--log-file", rng.choice([w["log"], w["garbage"], v()]), "-o", rng.choice([v(), w["out"]])],
-        ["plan", "examples/tiny.toml", *small, rng.choice(["--tflops", "--device-memory", "--intra-node-bw",
+        ["plan", TINY, *small, rng.choice(["--tflops", "--device-memory", "--intra-node-bw",
                                                           "--inter-node-bw", "--gpus-per-node", "--device"]), v()],
-        ["plan", rng.choice(["examples/tiny.toml", v()]), *small, "--set", f"{v()}={v()}"],
+        ["plan", rng.choice([TINY, v()]), *small, "--set", f"{v()}={v()}"],
         ["ckpt", rng.choice(["ls", "inspect", "verify"]), rng.choice([v(), w["root"], w["root"] + "/done"])],
         ["logs", run()],
     ]
 
 
-def test_two_hundred_hostile_command_lines_exit_cleanly(world, capsys, monkeypatch):
+def test_two_hundred_hostile_command_lines_exit_cleanly(world, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("ETRAIN_STORE", world["root"])
+    monkeypatch.chdir(tmp_path)  # a relative -o (run.png) is written here, not into the checkout
     rng = random.Random(31)
     seen = 0
     while seen < 240:
