@@ -37,6 +37,10 @@ from .run import BackgroundRun, connect, default_root, prepare_resume, prepare_r
 console = Console()
 
 
+TINY = os.path.join("examples", "tiny.toml")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where etrain's examples/ live
+
+
 def say(text: str) -> None:
     console.print(f"[bold cyan]demo:[/] {text}", highlight=False)
 
@@ -47,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         "2 -> 3, a suspend and a resume on 2 workers, then a summary table of what happened.")
     ap.add_argument("--steps", type=int, default=120, help="steps the run trains (default 120)")
     ap.add_argument("--root", default=None, help="where checkpoints and the run store live (default ./runs)")
-    ap.add_argument("--config", default="examples/tiny.toml", help="the run config (default examples/tiny.toml)")
+    ap.add_argument("--config", default=None, help="the run config (default examples/tiny.toml, here or in "
+                    "etrain's checkout)")
     args = ap.parse_args(argv)
+    config = args.config or next((c for c in (TINY, os.path.join(CHECKOUT, TINY)) if os.path.isfile(c)), TINY)
+    if not os.path.isfile(config):  # refused before Ray starts (it was a traceback from the run preparation)
+        ap.error(f"--config {config!r} does not exist; pass a run config, e.g. etrain's {TINY}")
     steps = args.steps
     root = args.root or default_root()
     run_id = f"demo-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     local = connect(None, num_cpus=4)  # 3 workers at most + 1 standby
     try:
-        return _demo(args.config, overrides, steps, root, run_id, t_start)
+        return _demo(config, overrides, steps, root, run_id, t_start)
     finally:
         if local:
             import ray

@@ -368,3 +368,14 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error():
     with pytest.raises(BrokenPipeError):
         quiet_when_pipe_closes(talk_to_a_server)
     assert quiet_when_pipe_closes(lambda: 3) == 3
+
+
+def test_demo_with_a_missing_config_exits_2_naming_the_flag_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """Before: a traceback (ConfigError from the run's preparation), after a local Ray had started."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        etrain(["demo", "--config", "missing.toml"])
+    assert e.value.code == 2 and "--config 'missing.toml' does not exist" in capsys.readouterr().err
+    from orchestrator.demo import CHECKOUT, TINY
+
+    assert os.path.isfile(os.path.join(CHECKOUT, TINY))  # the default outside the checkout: its examples/tiny.toml
