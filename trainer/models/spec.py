@@ -77,22 +77,27 @@ class HFNames(Protocol):
     # Where the transformers model has tensors the model lacks, added() -> {name: shape}: exported as zeros.
 
 
+def dtensor_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor of ``template``'s mesh, placements, global shape and stride (as it is when
+    ``template`` is a plain tensor): a new tensor like a parameter made from a local one, without DTensor's
+    sharding propagation, which a re-formed group redoes per shape (1-2 ms each on CPU)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
 def to_empty(module: nn.Module, device: str | torch.device) -> None:
-    """``module.to_empty(device=device)``, each DTensor made from an empty local tensor: DTensor's own
-    ``empty_like`` propagates the sharding of each shape once per process group (1-2 ms each on CPU),
+    """``module.to_empty(device=device)``, each DTensor made from an empty local tensor (:func:`dtensor_like`),
     inside every re-formation's build of the model. The same tensors, the same module hooks (FSDP2's
     ``_apply``, through which ``to_empty`` goes too, re-registers its shards)."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, DTensor):
-            return torch.empty_like(t, device=device)
-        local = torch.empty_like(t._local_tensor, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
-
-    module._apply(empty)
+    module._apply(lambda t: dtensor_like(t, torch.empty_like(t._local_tensor if isinstance(t, DTensor) else t,
+                                                             device=device)))
 
 
 def zero_parameters(module: nn.Module) -> None:

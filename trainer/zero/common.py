@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
+from ..models.spec import dtensor_like
 from ..parallel.dims import DATA_AXES, DERIVED, EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, ParallelDims
 
 
@@ -105,12 +106,9 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def zeros_like(t: torch.Tensor) -> torch.Tensor:
-    """``torch.zeros_like(t)``, a DTensor made from its local tensor: DTensor's own ``zeros_like`` propagates
-    the sharding of each shape once per process group (about 2 ms each on CPU), inside a standby's restore."""
-    if not isinstance(t, DTensor):
-        return torch.zeros_like(t, memory_format=torch.preserve_format)
-    local = torch.zeros_like(t._local_tensor, memory_format=torch.preserve_format)
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    """``torch.zeros_like(t)``, a DTensor made from its local tensor (``dtensor_like``: no sharding propagation
+    inside a standby's restore)."""
+    return dtensor_like(t, torch.zeros_like(local_tensor(t), memory_format=torch.preserve_format))
 
 
 def adam_entries(st: dict, wrap) -> dict:

@@ -29,12 +29,12 @@ import shutil
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from checkpointing.errors import ConfigError
 
 from ..config import RunConfig
+from ..models.spec import dtensor_like
 from .common import local_tensor
 from .swapper import F32, BufferPool, StateFile, Swapper, SwapStats
 
@@ -247,15 +247,9 @@ class NvmeAdamState:
         out = {}
         for p in self.params:
             a, n, shape = self.offset[p], self.local[p].numel(), self.local[p].shape
-
-            def like(t: torch.Tensor, p=p) -> torch.Tensor:  # a DTensor parameter's state: the same sharding
-                if not isinstance(p, DTensor):
-                    return t
-                return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
-
-            out[p] = {"exp_avg": like(mapped[a : a + n].view(shape)),
-                      "exp_avg_sq": like(mapped[self.total + a : self.total + a + n].view(shape)),
+            # a DTensor parameter's state: the same sharding
+            out[p] = {"exp_avg": dtensor_like(p, mapped[a : a + n].view(shape)),
+                      "exp_avg_sq": dtensor_like(p, mapped[self.total + a : self.total + a + n].view(shape)),
                       "step": self.steps[p],
                       **({"master": mapped[2 * self.total + a : 2 * self.total + a + n].view(shape)}
                          if self.targets else {})}
