@@ -251,10 +251,13 @@ class CheckpointManager(SaveTransaction):
         ``config``: the run's resolved config, recorded in the manifest beside its hash (any URL
         in it that carries credentials is redacted first).
 
-        Sync: the whole save runs here. Async: only a snapshot of every
-        tensor into reused host buffers blocks the caller; DCP planning (on a
-        process group of its own, so its collectives never interleave with
-        training's), upload and commit run in a background thread. Returns the
+        Sync: the whole save runs here. Async: the caller is blocked only to
+        queue a copy of every tensor into reused host buffers (made here for a
+        new layout; else by the background thread, or by ``fence_writes()``
+        before the optimizer next writes the state in place, whichever comes
+        first); the copy, DCP planning (on a process group of its own, so its
+        collectives never interleave with training's), upload and commit run
+        in a background thread. Returns the
         result when the save finished inside this call (sync saves, skips);
         None when it continues in the background (see poll()).
         """
@@ -276,8 +279,9 @@ class CheckpointManager(SaveTransaction):
         if not self.async_save:
             return self._save_now(job, state_dict, self.process_group)
         group = self._checkpoint_group()
-        try:  # CUDA state: queued on a side stream, the save thread waits for it (forward/backward overlap it)
-            pending = self._host.copy_async(state_dict)
+        try:  # CUDA state: queued on a side stream; host state: copied by the save thread (or fence_writes()
+            # before the next optimizer step, whichever is first). Forward and backward overlap either.
+            pending = self._host.copy_async(state_dict, defer=True)
         except Exception as e:
             res = SaveResult(step, "failed", f"staging failed: {describe(e)}", blocking_s=time.monotonic() - t0)
             log.warning("checkpoint at step %d failed: %s", step, res.error)
@@ -411,6 +415,7 @@ class CheckpointManager(SaveTransaction):
 
         from .dcp_read import EtrainReader, SafeLoadPlanner, load_failure
 
+        self._host.fence()  # a save's deferred host copy reads the state before this load writes it
         candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)
         if isinstance(candidates, Exception):
             raise candidates

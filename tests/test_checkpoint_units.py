@@ -229,7 +229,7 @@ def test_a_device_copy_that_fails_in_the_save_thread_fails_that_save_only(tmp_pa
 
     mgr = CheckpointManager(f"file://{tmp_path}/ckpt", "r", async_save=True)
     real = mgr._host.copy_async
-    mgr._host.copy_async = lambda state: FailedCopy()
+    mgr._host.copy_async = lambda state, **kw: FailedCopy()
     state = {"model": {"w": torch.full((64,), 1.0)}}
     assert mgr.save(3, state, layout={"world_size": 1}, config_hash="h",
                     trainer_state={"step": 3, "samples_consumed": 6}) is None  # the caller did not wait
@@ -241,3 +241,47 @@ def test_a_device_copy_that_fails_in_the_save_thread_fails_that_save_only(tmp_pa
     mgr.save(4, state, layout={"world_size": 1}, config_hash="h", trainer_state={"step": 4, "samples_consumed": 8})
     mgr.wait()
     assert [r.status for r in mgr.poll()] == ["committed"] and mgr.committed_steps() == [4]
+
+
+def test_an_async_save_holds_the_state_as_of_the_save_though_its_host_copy_is_made_later(tmp_path):
+    """An async save of host state returns before copying it (after the first save of a layout, which indexes
+    it): the save thread makes the copy, or the training thread does in ``fence_writes()`` before the optimizer
+    writes in place, or the manager before a load writes the state. Here the save thread is held, so the copy
+    can only come from the fence or the load: the committed steps hold the values as of their saves."""
+    import threading
+
+    import torch
+
+    from checkpointing.host_copy import fence_writes
+    from checkpointing.manager import CheckpointManager
+
+    mgr = CheckpointManager(f"file://{tmp_path}/ckpt", "r", async_save=True, keep_last=10)
+    state = {"model": {"w": torch.full((4096,), 1.0)}, "optim": {"w": {"exp_avg": torch.full((4096,), -1.0)}}}
+
+    def save(step):
+        return mgr.save(step, state, layout={"world_size": 1}, config_hash="h",
+                        trainer_state={"step": step, "samples_consumed": 2 * step})
+
+    assert save(1) is None  # a new layout: indexed and copied in the call
+    mgr.wait()
+    go, run = threading.Event(), mgr._save_when_copied
+    mgr._save_when_copied = lambda *a: (go.wait(timeout=60), run(*a))[1]
+    for t in state["model"]["w"], state["optim"]["w"]["exp_avg"]:
+        t.fill_(2.0)
+    assert save(2) is None
+    fence_writes()  # what the training loop calls before optimizer.step
+    state["model"]["w"].fill_(5.0)  # the optimizer's in-place write, before the save thread ran
+    go.set()
+    mgr.wait()
+    go.clear()
+    state["optim"]["w"]["exp_avg"].fill_(7.0)
+    assert save(3) is None
+    loaded = mgr.load(state)  # the newest committed step is 2: its values overwrite the state saved as 3
+    assert loaded.step == 2 and torch.equal(state["model"]["w"], torch.full((4096,), 2.0))
+    go.set()
+    mgr.wait()
+    assert [r.status for r in mgr.poll()] == ["committed"] * 3
+    into = {"model": {"w": torch.zeros(4096)}, "optim": {"w": {"exp_avg": torch.zeros(4096)}}}
+    assert mgr.load(into, step=3).step == 3
+    assert torch.equal(into["model"]["w"], torch.full((4096,), 5.0))
+    assert torch.equal(into["optim"]["w"]["exp_avg"], torch.full((4096,), 7.0))
