@@ -220,6 +220,7 @@ def worker(args: argparse.Namespace) -> None:
     # Warm-up, outside the figures: the first save of a process maps its staging
     # buffers and opens its connections; steady-state saves are what training sees.
     measure("warm", lambda: (ours(file_root, "warm", False), ours("s3://bench", "warm", False),
+                             ours(file_root, "warm-async", True), ours("s3://bench", "warm-async", True),
                              dcp_fsspec("warm"), raw_s3("warm"), raw_file("warm")))
 
     rows = {k: [] for k in ("raw_file", "ours_file", "raw_s3", "ours_s3", "dcp_s3", "block_s3", "sync_s3",
