@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+import tests.cluster  # noqa: F401  (sets Ray's environment, RAY_ENV, before any test module imports Ray)
 from tests.harness import free_port
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
