@@ -20,7 +20,9 @@ NCCL sockets of every group on the loopback interface when the job is local
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import ipaddress
 import logging
 import os
@@ -92,6 +94,10 @@ def init_distributed(world: World, device: torch.device, *, store: dist.Store | 
         else:
             store = dist.TCPStore(world.master_addr, world.master_port, world.size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout, **kwargs)
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_free_groups_at_exit)
 
 
 def listening_store(addr: str, port: int, timeout: datetime.timedelta, *,
@@ -198,6 +204,19 @@ def shutdown_distributed(background: bool = False) -> None:
 
 
 _freeing: threading.Thread | None = None
+_exit_hook = False
+
+
+def _free_groups_at_exit() -> None:
+    """Free every process group while the interpreter still runs (atexit). A gloo group's threads live as long
+    as the group object, which the model's FSDP state and meshes still hold after ``shutdown_distributed``; one
+    of them finishing a collective's bookkeeping (dropping a tensor: it takes the GIL) while the interpreter
+    finalizes is ended by Python inside C++, and the process aborts ("terminate called without an active
+    exception", exit -6) after a run that succeeded. By now the trainer is unreferenced: a collection frees the
+    groups left (``shutdown_distributed``), whose destructors join their threads. A group still initialized is
+    left to torch (the order of its NCCL communicators' shutdown is torch's)."""
+    join_freeing()
+    gc.collect()
 
 
 def join_freeing(timeout: float | None = None) -> None:
