@@ -52,7 +52,8 @@ from trainer.hf_dir import NonFiniteWeights
 from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager, snapshot_due
 from trainer.parallel.dims import resolve_device
 from trainer.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
-from trainer.world import World, init_distributed, listening_store, shutdown_distributed
+from trainer.world import (World, abort_groups, init_distributed, listening_store, shutdown_distributed,
+                           visible_device_index)
 
 from .config import GroupTier
 from .store import HistoryRow
@@ -70,11 +71,12 @@ on_torch_thread = ray.method(concurrency_group="torch")
 
 def ray_device_index() -> int:
     """This actor's GPU as a local device index: 0 where Ray narrowed ``CUDA_VISIBLE_DEVICES`` to the GPU it
-    assigned (its default), else the id Ray assigned; 0 without a GPU."""
+    assigned (its default), else that GPU's place among the visible ones (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_
+    DEVICES`` true, read as Ray reads it); 0 without a GPU."""
     ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "") in ("", "0"):
+    if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() not in ("1", "true"):
         return 0
-    return int(ids[0])
+    return visible_device_index(str(ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 class TrainWorker:
@@ -170,8 +172,7 @@ class TrainWorker:
         nothing: it notices a dead peer's closed connection at once. True when something was aborted."""
         if self.trainer is None or self.trainer.device.type != "cuda" or not dist.is_initialized():
             return False
-        dist.group.WORLD.abort()
-        return True
+        return abort_groups() > 0  # every group: the rank may be blocked in a mesh's TP, PP or HSDP group
 
     # --- group membership ----------------------------------------------------------
 

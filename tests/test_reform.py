@@ -54,3 +54,45 @@ def test_a_process_frees_its_groups_before_the_interpreter_finalizes():
     assert out.returncode == 0, out.stderr[-2000:]
     running, at_exit = (int(line.split()[-1]) for line in out.stdout.splitlines())
     assert running > 0 and at_exit == 0, out.stdout
+
+
+def test_the_gpu_ray_assigned_is_found_among_the_visible_devices():
+    """With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves CUDA_VISIBLE_DEVICES as the node set it: the
+    device index is the assigned GPU's place there (ordinals or UUIDs), never Ray's id taken as an index."""
+    from checkpointing.errors import ConfigError
+    from trainer.world import visible_device_index
+
+    assert visible_device_index("3", None) == 3  # every GPU visible: the ordinal
+    assert visible_device_index("3", "2,3") == 1
+    assert visible_device_index("GPU-9f2c", "GPU-1a0b, GPU-9f2c") == 1
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES='0,1'.*RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        visible_device_index("5", "0,1")
+    with pytest.raises(ConfigError, match="not an ordinal and CUDA_VISIBLE_DEVICES is unset"):
+        visible_device_index("GPU-9f2c", None)
+
+
+ABORT_SCRIPT = """
+import torch, torch.distributed as dist
+from trainer.world import World, abort_groups, init_distributed, shutdown_distributed
+
+init_distributed(World(rank=0, size=1), torch.device("cpu"))
+subgroups = [dist.new_group([0]), dist.new_group([0])]  # a mesh's groups, as TP and PP make them
+print(abort_groups(), flush=True)
+shutdown_distributed()
+print(abort_groups(), flush=True)
+"""
+
+
+@pytest.mark.compat  # the groups are found through a map private to torch (2.11 to 2.13)
+def test_an_abort_reaches_every_group_of_the_rank_not_only_the_default_one():
+    """The controller's notice aborts every group a survivor may be blocked in (under NCCL; gloo's abort releases
+    nothing, its peers' closed connections do): the default group and each mesh group, then none once left."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", ABORT_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["3", "0"]

@@ -7,6 +7,8 @@ floating-point sums, so not bit for bit), on one process and in a 2-rank gloo FS
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -200,6 +202,39 @@ def test_cpu_collectives_keep_host_timing():
     assert (row["kind"], row["calls"], row["bytes"]) == ("all_reduce", 2, 8000)
     assert row["seconds"] > 0 and not meter.events._pending  # timed by the host clock, no events made
     assert not meter.events.wants(t) and not meter.events.wants([t])
+
+
+def test_sends_coalesced_in_a_batch_are_timed_to_the_batch_completion():
+    """NCCL coalesces batch_isend_irecv's sends and receives: they return no work, so each is recorded when the
+    batch's last work completes, not at issue (the collectives here are stand-ins: only the meter's logic)."""
+    from trainer.telemetry import CommMeter
+
+    class Future:
+        def __init__(self):
+            self.callbacks = []
+
+        def add_done_callback(self, fn):
+            self.callbacks.append(fn)
+
+    class Work:
+        def __init__(self):
+            self.future = Future()
+
+        def get_future(self):
+            return self.future
+
+    meter = CommMeter()
+    isend = meter._wrap_c10d(lambda tensor, dst, group=None: None, "send", 0, "tensor", 2, "group")
+    irecv = meter._wrap_c10d(lambda tensor, src, group=None: None, "recv", 0, "tensor", 2, "group")
+    work = Work()
+    batch = meter._wrap_batch(lambda ops: [op(t, peer) for op, t, peer in ops] and [work])
+    assert batch([(isend, torch.ones(256), 1), (irecv, torch.ones(128), 1)]) == [work]
+    assert meter.snapshot() == [] and len(work.future.callbacks) == 1  # nothing recorded at issue
+    time.sleep(0.01)
+    work.future.callbacks[0](work.future)
+    rows = {r["kind"]: r for r in meter.snapshot()}
+    assert (rows["send"]["calls"], rows["send"]["bytes"], rows["recv"]["bytes"]) == (1, 1024, 512)
+    assert rows["send"]["seconds"] >= 0.01  # issue to completion, not issue to return
 
 
 class FakeEvent:

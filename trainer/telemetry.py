@@ -212,6 +212,11 @@ class CommMeter:
             self._swap(c10d, name, wrapped)
             if getattr(dist, name, None) is orig:
                 self._swap(dist, name, wrapped)
+        if getattr(c10d, "batch_isend_irecv", None) is not None:
+            batch = self._wrap_batch(c10d.batch_isend_irecv)
+            if getattr(dist, "batch_isend_irecv", None) is c10d.batch_isend_irecv:
+                self._swap(dist, "batch_isend_irecv", batch)
+            self._swap(c10d, "batch_isend_irecv", batch)
         import torch.distributed._functional_collectives as funcol
 
         for name, (kind, gi) in _FUNCOL.items():
@@ -272,6 +277,10 @@ class CommMeter:
             def done(_f=None):  # on the current stream (a blocking call) or the future's callback stream
                 meter._done(kind, axis, nbytes, n, t0, start)
 
+            batched = getattr(meter._tls, "batched", None)
+            if work is None and batched is not None:  # coalesced in a batch_isend_irecv (NCCL): timed with it
+                batched.append((kind, axis, nbytes, n, t0, start))
+                return work
             if work is None or not hasattr(work, "get_future"):
                 done()
                 return work
@@ -280,6 +289,36 @@ class CommMeter:
             except Exception:  # coalesced work without a future: count it at issue
                 done()
             return work
+
+        return metered
+
+    def _wrap_batch(self, orig):
+        """``batch_isend_irecv``: NCCL coalesces its sends and receives, which then return no work of their own
+        (their end would be recorded before their kernels were even queued): each is timed to the batch's
+        completion instead, its last work's future. Gloo's are not coalesced and time themselves."""
+        meter = self
+
+        @functools.wraps(orig)
+        def metered(p2p_op_list, *args, **kwargs):
+            if not meter._outer():
+                return orig(p2p_op_list, *args, **kwargs)
+            meter._tls.batched = batched = []
+            try:
+                works = orig(p2p_op_list, *args, **kwargs)
+            finally:
+                meter._tls.batched = None
+
+            def done(_f=None):
+                for op in batched:
+                    meter._done(*op)
+
+            if batched:
+                last = works[-1] if works else None
+                try:
+                    last.get_future().add_done_callback(done)
+                except Exception:  # no work or no future: count them now
+                    done()
+            return works
 
         return metered
 

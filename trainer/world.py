@@ -225,6 +225,57 @@ def join_freeing(timeout: float | None = None) -> None:
         _freeing.join(timeout)
 
 
+def abort_groups() -> int:
+    """Abort every process group of this process, newest first: under NCCL its communicators, inside one NCCL
+    group call (as torch's own abort of all groups: aborts of several communicators must not wait on each
+    other). A thread blocked in a collective of any of them (the default group, or a mesh's TP, PP, HSDP, CP or
+    expert group) raises. Torch's maps are left as they are, so that thread leaves the groups as usual
+    (:func:`shutdown_distributed`); from any thread. Returns how many groups were aborted."""
+    if not dist.is_initialized():
+        return 0
+    try:
+        from torch.distributed import distributed_c10d
+
+        names = dict(distributed_c10d._world.pg_names)  # a map private to torch (2.11 to 2.13)
+    except AttributeError:
+        names = {}
+    groups = sorted(names, key=names.get, reverse=True) or [dist.group.WORLD]
+    nccl = None
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        try:
+            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+            nccl = backend if isinstance(backend, dist.ProcessGroupNCCL) else None
+        except RuntimeError:  # no CUDA backend in the default group
+            pass
+    if nccl is not None:
+        nccl._group_start()
+    try:
+        for pg in groups:
+            pg.abort()
+    finally:
+        if nccl is not None:
+            nccl._group_end()
+    return len(groups)
+
+
+def visible_device_index(gpu_id: str, visible: str | None) -> int:
+    """The local CUDA device index of the GPU a scheduler (Ray) calls ``gpu_id``, given ``CUDA_VISIBLE_DEVICES``
+    (``visible``: ordinals or UUIDs, None when unset): its place in that list, or the ordinal itself when every
+    GPU is visible. ConfigError when it is not among the visible devices."""
+    gpu_id = str(gpu_id).strip()
+    if visible is None:
+        if gpu_id.isdigit():
+            return int(gpu_id)
+        raise ConfigError(f"the GPU assigned ({gpu_id!r}) is not an ordinal and CUDA_VISIBLE_DEVICES is unset: "
+                          "set CUDA_VISIBLE_DEVICES to the node's GPUs, or let Ray narrow it (unset "
+                          "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES)")
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if gpu_id in listed:
+        return listed.index(gpu_id)
+    raise ConfigError(f"the GPU assigned ({gpu_id!r}) is not in CUDA_VISIBLE_DEVICES={visible!r}: list it there, or "
+                      "let Ray narrow it (unset RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES)")
+
+
 def _process_groups() -> list:
     """Every process group torch knows in this process (a private map of torch's, in 2.11 to 2.13; none
     when a release moved it: the groups are then freed where torch drops them)."""
