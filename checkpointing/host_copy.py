@@ -137,9 +137,13 @@ class HostCopy:
 
     SLOTS = 2  # buffer sets for CUDA state (ping-pong); host state needs one
 
-    def __init__(self):
+    def __init__(self, slots: int = SLOTS):
+        """``slots``: buffer sets for CUDA state, 2 (ping-pong) unless every copy is consumed before the next is
+        queued (the memory tier waits for its previous snapshot first): then 1, and each copy lands in the same
+        buffers, so what was laid out over them (the tier's files) is reused."""
+        self.slots = slots
         self.buffers: dict = {}  # path -> host buffer (slot 0)
-        self._more: list[dict] = [{} for _ in range(self.SLOTS - 1)]  # the other slots' buffers, CUDA state only
+        self._more: list[dict] = [{} for _ in range(slots - 1)]  # the other slots' buffers, CUDA state only
         self._views: dict = {}  # (slot, path) -> the DTensor over that buffer, made once (from_local costs)
         self._slot = 0
         self._stream = None  # the side stream, made at the first CUDA copy
@@ -174,7 +178,7 @@ class HostCopy:
             return self._copy_indexed(state_dict, leaves, key, tree, into, defer)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._slot = (self._slot + 1) % self.SLOTS
+        self._slot = (self._slot + 1) % self.slots
         side, compute = self._stream, torch.cuda.current_stream()
         side.wait_stream(compute)  # the values as of now, after the queued forward/backward/step
         with torch.cuda.stream(side):

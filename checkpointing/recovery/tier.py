@@ -117,7 +117,7 @@ class MemoryTier:
         # copy's, take_async), reused while that layout holds.
         self._plans: dict[str, PlannedLayout] = {}
         self._replays: dict[str, Replay] = {}  # the files of each of those layouts, to lay out again
-        self._host = HostCopy()
+        self._host = HostCopy(slots=1)  # take_async waits for the previous snapshot: CUDA copies reuse one buffer set
         self._hosts: list[str] | None = None  # every rank's host key (copies by shared memory), once known
         # The memory files own snapshots are written into (.local_copy); the tensor bytes of each layout seen.
         self._arena, self._sizes = Arena(), {}
