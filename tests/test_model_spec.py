@@ -40,6 +40,14 @@ def test_mfu_of_a_transformers_model_counts_its_own_flops(tmp_path, monkeypatch)
     assert mfu(cfg, torch.device("cpu"), 1000.0, 2) == pytest.approx(1000.0 * expected / 2e12)
 
 
+
+def test_the_peak_of_a_card_is_its_own_not_its_sxm_namesakes():
+    from trainer.telemetry import peak_for_name
+
+    assert peak_for_name("NVIDIA H100 80GB HBM3") == peak_for_name("NVIDIA H200") == 989e12
+    assert peak_for_name("NVIDIA H100 PCIe") == 756e12 and peak_for_name("NVIDIA H100 NVL") == 835e12
+    assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312e12 and peak_for_name("Tesla T4") is None
+
 def test_a_factory_model_counts_its_own_flops():
     cfg = load_config(None, ['model.source="python"', 'model.factory="tests.custom_model:build"', "model.vocab_size=300",
                              "model.args.width=40", "model.args.hidden=72", "model.args.depth=5", f"data.seq_len={SEQ}"])

@@ -446,8 +446,10 @@ class StepMeter:
         return {"buckets": list(self.buckets), "seconds": self.seconds, "data_seconds": self.data_seconds}
 
 
-# Dense bf16 peak FLOP/s by device name, for MFU; ETRAIN_PEAK_FLOPS overrides.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+# Dense bf16 peak FLOP/s by device name (the first key the name contains: the PCIe and NVL cards before their
+# SXM namesakes), for MFU; ETRAIN_PEAK_FLOPS overrides.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 836e12, "H200": 989e12, "H100": 989e12,
+              "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -455,7 +457,11 @@ def peak_flops(device: torch.device) -> float | None:
         return float(os.environ["ETRAIN_PEAK_FLOPS"])
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_for_name(name: str) -> float | None:
+    """The dense bf16 peak of the device ``name`` (``torch.cuda.get_device_name``), None when unknown."""
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
