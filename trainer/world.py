@@ -251,7 +251,10 @@ def abort_groups() -> int:
         nccl._group_start()
     try:
         for pg in groups:
-            pg.abort()
+            try:
+                pg.abort()
+            except RuntimeError as e:  # left meanwhile by the thread that was blocked: the others still
+                log.debug("abort of a process group failed: %s", e)
     finally:
         if nccl is not None:
             nccl._group_end()
