@@ -1,4 +1,5 @@
-"""A process leaves its process groups and forms the next at once, the old ones freed beside it.
+"""A process's process groups over their life: left and re-formed at once (the old ones freed beside it), freed
+before the interpreter finalizes at exit, aborted on the controller's notice; and the GPU a worker is given.
 
 A re-formed TrainWorker (orchestrator.worker) leaves its groups with ``shutdown_distributed(background=True)``:
 freeing a gloo group joins its threads and closes its connections (15-25 ms of a recovery on 2 cores), which
