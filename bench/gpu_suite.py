@@ -176,15 +176,17 @@ class Suite:
 
         manager = checkpoint_manager(self.cfg(f'checkpoint.url="file://{self.tmp}/ckpt"'), trainer.world)
 
+        def written() -> int:
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{self.tmp}/ckpt") for f in fs)
+
         def save() -> tuple[float, int]:  # (seconds until committed, bytes written)
-            before = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{self.tmp}/ckpt") for f in fs)
+            before = written()
             self.sync()
             t0 = time.perf_counter()
             trainer.save_checkpoint(manager)
             manager.wait()
             seconds = time.perf_counter() - t0
-            after = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{self.tmp}/ckpt") for f in fs)
-            return seconds, after - before
+            return seconds, written() - before
 
         # The first save of a manager pins its host buffers and plans with DCP; the second (the next step, as
         # training's next interval) is the steady state bench/checkpoint.py reports.

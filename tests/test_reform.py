@@ -8,6 +8,10 @@ the next group need not wait for. Real gloo groups in two processes.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.harness import run_ranks
@@ -20,6 +24,15 @@ def test_groups_freed_in_the_background_while_the_next_group_forms_with_other_ra
         # epoch 1: ranks 0, 1 (sum of rank+1 = 3); epoch 2: the ranks swapped, the same sums; each subgroup too
         assert r["sums"] == [[3.0, 2.0, 1.0], [3.0, 4.0, 1.0]]
         assert r["freed"] == [True, True]
+
+
+def python(script: str) -> str:
+    """What ``script`` printed, run in a fresh interpreter of this project (it must exit 0)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 EXIT_SCRIPT = """
@@ -45,16 +58,9 @@ def test_a_process_frees_its_groups_before_the_interpreter_finalizes():
     """A gloo group's threads live as long as the group object. One still finishing a collective while the
     interpreter finalizes aborted the process (exit -6) after a run that succeeded; at exit, etrain frees the
     groups its trainer held (here: in a reference cycle) while the interpreter still runs."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": root})
-    assert out.returncode == 0, out.stderr[-2000:]
-    running, at_exit = (int(line.split()[-1]) for line in out.stdout.splitlines())
-    assert running > 0 and at_exit == 0, out.stdout
+    out = python(EXIT_SCRIPT)
+    running, at_exit = (int(line.split()[-1]) for line in out.splitlines())
+    assert running > 0 and at_exit == 0, out
 
 
 def test_the_gpu_ray_assigned_is_found_among_the_visible_devices():
@@ -88,12 +94,4 @@ print(abort_groups(), flush=True)
 def test_an_abort_reaches_every_group_of_the_rank_not_only_the_default_one():
     """The controller's notice aborts every group a survivor may be blocked in (under NCCL; gloo's abort releases
     nothing, its peers' closed connections do): the default group and each mesh group, then none once left."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", ABORT_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": root})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["3", "0"]
+    assert python(ABORT_SCRIPT).split() == ["3", "0"]

@@ -233,13 +233,7 @@ def abort_groups() -> int:
     (:func:`shutdown_distributed`); from any thread. Returns how many groups were aborted."""
     if not dist.is_initialized():
         return 0
-    try:
-        from torch.distributed import distributed_c10d
-
-        names = dict(distributed_c10d._world.pg_names)  # a map private to torch (2.11 to 2.13)
-    except AttributeError:
-        names = {}
-    groups = sorted(names, key=names.get, reverse=True) or [dist.group.WORLD]
+    groups = _process_groups() or [dist.group.WORLD]
     nccl = None
     if dist.is_nccl_available() and torch.cuda.is_available():
         try:
@@ -280,14 +274,15 @@ def visible_device_index(gpu_id: str, visible: str | None) -> int:
 
 
 def _process_groups() -> list:
-    """Every process group torch knows in this process (a private map of torch's, in 2.11 to 2.13; none
-    when a release moved it: the groups are then freed where torch drops them)."""
+    """Every process group torch knows in this process, newest first (a private map of torch's, in 2.11 to
+    2.13; none when a release moved it: the groups are then freed where torch drops them)."""
     try:
         from torch.distributed import distributed_c10d
 
-        return list(distributed_c10d._world.pg_map)
+        names = dict(distributed_c10d._world.pg_names)
     except AttributeError:
         return []
+    return sorted(names, key=names.get, reverse=True)
 
 
 def forget_meshes() -> None:
