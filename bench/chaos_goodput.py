@@ -49,7 +49,7 @@ def main() -> None:
     from orchestrator.chaos.cli import judge
     from orchestrator.chaos.injector import Chaos
     from orchestrator.chaos.plan import load_plan
-    from orchestrator.run import BackgroundRun, connect, prepare_run
+    from orchestrator.driver.run import BackgroundRun, connect, prepare_run
 
     steps = args.steps or (1200 if args.quick else 4000)
     root = f"file://{tempfile.mkdtemp(prefix='etrain-goodput-')}/runs"

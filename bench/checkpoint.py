@@ -105,8 +105,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from checkpointing.manager import CheckpointManager
-    from checkpointing.storage import Storage
-    from trainer.config_load import load_config
+    from checkpointing.storage.base import Storage
+    from trainer.config.load import load_config
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -6,7 +6,7 @@ At world 4 (re-launched under torchrun on loopback, real gloo), the tiny model a
 tests/test_context_parallel.py trains it), one sample per micro-batch, a global batch of 4 samples, ZeRO 0
 (no gathered parameters in the count), for seq_len 512, 1024, 2048, 4096 (``--quick``: 512, 1024) and each
 layout: cp 1 (dp 4), cp 2 (dp 2) and cp 4 (dp 1) with each ``cp_style``. Every layout trains the same
-tokens per step. Per layout, after one warm-up step: one step under ``trainer.memory.StepMemory``, whose
+tokens per step. Per layout, after one warm-up step: one step under ``trainer.observe.device_memory.StepMemory``, whose
 ``max_by_kind["other"]`` is the activation peak (activations, their gradients, temporaries: all but
 parameters, gradients and optimizer state), the highest over the ranks; then the median of a few timed
 steps, a step counting as slow as its slowest rank.
@@ -55,10 +55,10 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from bench.torchrun import slowest_rank_medians, time_steps
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.loop import Trainer
-    from trainer.memory import StepMemory
+    from trainer.observe.device_memory import StepMemory
     from trainer.world import World, forget_meshes, init_distributed, shutdown_distributed
 
     world = World.from_env()

@@ -9,7 +9,7 @@ download), up to ``--mb`` MB; the tokenizer a byte-level BPE trained here with
 * ``raw``: the encoder alone, at its best: one ``Tokenizer.encode_batch_fast``
   call (the faster of the two raw batch calls: no offsets) over all the texts,
   read into memory beforehand (untimed), keeping nothing;
-* ``build``: ``trainer.data.load_corpus`` into an empty cache directory, i.e.
+* ``build``: ``trainer.data.corpus.load_corpus`` into an empty cache directory, i.e.
   read, encode, append EOS, write, hash and fsync the token file and index,
   rename into place, then map and validate it;
 * ``reuse``: ``load_corpus`` again with the same config: list and stat the
@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 
 def stdlib_texts(max_bytes: int) -> list[bytes]:
     """The stdlib files as the default corpus lists them, cut at ``max_bytes`` as data.max_bytes cuts them."""
-    from trainer.data_sources import stdlib_files
+    from trainer.data.sources import stdlib_files
 
     out, total = [], 0
     for path in stdlib_files():
@@ -84,7 +84,7 @@ def raw_encode(tok_path: str, max_bytes: int) -> tuple[float, float, int, int]:
 def cache_load(tok_path: str, max_bytes: int, cache_dir: str) -> tuple[float, float, dict]:
     """Seconds (wall, CPU) of ``load_corpus`` through the cache at ``cache_dir``; what it loaded."""
     from trainer.config import DataConfig
-    from trainer.data import load_corpus
+    from trainer.data.corpus import load_corpus
 
     t0, c0 = time.monotonic(), time.process_time()
     corpus = load_corpus(DataConfig(source="stdlib", tokenizer=tok_path, max_bytes=max_bytes, cache_dir=cache_dir))

@@ -11,7 +11,7 @@ state is committed as one checkpoint step to ``file://`` (world 1). Per round, b
   disk: raw time over export time (the throughput ratio; goal >= 0.8).
   Both times include an fsync of the file written.
 * ``init_from_s`` vs ``from_pretrained_s``: loading the export into a built model through
-  ``model.init_from`` (:func:`trainer.export.load_weights`: every tensor copied into the parameters),
+  ``model.init_from`` (:func:`trainer.export.convert.load_weights`: every tensor copied into the parameters),
   against ``transformers``' ``AutoModelForCausalLM.from_pretrained`` of the same directory (the whole
   call; it maps the file, so pages are read when first touched).
 
@@ -37,9 +37,9 @@ import torch  # noqa: E402
 
 from checkpointing.manager import CheckpointManager  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.export import WeightSource, export, load_weights  # noqa: E402
-from trainer.models.decoder import Transformer  # noqa: E402
-from trainer.models.llama_names import hf_name, to_hf
+from trainer.export.convert import WeightSource, export, load_weights  # noqa: E402
+from trainer.models.decoder.model import Transformer  # noqa: E402
+from trainer.models.names.llama import hf_name, to_hf
 
 FULL = dict(dim=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=2816, vocab_size=16384, max_seq_len=512)
 QUICK = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=704, vocab_size=8192, max_seq_len=256)

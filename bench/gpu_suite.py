@@ -7,7 +7,7 @@ One process, world 1, no Ray, no downloads (the data is this machine's Python st
 on whatever torch the image has (2.11 to 2.13). Rows, each in its own try (a failing row reports its
 error and the others still run):
 
-* ``mfu``: the 1b preset in bf16, one FLOP formula for every row (:func:`trainer.telemetry.flops_per_token`,
+* ``mfu``: the 1b preset in bf16, one FLOP formula for every row (:func:`trainer.observe.telemetry.flops_per_token`,
   the model spec's count) over the measured tokens/s and the device's dense bf16 peak:
   ``etrain`` (the Trainer, ``parallel.compile`` off), ``etrain_compile`` (on), ``hand`` (a hand-written
   loop with etrain's math: bf16 weights, fp32 master weights in fused AdamW, fp32 loss, clipping) and
@@ -81,7 +81,7 @@ class Suite:
     # --- helpers -----------------------------------------------------------------------------
 
     def cfg(self, *extra: str):
-        from trainer.config_load import load_config
+        from trainer.config.load import load_config
 
         return load_config(None, self.overrides + list(extra))
 
@@ -119,7 +119,7 @@ class Suite:
         self.free()
 
     def mfu_of(self, cfg, step_s: float) -> tuple[float, float | None]:
-        from trainer.telemetry import flops_per_token, peak_flops
+        from trainer.observe.telemetry import flops_per_token, peak_flops
 
         tokens_s = cfg.train.global_batch * cfg.data.seq_len / step_s
         peak = peak_flops(self.device)
@@ -244,7 +244,7 @@ class Suite:
         """A hand-written loop over the built-in decoder: "hand" (etrain's math) or "torchtitan"."""
         import torch.nn.functional as F
 
-        from trainer.models.decoder import Transformer
+        from trainer.models.decoder.model import Transformer
 
         cfg = self.cfg()
         t = cfg.train

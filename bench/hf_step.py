@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -3,11 +3,11 @@
     python bench/memory.py [--quick] [--world 4] [--preset tiny|small] [--bucket-mb 0.25] [--device cpu|cuda]
 
 At world 4 (re-launched under torchrun), in fp32 and in bf16, each ZeRO stage 0-3 trains one step
-and then a second one under ``trainer.memory.StepMemory``, which follows every storage an op
+and then a second one under ``trainer.observe.device_memory.StepMemory``, which follows every storage an op
 touches and takes the peak of the bytes held for parameters, gradients and optimizer state (see
 its docstring for what counts as what). Beside it: the ZeRO paper's formula for the stage
 (16P, 4P + 12P/N, 2P + 14P/N, 16P/N in mixed precision; 16P, 8P + 8P/N, 4P + 12P/N, 16P/N in
-fp32), this trainer's own accounting (``trainer.memory.predict`` plus the stage's transient:
+fp32), this trainer's own accounting (``trainer.observe.device_memory.predict`` plus the stage's transient:
 one bucket for stages 1-2, FSDP's gathered blocks for stage 3), and plain DDP (torch
 ``DistributedDataParallel`` and AdamW, fp32, measured the same way). On CUDA the allocator's
 ``torch.cuda.max_memory_allocated`` for the step (everything, activations included) comes too.
@@ -60,7 +60,7 @@ def _allocator_peak(device, fn):
 
 def measure_layout(cfg, world, corpus, device) -> dict:
     """One warm-up step, then the measured one."""
-    from trainer import memory
+    from trainer.observe import device_memory as memory
     from trainer.loop import Trainer
 
     trainer = Trainer(cfg, world, corpus=corpus, device=device)
@@ -77,8 +77,8 @@ def measure_ddp(cfg, world, trainer_batcher, device) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainer import memory
-    from trainer.models.decoder import Transformer
+    from trainer.observe import device_memory as memory
+    from trainer.models.decoder.model import Transformer
     from trainer.parallel.tensor import lm_loss
 
     model = Transformer(cfg.model)
@@ -118,8 +118,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.config_load import load_config
-    from trainer.data import Batcher, load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import Batcher, load_corpus
     from trainer.parallel.dims import ParallelDims
     from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -64,7 +64,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from checkpointing.recovery.tier import MemoryTier
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.loop import Trainer, checkpoint_manager
     from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -51,7 +51,7 @@ def worker(args) -> None:
     import torch
 
     from checkpointing.recovery.tier import MemoryTier
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.heap import freeze_boot_heap
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed

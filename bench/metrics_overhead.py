@@ -6,7 +6,7 @@ One run (world 2 by default, re-launched under torchrun), one Trainer.
 Rounds alternate between "on" and "off" so that noise on this shared machine
 hits both alike:
 
-* on: every collective timed by the comm meter (trainer.telemetry), each
+* on: every collective timed by the comm meter (trainer.observe.telemetry), each
   step's figures fed to the exporter, every rank's telemetry sent through
   the launcher's store every ``metrics.every_s`` (default 1 s), rank 0
   serving the Prometheus endpoint, and a scraper reading it every second
@@ -37,10 +37,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.config_load import load_config
-    from trainer.launcher_metrics import LauncherMetrics
+    from trainer.config.load import load_config
+    from trainer.observe.launcher import LauncherMetrics
     from trainer.loop import Trainer
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

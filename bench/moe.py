@@ -40,7 +40,7 @@ def hand_loop(cfg, world, trainer):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from trainer.models.moe import aux_loss, moe_layers
+    from trainer.models.decoder.moe import aux_loss, moe_layers
     from trainer.parallel.dims import ParallelDims
     from trainer.parallel.parallelize import build_model_parts
     from trainer.parallel.tensor import lm_loss
@@ -83,11 +83,11 @@ def measure(args: argparse.Namespace, world, corpus, ep: int) -> dict:
     import torch.distributed as dist
 
     from tests.jobs import comm_per_step
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.loop import Trainer
     from trainer.parallel.dims import ParallelDims
     from trainer.plan.experts import all_to_all_per_step
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
 
     cfg = load_config(None, OVERRIDES + [f"parallel.ep={ep}"])
     trainer = Trainer(cfg, world, corpus=corpus, device=torch.device("cpu"))
@@ -136,7 +136,7 @@ def grouped_mm_runs_here() -> bool:
 def experts_with_and_without_grouped_gemm(trainer, rounds: int, per_round: int) -> tuple[float, float]:
     """The trainer's step time (median, slowest rank) with its experts by grouped GEMM and by the loop over
     experts (trainer.models.grouped), in alternating rounds."""
-    from trainer.models.moe import Experts
+    from trainer.models.decoder.moe import Experts
 
     experts = [m for m in trainer.parts.modules[0].modules() if isinstance(m, Experts)]
 
@@ -154,8 +154,8 @@ def experts_with_and_without_grouped_gemm(trainer, rounds: int, per_round: int) 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

@@ -5,7 +5,7 @@
 Layouts of the ``tiny`` and ``small`` presets at world 4 and world 2 (re-launched under torchrun on
 127.0.0.1, gloo, fp32 on the CPU) covering ZeRO 0-3, HSDP, TP, SP, PP (1F1B and GPipe) and activation
 checkpointing (full and every k-th block). Each trains a warm-up step, then one step under
-:class:`trainer.memory.StepMemory` (every storage an op touches, activations included: its
+:class:`trainer.observe.device_memory.StepMemory` (every storage an op touches, activations included: its
 ``total_peak_bytes``), then a few timed steps (a barrier before each, the slowest rank's median).
 Beside each, the planner's prediction for the same config and world: the highest
 :func:`trainer.plan.accounting.rank_memory` total over the ranks, and
@@ -80,9 +80,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from bench.torchrun import slowest_rank_medians, time_steps
-    from trainer import memory
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.observe import device_memory as memory
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -112,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def predict(row: dict, dev) -> dict:
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.parallel.dims import ParallelDims
     from trainer.plan.accounting import rank_memory
     from trainer.plan.cost import step_time
@@ -147,7 +147,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.plan.calibrate import apply, calibrate, load
     from trainer.plan.cost import DEVICES, custom
 

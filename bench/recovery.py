@@ -83,7 +83,7 @@ def bench_etrain(root: str, kills: int, every: int, workers: int, standby: int, 
                  hang_timeout_s: float = 0.0) -> dict:
     import ray
 
-    from orchestrator.run import BackgroundRun, connect, prepare_run
+    from orchestrator.driver.run import BackgroundRun, connect, prepare_run
 
     steps = every * (kills + 2) + 30 + 40 * resizes
     overrides = [*BASE, f"train.steps={steps}", f"checkpoint.url=\"file://{root}/etrain-{standby}\"",

@@ -29,8 +29,8 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from bench.scheduler_trace import Job, Sim  # noqa: E402
-from orchestrator.scheduling.demand import resize_cost, throughput  # noqa: E402
-from orchestrator.scheduling.policy import ClusterView, RunDemand, decide  # noqa: E402
+from orchestrator.service.demand import resize_cost, throughput  # noqa: E402
+from orchestrator.service.policy import ClusterView, RunDemand, decide  # noqa: E402
 
 BASE = ['model.preset="tiny"', "data.seq_len=32", "data.max_bytes=1000000", "train.global_batch=12",
         "train.micro_batch=1", "train.warmup_steps=4", "train.log_every=1000", "checkpoint.interval_steps=20",
@@ -57,7 +57,7 @@ def trace(quick: bool) -> list[Arrival]:
 
 
 def run_real(arrivals: list[Arrival], root: str) -> dict[str, dict]:
-    from orchestrator.run import BackgroundRun, connect, prepare_run
+    from orchestrator.driver.run import BackgroundRun, connect, prepare_run
 
     connect(None, num_cpus=CLUSTER)
     t0, runs, out = time.time(), {}, {}

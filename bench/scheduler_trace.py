@@ -17,7 +17,7 @@ Policies, side by side on the same trace:
   (a Kueue-like queue without elasticity).
 - ``suspend``: priority order; a high-priority run that does not fit suspends the
   lowest-priority running runs whole (checkpoint, requeue; 30 s to start again).
-- ``restart_elastic``: the elastic policy (``orchestrator.scheduling.policy``), but
+- ``restart_elastic``: the elastic policy (``orchestrator.service.policy``), but
   every resize is a restart: 60 s to notice, 30 s to start, and the work since the
   last checkpoint (every 10 minutes) lost (a Ray Train V2-like elastic run).
 - ``etrain``: the same policy with etrain's measured resize cost (2 s, the median
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from orchestrator.scheduling.policy import ClusterView, RunDemand, decide  # noqa: E402
+from orchestrator.service.policy import ClusterView, RunDemand, decide  # noqa: E402
 
 ETRAIN_RESIZE_S = 2.0
 NOTICE_S, RESTART_S, CHECKPOINT_EVERY_S = 60.0, 30.0, 600.0

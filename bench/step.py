@@ -28,10 +28,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.loop import Trainer
-    from trainer.models.decoder import Transformer
+    from trainer.models.decoder.model import Transformer
     from trainer.parallel.tensor import lm_loss
     from trainer.world import World, init_distributed, shutdown_distributed
 

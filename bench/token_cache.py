@@ -1,10 +1,10 @@
 """The token cache's integrity check: one hash of all of tokens.bin at open, against a hash per chunk
-checked the first time a chunk is read (what trainer.token_cache does).
+checked the first time a chunk is read (what trainer.data.token_cache does).
 
     python bench/token_cache.py [--quick] [--gb 1.0] [--windows N]
 
 Builds a cache of random uint16 ids (``--gb`` of tokens, default 1; 0.25 with
-``--quick``; documents of 1-2,000 tokens) through ``trainer.token_cache``, then
+``--quick``; documents of 1-2,000 tokens) through ``trainer.data.token_cache``, then
 measures, with the page cache warm unless said:
 
 * ``open_s``: opening the built cache (header, sizes, chunk table, index): all a
@@ -41,8 +41,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.data import Corpus
-from trainer.token_cache import CHUNK_BYTES, open_or_build
+from trainer.data.corpus import Corpus
+from trainer.data.token_cache import CHUNK_BYTES, open_or_build
 
 KEY = {"bench": "token_cache"}
 SEQ = 1024

@@ -5,8 +5,8 @@
 Two replica groups of one process each, each under its own ``torchrun --nproc_per_node=1`` (the
 Manager reads torchrun's store env), and a torchft lighthouse (``--min_replicas 1``, its defaults
 otherwise) on 127.0.0.1. Each replica trains etrain's built-in tiny model (``model.preset = "tiny"``
-on examples/tiny.toml: ``trainer.models.decoder.Transformer``, weights from ``train.seed``), AdamW lr 0.003,
-6 samples of ``data.seq_len`` per replica per step: windows of the ``trainer.data.load_splits(cfg)``
+on examples/tiny.toml: ``trainer.models.decoder.model.Transformer``, weights from ``train.seed``), AdamW lr 0.003,
+6 samples of ``data.seq_len`` per replica per step: windows of the ``trainer.data.corpus.load_splits(cfg)``
 corpus (the stdlib sources, as recovery.py's BASE), picked by step and replica. The gradients go
 through torchft's fault-tolerant ``Manager.allreduce`` (one flat bucket, ProcessGroupGloo, Manager
 timeout ``TIMEOUT_S``) and its ``Optimizer`` (steps only where ``should_commit``). Not torchft's
@@ -91,9 +91,9 @@ def worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
-    from trainer.config_load import load_config
-    from trainer.data import load_splits
-    from trainer.models.decoder import Transformer
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_splits
+    from trainer.models.decoder.model import Transformer
 
     cfg = load_config(os.path.join(ROOT, "examples/tiny.toml"), OVERRIDES)
     corpus, _ = load_splits(cfg)

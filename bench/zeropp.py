@@ -79,10 +79,10 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from tests.jobs import comm_per_step
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.loop import Trainer
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
     from trainer.world import World, forget_meshes, init_distributed, shutdown_distributed
 
     world = World.from_env()

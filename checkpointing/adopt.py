@@ -9,7 +9,7 @@ A stock DCP checkpoint (``FileSystemWriter`` or ``FsspecWriter``, default
 settings) has every file etrain needs but no manifest, so no etrain reader
 sees it. ``adopt`` checks it the way a load would, then commits it:
 
-1. the DCP metadata (at most ``dcp_read.MAX_METADATA_BYTES``, checked on the
+1. the DCP metadata (at most ``checkpointing.dcp.reader.MAX_METADATA_BYTES``, checked on the
    listing before a byte is read) is read with the restricted unpickler, as a
    load reads it, one pickle and nothing after it; every item must be
    a ``_StorageInfo`` byte range, without stream transforms, of a bare
@@ -40,13 +40,13 @@ import posixpath
 import re
 import time
 
-from .dcp_format import CorruptCheckpointError, StorageInfo
+from .dcp.format import CorruptCheckpointError, StorageInfo
 from .errors import CheckpointError
 from .layout import parse_url
 from .manager import CheckpointManager
 from .manifest import MANIFEST_NAME, METADATA_NAME, SHARD_RE, FileEntry, Manifest, checksum, parse_step_dir
 from .names import check_url, redact
-from .storage import Storage
+from .storage.base import Storage
 
 _RANK_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -153,7 +153,7 @@ def adopt(url: str, *, samples_consumed: int, into: str | None = None, step: int
 
 def _read_metadata(src: Storage, src_rel: str, listing: dict[str, int | None], shown: str) -> bytes:
     """The DCP metadata's bytes, its size bounded on the listing before any is read (and after)."""
-    from .dcp_read import check_metadata_size
+    from .dcp.reader import check_metadata_size
 
     where = f"{shown}/{METADATA_NAME}"
     try:
@@ -168,7 +168,7 @@ def _read_metadata(src: Storage, src_rel: str, listing: dict[str, int | None], s
 def _check_metadata(blob: bytes, listing: dict[str, int | None], shown: str):
     """The DCP metadata, checked against the directory: every item a ``_StorageInfo`` byte range of a
     present ``*.distcp`` file, every chunk stored. Returns it and the files it references, sorted."""
-    from .dcp_read import check_locations, load_metadata
+    from .dcp.reader import check_locations, load_metadata
 
     where = f"{shown}/{METADATA_NAME}"
     try:
@@ -196,8 +196,8 @@ def _check_metadata(blob: bytes, listing: dict[str, int | None], shown: str):
 
 
 def _check_items(md, name: str, data: bytes, where: str) -> None:
-    """Every item of file ``name`` reads back as a load reads it (:func:`checkpointing.dcp_read.check_items`)."""
-    from .dcp_read import check_items
+    """Every item of file ``name`` reads back as a load reads it (:func:`checkpointing.dcp.reader.check_items`)."""
+    from .dcp.reader import check_items
 
     try:
         check_items(md, name, data, where)

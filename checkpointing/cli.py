@@ -18,7 +18,7 @@ problem, naming the file, and 0 when every checked checkpoint is sound. Given
 a run's export (``<run>/exports/step_N``), ``verify`` checks its manifest,
 every file's size and crc32c, and that it was made from the step's
 checkpoint as it is now (not stale). ``ls`` lists the run's exports too, each
-with the checkpoint it was made from (:mod:`checkpointing.export_manifest`).
+with the checkpoint it was made from (:mod:`checkpointing.export.manifest`).
 ``ls``, ``inspect`` and ``verify`` exit 1 alike when the URL does not exist,
 holds no checkpoint or is a checkpoint root without ``--run`` (naming the
 runs it holds). ``adopt`` commits a checkpoint written by stock DCP
@@ -103,7 +103,7 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
         rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
                      "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
                      "samples_consumed": m.trainer_state.get("samples_consumed"), "manifest_sha256": m.digest})
-    from .export_manifest import export_states
+    from .export.manifest import export_states
 
     exports = export_states(mgr.storage, mgr.run_id)  # [checkpoint] export_every: kept when checkpoints go
     by_step = {r["step"]: r for r in rows}
@@ -146,7 +146,7 @@ def _export_line(mgr: CheckpointManager, step: int, st) -> str:
         where = "the step's checkpoint" if st.checkpoint else "its checkpoint is gone since"
         return f"complete    from checkpoint {st.made_from[:12] if st.made_from else '(not recorded)'} ({where})"
     if st.state == "stale":
-        from .export_manifest import export_rel
+        from .export.manifest import export_rel
 
         return (f"STALE       {st.why}; write it again: etrain ckpt export {redact(mgr.url_of(step))} "
                 f"{redact(mgr.storage.join(export_rel(mgr.run_id, step)))} --overwrite")
@@ -180,12 +180,12 @@ def cmd_inspect(mgr: CheckpointManager, step: int | None, as_json: bool) -> int:
 def verify_step(mgr: CheckpointManager, step: int) -> list[str]:
     """Problems with one checkpoint, each naming the file, found as a load finds them: the manifest,
     every file's size and crc32c, the DCP metadata (restricted unpickler, item locations) and every
-    item (:func:`checkpointing.dcp_read.verify_files`). Empty when a load would accept it."""
+    item (:func:`checkpointing.dcp.reader.verify_files`). Empty when a load would accept it."""
     try:
         manifest = mgr.read_manifest(step)
     except CheckpointError as e:
         return [str(e)]
-    from .dcp_read import EtrainReader, verify_files
+    from .dcp.reader import EtrainReader, verify_files
 
     return verify_files(EtrainReader(mgr.storage, mgr.step_rel(step), manifest.file_table()))
 
@@ -209,8 +209,8 @@ def cmd_verify(mgr: CheckpointManager, step: int | None) -> int:
 
 def cmd_verify_export(url: str) -> int:
     """``etrain ckpt verify <root>/<run>/exports/step_N``: the export's manifest, every file's size and
-    crc32c, and its checkpoint (:func:`checkpointing.export_manifest.export_state`)."""
-    from .export_manifest import export_dir_state
+    crc32c, and its checkpoint (:func:`checkpointing.export.manifest.export_state`)."""
+    from .export.manifest import export_dir_state
 
     st = export_dir_state(url, contents=True)
     shown = redact(url.rstrip("/"))
@@ -293,14 +293,14 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if args.cmd == "verify" and not args.run:
-            from .export_manifest import split_export_url
+            from .export.manifest import split_export_url
 
             if split_export_url(args.url) is not None:
                 return cmd_verify_export(args.url)
         try:
             root, run_id, step = (args.url.rstrip("/"), args.run, None) if args.run else parse_url(args.url)
         except EtrainError:  # "runs", "s3://bucket": no run in it, but perhaps a checkpoint root
-            from .storage import Storage
+            from .storage.base import Storage
 
             _refuse_a_root(Storage(args.url), "", args)
             raise

@@ -50,7 +50,7 @@ class PlannedLayout:
     plan_id: str  # rank 0's nonce of the planned save: the same on every rank
     layout: str  # layout_fingerprint of the state it was planned for
     plan: Any  # this rank's final DCP SavePlan
-    paths: dict  # where each of its items is in the state dict (dcp_io.PlannedItems)
+    paths: dict  # where each of its items is in the state dict (checkpointing.dcp.writer.PlannedItems)
     results: list  # this rank's WriteResults: where each item went
     is_coordinator: bool
     metadata: Any  # the DCP Metadata (coordinator only)
@@ -58,7 +58,7 @@ class PlannedLayout:
 
     def metadata_for(self, tokens: list[str]):
         """The planned save's metadata with every rank's file names of a new attempt."""
-        from .dcp_io import retoken_metadata
+        from .dcp.writer import retoken_metadata
 
         return retoken_metadata(self.metadata, dict(zip(self.tokens, tokens)))
 

@@ -13,8 +13,8 @@
       FENCE                     the newest controller epoch (fencing token)
       LOCK/<generation>.json    the writer lock (checkpointing.lock)
       checkpoints/step_<N>/     one checkpoint (checkpointing.manifest)
-      exports/step_<N>/         one transformers export of [checkpoint] export_every (checkpointing.export)
-      control/                  the embedded run store's documents (orchestrator.store)
+      exports/step_<N>/         one transformers export of [checkpoint] export_every (checkpointing.export.weights)
+      control/                  the embedded run store's documents (orchestrator.store.run_store)
       _probe/                   write probes before a run starts
 
 The checkpoint manager, the writer lock and the embedded run store all name

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass
 
 from .errors import CheckpointError, FencedError
 from .layout import RunRoot
-from .retry import describe
-from .storage import Storage
+from .storage.retry import describe
+from .storage.base import Storage
 
 log = logging.getLogger("etrain")
 

@@ -56,8 +56,8 @@ from .manifest import (
     parse_step_dir,
 )
 from .names import redact_config
-from .retry import describe
-from .storage import Storage
+from .storage.retry import describe
+from .storage.base import Storage
 from .transaction import (  # noqa: F401  (SaveResult, group_rank_errors: callers import them from here)
     FenceUnavailable,
     SaveResult,
@@ -107,7 +107,7 @@ class CheckpointManager(SaveTransaction):
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
         self._writer = None  # the EtrainWriter of the save in flight
-        self._pool = None  # dcp_io.StagingPool, made at the first save
+        self._pool = None  # checkpointing.dcp.writer.StagingPool, made at the first save
         self._gc_thread: threading.Thread | None = None
         self._stale_checked = -float("inf")  # when retention last looked for stale multipart uploads
         self._group = None  # process group of the background saves
@@ -413,7 +413,7 @@ class CheckpointManager(SaveTransaction):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_read import EtrainReader, SafeLoadPlanner, load_failure
+        from .dcp.reader import EtrainReader, SafeLoadPlanner, load_failure
 
         self._host.fence()  # a save's deferred host copy reads the state before this load writes it
         candidates = self._broadcast(self._candidates(step) if self.rank == 0 else None)

@@ -12,7 +12,7 @@ A commit's identity is :attr:`Manifest.digest`, the sha256 of its ``MANIFEST.jso
 commits of the same step (a run whose checkpoints were deleted and that trained again under the
 same run id, an adopted checkpoint) never share it, since each manifest records its own creation
 time and every file's size and crc32c. An export records the digest of the checkpoint it was
-made from (:mod:`checkpointing.export_manifest`).
+made from (:mod:`checkpointing.export.manifest`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ METADATA_NAME = ".metadata"
 STEP_RE = re.compile(r"^step_(\d{9})$")
 # The only names a manifest may list: shard files and one DCP metadata file, bare
 # names in the step directory (format 1 named the metadata "e<epoch>.metadata").
-# Format 3 locates items as stock DCP does (dcp_format); 1 and 2 wrote raw bytes.
+# Format 3 locates items as stock DCP does (checkpointing.dcp.format); 1 and 2 wrote raw bytes.
 SHARD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\.distcp$")
 METADATA_RE = re.compile(r"^(?:e\d{1,12})?\.metadata$")
 CRC_RE = re.compile(r"^[0-9a-f]{8}$")

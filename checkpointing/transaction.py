@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from .errors import CheckpointError, ConfigError, FencedError
 from .host_copy import PlannedLayout, layout_fingerprint
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, checksum, is_listable_name
-from .retry import describe
+from .storage.retry import describe
 
 log = logging.getLogger("etrain")
 
@@ -135,7 +135,7 @@ class SaveTransaction:
         return out
 
     def _new_writer(self, step: int, token: str):
-        from .dcp_io import EtrainWriter, StagingPool, upload_threads
+        from .dcp.writer import EtrainWriter, StagingPool, upload_threads
 
         if self._pool is None:
             self._pool = StagingPool()
@@ -149,7 +149,7 @@ class SaveTransaction:
 
     def _drop_writer(self, writer) -> None:
         """No upload thread may outlive a failed save (they read the state); the files this
-        attempt wrote go with it (their names are this attempt's own, see dcp_io.file_name)."""
+        attempt wrote go with it (their names are this attempt's own, see checkpointing.dcp.writer.file_name)."""
         writer.abort()
         writer.remove_files()
         writer.release()
@@ -160,7 +160,7 @@ class SaveTransaction:
         """Lay this rank's files out by the last planned save and start writing them, if its layout
         still holds. Returns the writer and the plan id, or (None, None). Never raises: every rank
         must go on to ``_agree``."""
-        from .dcp_io import PlannedItems, same_results
+        from .dcp.writer import PlannedItems, same_results
 
         planned = self._planned
         if planned is None or planned.layout != layout:
@@ -199,7 +199,7 @@ class SaveTransaction:
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp_io import PlannedItems
+        from .dcp.writer import PlannedItems
 
         step = job["step"]
         t0 = time.monotonic()

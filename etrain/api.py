@@ -10,7 +10,7 @@ from typing import Any
 
 from checkpointing.errors import ConfigError, EtrainError
 from trainer.config import RunConfig
-from trainer.config_load import apply_overrides, config_from_dict, load_raw
+from trainer.config.load import apply_overrides, config_from_dict, load_raw
 
 Config = str | os.PathLike | dict | RunConfig
 
@@ -69,8 +69,8 @@ def submit(config: Config, workers: int | None = None, address: str | None = Non
     and return at once; the run goes on in the background of this process (``etrain run`` without the wait).
     ``store``: the run store URL (default: beside the checkpoints). The returned :class:`Run` carries the
     run's token (``run.token``; this user's run registry keeps it too), which its control methods need."""
-    from orchestrator.auth import mint
-    from orchestrator.run import prepare_run_doc
+    from orchestrator.service.auth import mint
+    from orchestrator.driver.run import prepare_run_doc
 
     doc = config_document(config, overrides)
     token = mint()
@@ -85,7 +85,7 @@ class Run:
     """A run in the run store: follow it, change it, wait for it (``etrain status/events/suspend/resume/
     resize/stop``). Methods that change the run take effect at its next step boundary, and need the run's
     token: ``token``, else one found as the CLI finds it ($ETRAIN_RUN_TOKEN, this user's run registry,
-    $ETRAIN_ADMIN_TOKEN); ``orchestrator.auth.NotAuthorized`` otherwise."""
+    $ETRAIN_ADMIN_TOKEN); ``orchestrator.service.auth.NotAuthorized`` otherwise."""
 
     def __init__(self, run_id: str, store_url: str, address: str | None = None, *, token: str | None = None):
         self.run_id = run_id
@@ -98,12 +98,12 @@ class Run:
         return f"Run({self.run_id!r}, phase={self.status().get('phase')!r})"
 
     def _store(self):
-        from orchestrator.store import open_store
+        from orchestrator.store.run_store import open_store
 
         return open_store(self.store_url)
 
     def _start(self, spec, st) -> None:
-        from orchestrator.run import BackgroundRun, connect, parse_spec
+        from orchestrator.driver.run import BackgroundRun, connect, parse_spec
 
         _, e = parse_spec(spec)
         connect(self.address, int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1)
@@ -120,7 +120,7 @@ class Run:
         return [e for e in rows if kind is None or e.get("kind") == kind]
 
     def _change(self, changes) -> None:
-        from orchestrator.auth import change_run
+        from orchestrator.service.auth import change_run
 
         change_run(self._store(), self.run_id, changes, self.token)
 
@@ -135,7 +135,7 @@ class Run:
     def resize(self, workers: int) -> None:
         """Change the run's size at its next step boundary (a size its layout allows)."""
         from orchestrator.config import allowed_sizes
-        from orchestrator.run import parse_spec
+        from orchestrator.driver.run import parse_spec
 
         def resize(spec) -> dict:
             allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
@@ -148,7 +148,7 @@ class Run:
 
     def resume(self, workers: int | None = None) -> Run:
         """Continue a suspended or interrupted run (waits for the current one to end first)."""
-        from orchestrator.run import prepare_resume
+        from orchestrator.driver.run import prepare_resume
 
         if self._bg is not None and self._bg.thread.is_alive():
             self.wait()

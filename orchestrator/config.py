@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
-from trainer.config_load import build_section
+from trainer.config.load import build_section
 from trainer.parallel.dims import size_rule, valid_world_sizes
 
 

@@ -4,7 +4,7 @@
     if Phase(status["phase"]).terminal: ...
     Phase.RUNNING == "RUNNING"          # a StrEnum: statuses stay plain JSON strings
 
-The controller (``orchestrator.controller``) owns the state machine; every
+The controller (``orchestrator.controller.controller``) owns the state machine; every
 other module (the run store, the CLI, the chaos tools, the metrics, the demo)
 names a phase through this enum, never by a string of its own.
 """

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from checkpointing.errors import EtrainError
 
-from .store import HistoryRow
+from .store.run_store import HistoryRow
 
 # What each mark is drawn as: colour and line style.
 MARKS = {"failure": ("red", "-"), "recovery": ("green", ":"), "resize": ("purple", "--"),
          "suspend": ("gray", "-."), "resume": ("tab:blue", "-.")}
-# Run events (orchestrator.controller, orchestrator.states) as marks; a second "started" is a resume.
+# Run events (orchestrator.controller.controller, orchestrator.controller.states) as marks; a second "started" is a resume.
 _EVENT_MARKS = {"failure": "failure", "failed": "failure", "recovered": "recovery", "resized": "resize",
                 "suspended": "suspend"}
 

@@ -15,8 +15,8 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -103,7 +103,7 @@ def run_plan(payload: dict) -> list[dict]:
 def crash_during_save(payload: dict) -> dict:
     """Train, commit one checkpoint, then die on rank 1 after its shards are uploaded but
     before the manifest of the next one exists."""
-    from checkpointing import dcp_io
+    from checkpointing.dcp import writer as dcp_io
 
     world = World.from_env()
     init_distributed(world, CPU)

@@ -43,7 +43,7 @@ def start_run(root: str, *overrides: str, workers: int = 2, min_workers: int | N
     unless ``store`` is given), in the background; returns it and its store."""
     import uuid
 
-    from orchestrator.run import prepare_run
+    from orchestrator.driver.run import prepare_run
 
     run_id = run_id or f"t-{uuid.uuid4().hex[:6]}"
     spec, st = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', *overrides],
@@ -56,7 +56,7 @@ def reference_run(root: str, *overrides: str, workers: int = 2) -> dict:
     """A failure-free run of RUN_BASE plus ``overrides``, run id "reference", to its end: what faulted runs of
     the same config must match. Its final status, plus ``root`` and ``store`` (where it ran) and its step
     ``history``."""
-    from orchestrator.run import BackgroundRun, prepare_run
+    from orchestrator.driver.run import BackgroundRun, prepare_run
 
     spec, st = prepare_run("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', *overrides],
                            workers=workers, run_id="reference", store=root)
@@ -71,7 +71,7 @@ def reference_run(root: str, *overrides: str, workers: int = 2) -> dict:
 
 def follow(spec, store):
     """Drive the run of ``spec`` in the background (closed at the end of the test)."""
-    from orchestrator.run import BackgroundRun
+    from orchestrator.driver.run import BackgroundRun
 
     run = BackgroundRun(spec, store)
     RUNS.append(run)

@@ -258,7 +258,7 @@ def prometheus(tmp_path_factory):
 @pytest.fixture(params=["storage", "etcd"])
 def store(request, tmp_path):
     """A run store of each backend: the embedded one on a local directory, and etcd."""
-    from orchestrator.store import open_store
+    from orchestrator.store.run_store import open_store
 
     if request.param == "storage":
         return open_store(f"file://{tmp_path}/runs")

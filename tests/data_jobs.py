@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import xxhash
 
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.world import World, init_distributed, shutdown_distributed
 

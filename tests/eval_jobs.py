@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.loop import Trainer
 from trainer.world import World, init_distributed, shutdown_distributed
 

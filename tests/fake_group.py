@@ -7,12 +7,12 @@
     while not ctl.state.terminal:
         ctl.step()
 
-``FakeGroup`` implements ``orchestrator.worker_group.WorkerGroup``, the
+``FakeGroup`` implements ``orchestrator.workers.group.WorkerGroup``, the
 interface ``RayWorkerGroup`` implements on Ray (``start``, ``ready``,
 ``placed``, ``info``, ``submit``, ``wait``, ``result``, ``alive``, ``kill``,
 ``shutdown`` and the ``workers`` dict), and returns the real ``Call`` and
 ``WorkerLost`` types. Its workers live in memory and behave
-like ``orchestrator.worker.TrainWorker``:
+like ``orchestrator.workers.worker.TrainWorker``:
 
 * Everything is deterministic: no threads, no sleeping. Calls other than
   ``train`` run when they are submitted. Training moves one step per
@@ -42,8 +42,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.worker_group import Call, WorkerGroup, WorkerLost
-from orchestrator.worker_results import Formed, Restored, TrainResult
+from orchestrator.workers.group import Call, WorkerGroup, WorkerLost
+from orchestrator.workers.results import Formed, Restored, TrainResult
 
 
 class FakeClock:

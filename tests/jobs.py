@@ -7,8 +7,8 @@ import gc
 
 import torch
 
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import Trainer
 from trainer.world import World, forget_meshes, init_distributed, shutdown_distributed
 
@@ -31,7 +31,7 @@ def trainers(world: World, base: list[str], layouts: list):
 def metered_world():
     """This process's group formed (CPU, gloo) with the comm meter on; (world, meter) inside, the group shut
     down after."""
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
 
     meter = comm_meter()
     meter.enabled = True  # a python -m trainer run earlier in this pooled process may have turned it off
@@ -82,7 +82,7 @@ def comm_per_step(meter, before: list[dict], steps: int) -> dict[str, dict]:
 def comm_volume(payload: dict) -> dict:
     """Per-step collective bytes by (kind, axis) measured by the comm meter over a few steps, with
     the model's full parameter bytes and per-block bytes for the analytic FSDP volume."""
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
 
     meter = comm_meter()
     meter.reset()

@@ -9,18 +9,18 @@ import gc
 
 import torch
 
-from trainer import memory
-from trainer.config_load import load_config
-from trainer.data import Corpus, load_corpus
+from trainer.observe import device_memory as memory
+from trainer.config.load import load_config
+from trainer.data.corpus import Corpus, load_corpus
 from trainer.loop import Trainer
-from trainer.telemetry import comm_meter
+from trainer.observe.telemetry import comm_meter
 from trainer.world import World, init_distributed, shutdown_distributed
 
 CPU = torch.device("cpu")
 
 
 def measure_step(trainer: Trainer) -> dict:
-    """:func:`trainer.memory.measure_step`, with the collectives the step made per "kind/axis"."""
+    """:func:`trainer.observe.device_memory.measure_step`, with the collectives the step made per "kind/axis"."""
     meter = comm_meter()
     meter.name_axes(trainer.mesh)
     before = {(c["kind"], c["axis"]): c["calls"] for c in meter.snapshot()}

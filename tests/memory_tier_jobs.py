@@ -17,8 +17,8 @@ from checkpointing.recovery.restore import load_from_memory
 from checkpointing.recovery.snapshot import MemorySnapshot, MemoryStorage
 from checkpointing.recovery.tier import MemoryTier
 from tests.ckpt_jobs import full_state
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import Trainer, checkpoint_manager
 from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -172,14 +172,14 @@ def hostile_copy(payload: dict) -> dict:
 
 def bad_trainer_state(payload: dict) -> dict:
     """Each rank restores from its own memory snapshot through ``TrainWorker.restore``'s path
-    (``orchestrator.tier_restore.restore_from_memory``) after the snapshot's trainer state was replaced
+    (``orchestrator.workers.tier_fetch.restore_from_memory``) after the snapshot's trainer state was replaced
     by ``payload["trainer_state"]`` (if given), and rank ``payload["flip_rank"]``'s own files had a byte
     flipped (if given): the reason it gave (""=restored) and the trainer's step and cursor."""
     from types import SimpleNamespace
 
     from checkpointing.recovery.held import HeldView
     from checkpointing.recovery.restore import SnapshotKey
-    from orchestrator.tier_restore import MemoryRestore, restore_from_memory
+    from orchestrator.workers.tier_fetch import MemoryRestore, restore_from_memory
 
     world = World.from_env()
     init_distributed(world, CPU)

@@ -11,7 +11,7 @@ from trainer.world import World, init_distributed, shutdown_distributed
 def train_moe(payload: dict) -> dict:
     """Each layout of ``payload["layouts"]`` for ``payload["steps"]`` steps: its losses, aux losses,
     imbalance ratios and (``payload["params"]``, world 1) the trained parameters."""
-    from trainer.telemetry import comm_meter
+    from trainer.observe.telemetry import comm_meter
 
     meter = comm_meter()
     meter.enabled = True

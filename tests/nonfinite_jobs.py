@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from tests.ckpt_jobs import full_state
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import NonFiniteStep, Trainer
 from trainer.world import World, forget_meshes, init_distributed, shutdown_distributed
 

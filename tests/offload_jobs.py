@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from trainer.config_load import load_config
-from trainer.data import load_corpus
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus
 from trainer.loop import Trainer
 from trainer.world import World, init_distributed, shutdown_distributed
 

@@ -1,4 +1,4 @@
-"""The cluster's allocator (orchestrator/scheduling/allocator.py) on real run stores (file://), with the
+"""The cluster's allocator (orchestrator/service/allocator.py) on real run stores (file://), with the
 cluster's capacity given: what it writes into the runs' specs, the events it leaves, its state read back
 after a restart, quotas, and a user's change racing its decision (docs/service.md#the-allocator).
 
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from orchestrator.documents import HistoryRow, RunSpec
-from orchestrator.scheduling.allocator import STATE_DOC, AllocatorCore, read_doc, set_quota
-from orchestrator.scheduling.demand import demand_of, resize_cost, throughput
-from orchestrator.store import StorageRunStore, open_store
-from trainer.config_load import load_raw
+from orchestrator.store.documents import HistoryRow, RunSpec
+from orchestrator.service.allocator import STATE_DOC, AllocatorCore, read_doc, set_quota
+from orchestrator.service.demand import demand_of, resize_cost, throughput
+from orchestrator.store.run_store import StorageRunStore, open_store
+from trainer.config.load import load_raw
 
 BASE = ["data.max_bytes=200000", "data.seq_len=16", "train.global_batch=12", "train.micro_batch=1",
         "train.steps=1000"]
@@ -176,8 +176,8 @@ def test_demand_reads_throughput_resize_cost_and_queue_time(store):
 def test_etrain_quota_needs_the_admin_token_and_lists_what_teams_hold(store, capsys, monkeypatch):
     import json
 
-    from orchestrator.auth import ADMIN_TOKEN_ENV, new_admin_token
-    from orchestrator.cli import main
+    from orchestrator.service.auth import ADMIN_TOKEN_ENV, new_admin_token
+    from orchestrator.cli.main import main
 
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
     assert main(["quota", "vision", "--max-workers", "4", "--store", store.url]) == 2
@@ -225,7 +225,7 @@ def test_the_cluster_metrics_show_the_decision(store):
 def test_etrain_queue_says_why_the_allocator_does_not_admit_a_run(store, capsys):
     import json
 
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     make_run(store, "big", workers=3, min_workers=3, max_workers=3, elastic={"preemptible": False})
     make_run(store, "next", workers=2, min_workers=2, max_workers=2, phase="QUEUED", world=0)

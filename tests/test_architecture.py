@@ -83,14 +83,14 @@ def test_sizing_a_run_loads_no_model_code():
             continue
         seen.add(name)
         todo += [n for _, n in imported(by_name[name], top_level_only=True)]
-    assert not seen & {"trainer.models.decoder", "trainer.parallel.parallelize"}, sorted(seen)
+    assert not seen & {"trainer.models.decoder.model", "trainer.parallel.parallelize"}, sorted(seen)
 
 
 def test_the_exporter_names_the_controllers_phases():
-    """trainer.metrics lists the etrain_phase label values itself (it cannot import
+    """trainer.observe.metrics lists the etrain_phase label values itself (it cannot import
     orchestrator.phase); they must be the controller's phases, in order."""
     from orchestrator.phase import ORDER, Phase
-    from trainer.metrics import PHASES
+    from trainer.observe.metrics import PHASES
 
     assert PHASES == tuple(p.value for p in ORDER if p is not Phase.PENDING)
 
@@ -189,7 +189,7 @@ def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
     pkg = tmp_path / "checkpointing"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from checkpointing.b import _secret\nimport orchestrator.run\n")
+    (pkg / "a.py").write_text("from checkpointing.b import _secret\nimport orchestrator.driver.run\n")
     (pkg / "b.py").write_text("from . import a\n_secret = 1\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
                               + "y = 1\n" * (MAX_LINES + 1))
@@ -199,4 +199,4 @@ def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
     assert long_modules(paths) == [f"checkpointing/c.py has {MAX_LINES + 4} lines (at most {MAX_LINES}): split it "
                                    "by job"]
     uphill = [name for p in paths for _, name in imported(p) if name.split(".")[0] in UPHILL]
-    assert uphill == ["orchestrator.run"]
+    assert uphill == ["orchestrator.driver.run"]

@@ -1,4 +1,4 @@
-"""The autoscaler hears what a run waits for (orchestrator/autoscale.py): the observer against the fake group
+"""The autoscaler hears what a run waits for (orchestrator/controller/autoscale.py): the observer against the fake group
 (which workers wait for resources, when the request is withdrawn), and the demand board against the real
 local Ray (the cluster's one request is every run's bundles, cleared when the last run withdraws)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.autoscale import AutoscaleObserver
+from orchestrator.controller.autoscale import AutoscaleObserver
 from tests import test_controller as base
 
 rig = base.rig  # the controller rig's fixture
@@ -47,7 +47,7 @@ def test_a_run_that_ends_waiting_withdraws_its_request(rig):
 
 @pytest.mark.ray
 def test_the_cluster_request_is_every_runs_bundles_and_clears_when_the_last_withdraws(ray_cluster):
-    from orchestrator.autoscale import DemandBoard, requested_bundles
+    from orchestrator.controller.autoscale import DemandBoard, requested_bundles
 
     board = DemandBoard()
     try:

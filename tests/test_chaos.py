@@ -20,7 +20,7 @@ from checkpointing.manager import CheckpointManager
 from orchestrator.chaos.cli import judge
 from orchestrator.chaos.injector import Chaos
 from orchestrator.chaos.plan import load_plan
-from orchestrator.cli import main as etrain
+from orchestrator.cli.main import main as etrain
 from tests.cluster import STEPS, follow, start_run
 
 # A hang is no step for 4 s (the tiny model steps in about 0.25 s); it does not change the math.
@@ -128,7 +128,7 @@ def test_hung_rank_is_detected_within_its_deadline_and_passes_the_oracle(cluster
     assert result["passed"], json.dumps(result, indent=1, default=str)
     f = result["faults"][0]
     # hang_timeout_s = 4: no step for 4 s is a hang; the members were pinged ahead of it, so the hung one is
-    # known at the deadline (orchestrator.hang_probe), not up to 2 s after it
+    # known at the deadline (orchestrator.workers.hang_probe), not up to 2 s after it
     assert f["detected"] and f["time_to_detect_s"] <= 4 + 1.5
     assert f["recovered"]
     events = st.events(run.spec.run_id)
@@ -210,7 +210,7 @@ def test_corrupt_newest_checkpoint_before_resume_falls_back_and_passes_the_oracl
         f.seek(100)
         f.write(bytes([b[0] ^ 0xFF]))
     assert mgr.verify(newest)  # corrupt, and verify says so
-    from orchestrator.run import prepare_resume
+    from orchestrator.driver.run import prepare_resume
 
     spec, st = prepare_resume(run_id, root, workers=2)
     final = follow(spec, st).join()

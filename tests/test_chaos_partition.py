@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from checkpointing.dcp_io import file_prefix
+from checkpointing.dcp.writer import file_prefix
 from orchestrator.chaos import netns, procfs
 from orchestrator.chaos.cli import judge
 from orchestrator.chaos.injector import Chaos

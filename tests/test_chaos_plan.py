@@ -108,7 +108,7 @@ def test_partition_of_a_node_without_a_namespace_says_why_and_what_to_do():
 
 def test_stale_commits_name_a_checkpoint_an_old_epoch_committed_after_a_newer_one_formed(tmp_path):
     from checkpointing.manifest import FileEntry, Manifest
-    from checkpointing.storage import Storage
+    from checkpointing.storage.base import Storage
 
     url = f"file://{tmp_path}"
     storage = Storage(url)

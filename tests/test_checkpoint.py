@@ -137,7 +137,7 @@ def test_crash_during_save_leaves_step_invisible(storage_url):
 
 def ckpt_cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "ckpt", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "ckpt", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -204,8 +204,8 @@ def repeated_saves(payload: dict) -> dict:
     """Saves of one manager in a row: the first plans, later ones of the same layout reuse its plan;
     a new key, or a non-tensor item that grew, plans again. Runs in each rank."""
     from tests.ckpt_jobs import full_state
-    from trainer.config_load import load_config
-    from trainer.data import load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import load_corpus
     from trainer.loop import Trainer, checkpoint_manager
     from trainer.world import World, init_distributed, shutdown_distributed
 

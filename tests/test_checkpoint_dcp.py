@@ -29,8 +29,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from checkpointing import cli as ckpt_cli
-from checkpointing.dcp_format import envelope, item_tensor
-from checkpointing.dcp_read import load_metadata
+from checkpointing.dcp.format import envelope, item_tensor
+from checkpointing.dcp.reader import load_metadata
 from checkpointing.lock import WriterLock
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import MANIFEST_NAME, config_changes
@@ -164,7 +164,7 @@ def stock_save_job(payload: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from tests.ckpt_jobs import CPU, full_state
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -307,7 +307,7 @@ def test_adopt_refuses_what_is_not_a_dcp_checkpoint(tmp_path, capsys):
     finally:
         lock.release()
     # Through the real command line: exit 2, no traceback, and then the good directory is adopted.
-    cmd = [sys.executable, "-m", "orchestrator.cli", "ckpt", "adopt", url]
+    cmd = [sys.executable, "-m", "orchestrator.cli.main", "ckpt", "adopt", url]
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--samples-consumed" in r.stderr and "Traceback" not in r.stderr, r.stderr

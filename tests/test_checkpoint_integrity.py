@@ -27,7 +27,7 @@ from checkpointing.errors import CheckpointError, ConfigError, FencedError, Unsa
 from checkpointing.lock import WriterLock, WriterLockHeld
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import MANIFEST_NAME, checksum
-from checkpointing.storage import MiB, Storage
+from checkpointing.storage.base import MiB, Storage
 from tests.harness import ROOT, run_ranks
 
 PY = sys.executable
@@ -274,7 +274,7 @@ def _load_error(mgr: CheckpointManager, step: int) -> Exception:
 def _replace_bytes_item(mgr: CheckpointManager, step: int, payload: bytes) -> None:
     """Overwrite the serialized ``extra.note`` item in its shard with ``payload`` (same length or less,
     padded), then fix the manifest's checksum of that shard: only the content is hostile."""
-    from checkpointing.dcp_read import load_metadata
+    from checkpointing.dcp.reader import load_metadata
 
     rel = mgr.step_rel(step)
     md = load_metadata(mgr.storage.get(f"{rel}/.metadata"), "x")
@@ -586,7 +586,7 @@ def test_etrain_resume_probes_the_checkpoint_url_first(tmp_path):
     """A run whose checkpoint storage went away is not resumed into saves that all fail."""
     import shutil
 
-    from orchestrator.run import prepare_resume, prepare_run
+    from orchestrator.driver.run import prepare_resume, prepare_run
 
     ck, store = tmp_path / "ck", f"file://{tmp_path}/store"
     spec, _ = prepare_run("examples/tiny.toml", [f'checkpoint.url="file://{ck}"', "checkpoint.interval_steps=5"],

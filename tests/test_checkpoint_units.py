@@ -8,11 +8,11 @@ import pytest
 
 from checkpointing.cli import parse_url
 from checkpointing.errors import CheckpointError, EtrainError, StorageError
-from checkpointing.faults import StorageFaults
+from checkpointing.storage.faults import StorageFaults
 from checkpointing.manager import group_rank_errors, retained_steps
 from checkpointing.manifest import FORMAT_VERSION, FileEntry, Manifest, checksum, parse_step_dir, step_dir
-from checkpointing.retry import RetryPolicy, TransientStorageError, describe, is_transient
-from checkpointing.storage import MiB, Storage
+from checkpointing.storage.retry import RetryPolicy, TransientStorageError, describe, is_transient
+from checkpointing.storage.base import MiB, Storage
 
 
 def test_retention_keeps_last_k_and_every_nth():
@@ -120,7 +120,7 @@ def test_a_rewritten_local_object_is_read_whole_or_not_at_all(tmp_path):
     s.put("LOCK/000000000001.json", versions[0], exclusive=True)
     reader = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from checkpointing.storage import Storage\n"
+        "from checkpointing.storage.base import Storage\n"
         f"s = Storage('file://{tmp_path}/r'); bad = 0; end = time.monotonic() + 1.5\n"
         "while time.monotonic() < end:\n"
         "    b = s.get('LOCK/000000000001.json'); bad += len(b) != 256 * 1024 or len(set(b)) != 1\n"

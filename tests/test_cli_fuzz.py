@@ -2,7 +2,7 @@
 start a run, against a real run store holding one finished run, a real step log and a real checkpoint root.
 
 Every invocation ends with exit 0, 1 or 2 and a message, never a traceback (an exception escaping
-``orchestrator.cli.main``); a credential given on the command line is never printed back.
+``orchestrator.cli.main.main``); a credential given on the command line is never printed back.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from orchestrator.cli import main as etrain
-from orchestrator.documents import RunSpec
-from orchestrator.store import open_store
+from orchestrator.cli.main import main as etrain
+from orchestrator.store.documents import RunSpec
+from orchestrator.store.run_store import open_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.toml")

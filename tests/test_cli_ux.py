@@ -1,6 +1,6 @@
 """The first hour at the command line: thread count, run discovery, ``etrain ckpt`` URLs, aliases, help, output.
 
-No Ray: runs are prepared in a run store with :func:`orchestrator.run.prepare_run_doc` and looked at with the
+No Ray: runs are prepared in a run store with :func:`orchestrator.driver.run.prepare_run_doc` and looked at with the
 control commands; the trainer runs as a subprocess for a step or two.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli import main as etrain
+from orchestrator.cli.main import main as etrain
 from tests.harness import ROOT
 
 PY = sys.executable
@@ -77,7 +77,7 @@ def test_python_m_trainer_reports_threads_and_checkpoint_urls_that_etrain_ckpt_t
 
 @pytest.fixture
 def prepared_run(tmp_path, monkeypatch):
-    from orchestrator.run import prepare_run_doc
+    from orchestrator.driver.run import prepare_run_doc
 
     home, here, elsewhere = tmp_path / "home", tmp_path / "project", tmp_path / "elsewhere"
     here.mkdir()
@@ -115,8 +115,8 @@ def test_a_miss_says_where_it_looked(prepared_run, capsys, monkeypatch, tmp_path
 def test_status_lists_the_registered_runs_of_every_store(tmp_path, monkeypatch, capsys):
     """`etrain status`: the runs of the run registry, each read from its own store, beside those of ./runs; a
     store that is not there (etcd on a closed port) and a run its store no longer holds are rows, not a crash."""
-    from orchestrator import registry
-    from orchestrator.store import RunSpec, open_store
+    from orchestrator.store import user_runs as registry
+    from orchestrator.store.run_store import RunSpec, open_store
     from tests.harness import free_port
 
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
@@ -149,7 +149,7 @@ def test_status_lists_the_registered_runs_of_every_store(tmp_path, monkeypatch, 
 
 
 def test_registry_ignores_a_bad_entry(tmp_path, monkeypatch):
-    from orchestrator import registry
+    from orchestrator.store import user_runs as registry
 
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
     assert registry.lookup("r") is None
@@ -190,7 +190,7 @@ def test_etrain_run_takes_config_either_way(argv, capsys, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["run", "--help"], ["ckpt", "--help"]])
 def test_help_does_not_import_torch(argv):
-    code = ("import sys, time; t = time.monotonic(); from orchestrator.cli import main\n"
+    code = ("import sys, time; t = time.monotonic(); from orchestrator.cli.main import main\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "print('TORCH', 'torch' in sys.modules, round(time.monotonic() - t, 2), file=sys.stderr)")
     r = subprocess.run([PY, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
@@ -223,7 +223,7 @@ def test_progress_and_summary_lines_are_readable():
 
 
 def test_run_output_is_readable():
-    from orchestrator.progress import event_line, info_line
+    from orchestrator.driver.progress import event_line, info_line
 
     node = "a1b2c3d4" + "e" * 48
     line = event_line({"kind": "formed", "time": 0, "nodes": [node, node], "world_size": 2})
@@ -231,7 +231,7 @@ def test_run_output_is_readable():
     assert info_line({"loss": 3.0, "tokens_per_s": 12345.0, "world_size": 2, "phase": "RUNNING"}) == \
         "loss 3.0000  12.3k tok/s  world 2  RUNNING"
     # Where a recovery or resize restored from, and why not from memory when it did not.
-    from orchestrator.progress import describe_event
+    from orchestrator.driver.progress import describe_event
 
     rec = {"kind": "recovered", "epoch": 2, "world_before": 2, "world_after": 2, "restored_step": 18,
            "steps_lost": 0, "time_to_recover_s": 0.5, "tier": "memory"}
@@ -243,7 +243,7 @@ def test_run_output_is_readable():
 
 
 def test_final_report_rounds_the_loss(capsys):
-    from orchestrator.cli import _report
+    from orchestrator.cli.main import _report
 
     assert _report({"run_id": "r", "phase": "FINISHED", "step": 9, "total_steps": 9, "loss": 4.123456789}) == 0
     assert "final loss 4.1235" in capsys.readouterr().out
@@ -254,7 +254,7 @@ def test_plain_progress_lines_are_whole_and_carry_an_eta():
 
     from rich.console import Console
 
-    from orchestrator.progress import Follower
+    from orchestrator.driver.progress import Follower
 
     out = io.StringIO()
     f = Follower("r", 100, live=False, console=Console(file=out, width=40), every_s=0.0)
@@ -277,7 +277,7 @@ def test_plain_progress_lines_are_whole_and_carry_an_eta():
 
 
 def test_logs_of_a_detached_run(tmp_path, monkeypatch, capsys):
-    from orchestrator import registry
+    from orchestrator.store import user_runs as registry
 
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
     assert etrain(["logs", "r"]) == 1
@@ -295,7 +295,7 @@ def test_logs_of_a_detached_run(tmp_path, monkeypatch, capsys):
 
 
 def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, capsys):
-    import orchestrator.run
+    import orchestrator.driver.run
 
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path))
     monkeypatch.delenv("ETRAIN_STORE", raising=False)
@@ -304,11 +304,12 @@ def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, 
     assert etrain(argv) == 2  # ./runs would be in the job's temporary directory
     assert "needs a run store that the cluster and this machine both reach" in capsys.readouterr().err
     jobs = []
-    monkeypatch.setattr(orchestrator.run, "submit_job", lambda *a, **kw: jobs.append((a, kw)) or "raysubmit_1")
+    monkeypatch.setattr(orchestrator.driver.run, "submit_job", lambda *a, **kw: jobs.append((a, kw)) or "raysubmit_1")
     assert etrain([*argv, "--store", "etcd://10.0.0.5:2379/etrain", "--set", "train.steps=9"]) == 0
     (address, entry), kw = jobs[0]
     assert address == "http://head:8265" and kw == {"working_dir": "."}
-    from orchestrator import auth, registry
+    from orchestrator.service import auth
+    from orchestrator.store import user_runs as registry
 
     # The job gets the run's owner and its token's hash; the token stays in this user's run registry.
     token = registry.token_of("tiny")
@@ -329,8 +330,8 @@ def test_submit_fills_in_the_working_directory_and_store(tmp_path, monkeypatch, 
 def test_a_listing_whose_reader_went_away_ends_quietly(argv, tmp_path):
     """`etrain ckpt ls URL | head -1` and the other listings: the reader of stdout is gone before the command
     writes (the pipe's read end is closed first, so the write fails every time): no traceback, status 141."""
-    from orchestrator import registry
-    from orchestrator.store import RunSpec, open_store
+    from orchestrator.store import user_runs as registry
+    from orchestrator.store.run_store import RunSpec, open_store
 
     root = f"file://{tmp_path}/runs"
     store = open_store(root)
@@ -376,6 +377,6 @@ def test_demo_with_a_missing_config_exits_2_naming_the_flag_before_ray_starts(tm
     with pytest.raises(SystemExit) as e:
         etrain(["demo", "--config", "missing.toml"])
     assert e.value.code == 2 and "--config 'missing.toml' does not exist" in capsys.readouterr().err
-    from orchestrator.demo import CHECKOUT, TINY
+    from orchestrator.cli.demo import CHECKOUT, TINY
 
     assert os.path.isfile(os.path.join(CHECKOUT, TINY))  # the default outside the checkout: its examples/tiny.toml

@@ -4,8 +4,8 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from trainer.config import MODEL_PRESETS
-from trainer.config_load import load_config
-from trainer.models.decoder import Transformer, count_params
+from trainer.config.load import load_config
+from trainer.models.decoder.model import Transformer, count_params
 from trainer.parallel.dims import ParallelDims, valid_world_sizes
 
 

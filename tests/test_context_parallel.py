@@ -19,7 +19,7 @@ import torch
 
 from checkpointing.errors import ConfigError
 from tests.harness import ROOT, run_ranks
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.models import model_preflight
 from trainer.parallel.context import zigzag_positions
 from trainer.parallel.dims import Mesh, ParallelDims, size_rule, valid_world_sizes

@@ -1,5 +1,5 @@
 """Context parallelism for a transformers Llama (model.source="hf"): its attention routed through etrain's
-(trainer.models.hf_cp, transformers' attention interface) with global position ids for its rotary embedding.
+(trainer.models.hf.cp, transformers' attention interface) with global position ids for its rotary embedding.
 Each cp_style at cp 2 (and, in the slow tier, cp 4) trains as cp 1 does: the first 5 losses within 1e-4 and the first step's reduced
 gradients within 1e-5 (fp32); models whose attention cannot be routed are refused with the reason (exit 2).
 """
@@ -13,7 +13,7 @@ import pytest
 from checkpointing.errors import ConfigError
 from tests.harness import run_ranks
 from tests.test_context_parallel import STYLES, check, cp
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.models import model_preflight
 
 SEQ = 256

@@ -15,9 +15,9 @@ import uuid
 import pytest
 
 from checkpointing.errors import FencedError
-from orchestrator.controller import Controller, ControllerOptions
-from orchestrator.policies import FailurePolicy
-from orchestrator.store import RunSpec, StoreUnavailable, open_store
+from orchestrator.controller.controller import Controller, ControllerOptions
+from orchestrator.controller.run_policy import FailurePolicy
+from orchestrator.store.run_store import RunSpec, StoreUnavailable, open_store
 from tests.fake_group import FakeClock, FakeGroup, FakeStorage, Fault
 
 RUN = "r"
@@ -736,7 +736,7 @@ def test_a_gang_members_replacement_takes_its_freed_bundle(rig):
 
 
 def test_the_allocators_target_is_the_desired_size_snapped_and_a_resize_clears_it(rig):
-    from orchestrator.membership import desired_size
+    from orchestrator.controller.membership import desired_size
 
     assert desired_size(2, 0, 1, 4, [1, 2, 4]) == 2  # no decision: the requested workers
     assert desired_size(2, 3, 1, 4, [1, 2, 4]) == 2  # snapped down to a valid size
@@ -845,8 +845,8 @@ def test_a_train_worker_sigkilled_while_scheduling_is_replaced_on_ray(ray_cluste
     import time
 
     from orchestrator.chaos import procfs
-    from orchestrator.run import controller_options, parse_spec, prepare_run
-    from orchestrator.worker_group import RayWorkerGroup
+    from orchestrator.driver.run import controller_options, parse_spec, prepare_run
+    from orchestrator.workers.group import RayWorkerGroup
     from tests.cluster import RUN_BASE
 
     root = f"file://{tmp_path}/runs"

@@ -9,7 +9,7 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from trainer.config import DataConfig
-from trainer.data import Batcher, Corpus, SampleOrder, load_corpus, split_corpus, stdlib_files
+from trainer.data.corpus import Batcher, Corpus, SampleOrder, load_corpus, split_corpus, stdlib_files
 
 
 def small_corpus(n_tokens=2000):
@@ -133,7 +133,7 @@ def test_held_out_documents_of_the_default_corpus():
 def test_long_text_files_are_read_in_pieces_cut_after_newlines(monkeypatch, as_bytes):
     import io
 
-    from trainer import data_sources
+    from trainer.data import sources as data_sources
 
     monkeypatch.setattr(data_sources, "_BLOCK", 4)
     for data in [b"", b"ab", b"abcd", b"ab\ncd\nef", b"abcdefgh", b"a\nbcdefgh\n", "h\u00e9\u00e9\u00e9\n\u00e9".encode()]:

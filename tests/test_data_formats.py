@@ -24,8 +24,8 @@ import pytest
 from checkpointing.errors import ConfigError
 from tests.harness import ROOT, run_ranks
 from trainer.config import DataConfig
-from trainer.config_load import load_config
-from trainer.data import load_corpus, load_splits, prepare, tokenizer_vocab_size
+from trainer.config.load import load_config
+from trainer.data.corpus import load_corpus, load_splits, prepare, tokenizer_vocab_size
 
 EOS = "<|endoftext|>"
 
@@ -101,7 +101,7 @@ def test_same_text_same_digest_any_format(corpus_dir, tmp_path):
 def test_tokenizer_directories(corpus_dir, tmp_path):
     """A directory with tokenizer.json (read with tokenizers alone), and one with only vocab.json and
     merges.txt (AutoTokenizer, offline): the same ids as the file, EOS from tokenizer_config.json."""
-    from trainer.tokenize import load_tokenizer
+    from trainer.data.tokenize import load_tokenizer
 
     tok = corpus_dir["tok"]
     config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": EOS, "bos_token": EOS, "unk_token": EOS}
@@ -159,7 +159,7 @@ def test_python_factory_and_token_directories(tmp_path):
 
 
 def test_prepare_builds_ahead_and_a_damaged_cache_is_rebuilt(corpus_dir, tmp_path):
-    from trainer.token_cache import CorruptCacheError
+    from trainer.data.token_cache import CorruptCacheError
 
     over = ['data.tokenizer="%s"' % corpus_dir["tokenizer"], f'data.source="{corpus_dir["dir"]}/txt"',
             f'data.cache_dir="{tmp_path}"', "model.vocab_size=512"]

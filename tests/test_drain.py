@@ -1,4 +1,4 @@
-"""A draining node makes the run shrink off it (orchestrator/drain.py): the decision as a pure function,
+"""A draining node makes the run shrink off it (orchestrator/controller/drain.py): the decision as a pure function,
 and the controller stepped against the fake group with a drain source the test controls (no Ray).
 
 The Ray test (a node drained through Ray's own drain call under a training run, then a node added)
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from orchestrator.drain import DrainCommit, DrainHold, DrainShrink, DrainWatch, decide
-from orchestrator.policies import ScalingPolicy
+from orchestrator.controller.drain import DrainCommit, DrainHold, DrainShrink, DrainWatch, decide
+from orchestrator.controller.run_policy import ScalingPolicy
 from tests import test_controller as base
 from tests.test_controller import STEPS, assert_finished_cleanly
 
@@ -182,8 +182,9 @@ def test_a_drain_row_is_detected_by_the_notice_and_recovered_by_the_resize_off_t
 
 
 def test_preemptions_are_counted_by_action_and_reason(rig):
-    from orchestrator.metrics import MetricsEndpoint, RunMetrics
-    from orchestrator.observers import MetricsObserver
+    from trainer.observe.endpoint import MetricsEndpoint
+    from trainer.observe.metrics import RunMetrics
+    from orchestrator.controller.observers import MetricsObserver
     from tests.test_metrics import sample, scrape
 
     r = rig(workers=3, max_workers=3, capacity=3)

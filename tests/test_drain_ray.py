@@ -21,7 +21,7 @@ import pytest
 from orchestrator.chaos.cli import judge
 from orchestrator.chaos.injector import Chaos
 from orchestrator.chaos.plan import load_plan
-from orchestrator.drain import ray_draining_nodes
+from orchestrator.service.drains import ray_draining_nodes
 from tests.cluster import STEPS, start_run
 from tests.test_chaos import use_reference
 

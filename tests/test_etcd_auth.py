@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from orchestrator.store import RunSpec, StoreUnavailable, open_store
+from orchestrator.store.run_store import RunSpec, StoreUnavailable, open_store
 from tests.conftest import terminate
 from tests.harness import free_port
 

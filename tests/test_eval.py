@@ -65,7 +65,7 @@ def test_eval_loss_in_the_step_log_and_on_stdout(tmp_path):
 def test_eval_loss_is_a_prometheus_series():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from trainer.metrics import RunMetrics
+    from trainer.observe.metrics import RunMetrics
 
     m = RunMetrics("r")
     registry = CollectorRegistry()

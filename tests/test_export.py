@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from checkpointing.manifest import MANIFEST_NAME
-from orchestrator.cli import main as etrain
+from orchestrator.cli.main import main as etrain
 from tests.harness import ROOT, run_ranks
-from trainer.export import export, model_config
+from trainer.export.convert import export, model_config
 
 BASE = ["data.max_bytes=60000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
         "train.warmup_steps=1", "train.steps=20", "metrics.enabled=false"]
@@ -52,7 +52,7 @@ def step_url(url: str, run: str) -> str:
 def test_transformers_loads_the_hf_export_and_its_logits_match(runs):
     from transformers import AutoModelForCausalLM
 
-    from trainer.models.decoder import Transformer
+    from trainer.models.decoder.model import Transformer
 
     root, url = runs
     out = str(root / "z3-hf")
@@ -191,7 +191,7 @@ def test_init_from_with_other_shapes_exits_2_naming_the_tensor(hf_dir, tmp_path,
            "[256, 128]" in err, err
     assert train(argv[2:] + ["--set", f'model.init_from="{tmp_path}"']) == 2
     assert "holds no .safetensors weights" in capsys.readouterr().err
-    from orchestrator.cli import main as etrain  # `etrain run` checks it on the driver, before Ray starts
+    from orchestrator.cli.main import main as etrain  # `etrain run` checks it on the driver, before Ray starts
 
     assert etrain(["run", "examples/tiny.toml", "--store", f"file://{tmp_path}/runs", *argv]) == 2
     assert "'model.embed_tokens.weight' has shape [256, 64]" in capsys.readouterr().err

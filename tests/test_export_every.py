@@ -22,15 +22,15 @@ import torch
 from safetensors.torch import load_file
 
 from checkpointing.errors import ConfigError
-from checkpointing.export import EXPORT_MANIFEST, list_exports, read_export_manifest
+from checkpointing.export.weights import EXPORT_MANIFEST, list_exports, read_export_manifest
 from checkpointing.manager import CheckpointManager
 from checkpointing.manifest import MANIFEST_NAME
-from checkpointing.storage import Storage
-from orchestrator.cli import main as etrain
+from checkpointing.storage.base import Storage
+from orchestrator.cli.main import main as etrain
 from tests.harness import run_ranks
-from trainer.config_load import load_config
-from trainer.export_every import ExportJobs, ExportResult
-from trainer.export_every import main as export_step
+from trainer.config.load import load_config
+from trainer.export.every import ExportJobs, ExportResult
+from trainer.export.every import main as export_step
 
 RUN = "ev"
 EOS = "<|endoftext|>"
@@ -60,7 +60,7 @@ def resume_job(payload: dict) -> dict:
     """Load the newest checkpoint into a world-2 trainer (what a resumed run does first), then wait
     for what rank 0's exports did."""
     from tests.ckpt_jobs import CPU
-    from trainer.export_every import wait_for_exports
+    from trainer.export.every import wait_for_exports
     from trainer.loop import Trainer, checkpoint_manager
     from trainer.world import World, init_distributed, shutdown_distributed
 
@@ -139,8 +139,8 @@ def test_a_run_exports_every_4th_step_committed_by_a_manifest(run):
 def test_transformers_loads_the_export_with_the_logits_of_its_checkpoint(run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer.export import export, model_config
-    from trainer.models.decoder import Transformer
+    from trainer.export.convert import export, model_config
+    from trainer.models.decoder.model import Transformer
 
     step_url = f"{run['url']}/{RUN}/checkpoints/step_000000008"
     export(step_url, str(tmp_path / "ck8.safetensors"), "safetensors")
@@ -167,7 +167,7 @@ def test_the_export_tokenizer_encodes_as_the_run_did(run, tok_dir):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from trainer.tokenize import load_tokenizer
+    from trainer.data.tokenize import load_tokenizer
 
     ours = load_tokenizer(str(tok_dir / "tokenizer.json"))
     auto = AutoTokenizer.from_pretrained(str(exports_dir(run["root"], 8)))
@@ -180,7 +180,7 @@ def test_the_export_tokenizer_encodes_as_the_run_did(run, tok_dir):
 
 
 def test_an_export_without_its_manifest_is_incomplete_refused_and_written_again(run, tmp_path, capsys):
-    from trainer.export import WeightSource, model_config
+    from trainer.export.convert import WeightSource, model_config
 
     root, url = run["root"], run["url"]
     before = {p: (exports_dir(root, 4) / p).read_bytes() for p in os.listdir(exports_dir(root, 4))}

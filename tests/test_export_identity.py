@@ -26,8 +26,8 @@ import pytest
 from checkpointing import cli as ckpt_cli
 from checkpointing.errors import ConfigError
 from checkpointing.manager import CheckpointManager
-from checkpointing.storage import Storage
-from orchestrator.cli import main as etrain
+from checkpointing.storage.base import Storage
+from orchestrator.cli.main import main as etrain
 from tests.harness import run_ranks
 from tests.test_checkpoint_integrity import _Payload, two_steps
 
@@ -73,7 +73,7 @@ def test_a_run_id_trained_again_exports_its_step_again_not_the_stale_export(trai
     assert etrain(["ckpt", "export", f"{url}/tiny/checkpoints/step_000000002", str(by_hand)]) == 0
     assert {n: b for n, b in _files(by_hand).items() if n != "MANIFEST.json"} == \
         {n: b for n, b in fresh.items() if n != "MANIFEST.json"}
-    from checkpointing.export_manifest import CHECKPOINT_KEY, export_state
+    from checkpointing.export.manifest import CHECKPOINT_KEY, export_state
 
     made_from = json.loads(fresh["MANIFEST.json"])[CHECKPOINT_KEY]
     assert made_from == CheckpointManager(url, "tiny").read_manifest(2).digest != \
@@ -98,7 +98,7 @@ def test_a_run_id_trained_again_exports_its_step_again_not_the_stale_export(trai
     assert row["manifest_sha256"] == made_from
     assert ckpt_cli.main(["verify", f"{url}/tiny/exports/step_000000002"]) == 1
     assert "FAIL " in capsys.readouterr().out
-    from trainer.export import WeightSource, model_config
+    from trainer.export.convert import WeightSource, model_config
     from trainer.generate import load as load_for_generate
 
     mcfg = model_config(CheckpointManager(url, "tiny").read_manifest(2).config)
@@ -106,7 +106,7 @@ def test_a_run_id_trained_again_exports_its_step_again_not_the_stale_export(trai
         WeightSource(str(d), mcfg)
     with pytest.raises(ConfigError, match="stale"):
         load_for_generate(str(d))
-    from trainer.export_every import main as export_step
+    from trainer.export.every import main as export_step
 
     assert export_step([url, "tiny", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "exported"
@@ -140,7 +140,7 @@ def test_ckpt_export_to_an_out_it_cannot_create_or_with_credentials_exits_2(trai
         for e in expect:
             assert e in cap.err, (argv, cap.err)
     assert not (tmp_path / "ok").exists()
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "ckpt", "export", step,
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "ckpt", "export", step,
                         str(tmp_path / "a-file" / "out")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "OUT " in r.stderr, r.stderr
@@ -161,8 +161,8 @@ def test_two_commits_of_the_same_step_and_state_have_two_identities(tmp_path):
 
 def _committed_export(tmp_path):
     """A checkpoint (step 2 of run "r") and an export of it written and committed as an export is, by
-    :class:`checkpointing.export.Output`, with three files."""
-    from checkpointing.export import Output
+    :class:`checkpointing.export.weights.Output`, with three files."""
+    from checkpointing.export.weights import Output
 
     url = f"file://{tmp_path}/ck"
     mgr = two_steps(url)
@@ -173,7 +173,7 @@ def _committed_export(tmp_path):
         with open(target.path(name), "wb") as f:
             f.write(blob)
         target.done(name)
-    from checkpointing.export_manifest import CHECKPOINT_KEY
+    from checkpointing.export.manifest import CHECKPOINT_KEY
 
     target.commit({"run_id": "r", "step": 2, "source": mgr.url_of(2), "export_format": "hf", "dtype": "fp32",
                    CHECKPOINT_KEY: mgr.read_manifest(2).digest})
@@ -245,8 +245,8 @@ def _mutations(doc: dict, files: dict[str, bytes], rng: random.Random, payload: 
 
 
 def test_fuzzed_exports_are_never_used_unless_unchanged(tmp_path, capsys):
-    from checkpointing.export_manifest import export_state
-    from trainer.export import refuse_incomplete_export
+    from checkpointing.export.manifest import export_state
+    from trainer.export.convert import refuse_incomplete_export
 
     url, d = _committed_export(tmp_path)
     pristine = tmp_path / "pristine"

@@ -3,7 +3,7 @@ trained, on step histories whose right answer is worked out by hand; the two fig
 status (a controller stepped over a fake group whose rank 0 reports its history, as TrainWorker does),
 across a second controller, in the Prometheus exposition and in the chaos report.
 
-No Ray: the controller tests drive ``orchestrator.controller.Controller`` over ``tests.fake_group``.
+No Ray: the controller tests drive ``orchestrator.controller.controller.Controller`` over ``tests.fake_group``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.chaos.injector import Injection
 from orchestrator.chaos.plan import load_plan
 from orchestrator.chaos.report import assess, format_report, report
-from orchestrator.controller import Controller
-from orchestrator.observers import Goodput, MetricsObserver
+from orchestrator.controller.controller import Controller
+from orchestrator.controller.observers import Goodput, MetricsObserver
 from tests.fake_group import FakeClock, FakeGroup, Fault
 from tests.test_controller import INTERVAL, RUN, Rig, options
-from trainer.metrics import RunMetrics, StepLedger
+from trainer.observe.metrics import RunMetrics, StepLedger
 
 
 class Timeline:

@@ -1,4 +1,4 @@
-"""Hostile Hugging Face directories (trainer.hf_dir): ``etrain generate``, ``[model] init_from`` and
+"""Hostile Hugging Face directories (trainer.models.hf.hf_dir): ``etrain generate``, ``[model] init_from`` and
 ``model.hf_config`` refuse them with exit 2 naming the file and the fix, never a traceback; a pickle is
 never run; nan weights are refused naming the tensor; a seeded fuzz of headers, indexes and configs."""
 
@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpointing.errors import ConfigError
-from orchestrator.cli import main as etrain
+from orchestrator.cli.main import main as etrain
 from trainer.config import ModelConfig
-from trainer.export import WeightSource
+from trainer.export.convert import WeightSource
 
 TRAIN = ["data.max_bytes=20000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
          "train.steps=1", "metrics.enabled=false"]

@@ -154,7 +154,7 @@ def test_mixtral_ep4_under_hsdp_at_world8_matches_world1(mixtral):
 def test_mixtral_tp_plan_leaves_its_experts_whole(mixtral):
     """Under tp a Mixtral keeps its own plan for attention, the embedding and the head, and none of transformers'
     expert TP entries (packed_colwise, moe_tp_experts): its sparse blocks run whole on every tp rank."""
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.models import model_preflight, spec_for
 
     cfg = load_config(None, TRAIN + hf(mixtral) + ["parallel.tp=2"])
@@ -260,10 +260,10 @@ def export_and_compare(tmp_path, base: list[str], layout: list[str], world: int)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.cli import main as etrain
-    from trainer.config_load import load_config
-    from trainer.export import WeightSource, export
-    from trainer.models.decoder import Transformer
+    from orchestrator.cli.main import main as etrain
+    from trainer.config.load import load_config
+    from trainer.export.convert import WeightSource, export
+    from trainer.models.decoder.model import Transformer
 
     url = f"file://{tmp_path}/ck"
     res = run_ranks("tests.ckpt_jobs:run_plan", world, {"base": base + [f'checkpoint.url="{url}"'], "actions": [
@@ -325,10 +325,10 @@ def test_qwen2_moe_mapping_holds_the_model(tmp_path, extra):
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.config_load import load_config
-    from trainer.export import WeightSource
+    from trainer.config.load import load_config
+    from trainer.export.convert import WeightSource
     from trainer.models import spec_for
-    from trainer.models.decoder import Transformer
+    from trainer.models.decoder.model import Transformer
 
     mcfg = load_config(None, MOE + extra).model
     ours = Transformer(mcfg).eval()
@@ -371,7 +371,7 @@ def test_mixtral_checkpoint_at_ep2_resumes_at_world1(tmp_path, mixtral):
 
 def test_mixtral_is_planned_as_the_builtin_moe_of_its_sizes(mixtral):
     """The planner accounts a Mixtral as the built-in MoE of its sizes: the same parameters, experts apart."""
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.models import spec_for
 
     spec = spec_for(load_config(None, TRAIN + hf(mixtral)).model)

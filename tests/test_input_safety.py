@@ -18,12 +18,12 @@ import uuid
 import pytest
 
 from checkpointing.errors import ConfigError
-from orchestrator.cli import main as etrain_main
+from orchestrator.cli.main import main as etrain_main
 from orchestrator.config import ElasticConfig, elastic_from_raw, recovery_from_raw
-from orchestrator.store import CorruptRunStore, Lease, RunSpec, open_store
+from orchestrator.store.run_store import CorruptRunStore, Lease, RunSpec, open_store
 from tests.harness import ROOT
 from trainer.config import SECTIONS, TrainConfig
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 
 PY = sys.executable
 CONFIG = os.path.join(ROOT, "examples", "tiny.toml")
@@ -98,7 +98,7 @@ def test_etrain_status_dotdot_exits_2(tmp_path):
 
 @BAD_IDS
 def test_prepare_run_writes_nothing_for_unsafe_run_id(bad, tmp_path):
-    from orchestrator.run import prepare_run
+    from orchestrator.driver.run import prepare_run
 
     root = tmp_path / "runs"
     before = tree(tmp_path)
@@ -116,7 +116,7 @@ def test_prepare_run_writes_nothing_for_unsafe_run_id(bad, tmp_path):
 
 
 def test_prepare_resume_refuses_unsafe_run_id(tmp_path):
-    from orchestrator.run import prepare_resume
+    from orchestrator.driver.run import prepare_resume
 
     with pytest.raises(ConfigError, match="run_id='..' is not a valid run id"):
         prepare_resume("..", f"file://{tmp_path}/runs", None)

@@ -1,5 +1,5 @@
 """A run whose controller is gone is marked INTERRUPTED by whoever notices first, never left RUNNING
-(orchestrator.liveness), on both store backends (the embedded one and a real etcd)."""
+(orchestrator.store.liveness), on both store backends (the embedded one and a real etcd)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from orchestrator import liveness
-from orchestrator.cli import main as etrain
-from orchestrator.documents import Lease
-from orchestrator.store import RunConflict, RunSpec
+from orchestrator.store import liveness
+from orchestrator.cli.main import main as etrain
+from orchestrator.store.documents import Lease
+from orchestrator.store.run_store import RunConflict, RunSpec
 
 
 def running(store, run_id="r1", controller="ctl-1", ttl_s=None):

@@ -116,7 +116,7 @@ def test_sequence_parallel_dropout_is_the_whole_sequences_draw():
     import torch.nn.functional as F
 
     from trainer.config import ModelConfig
-    from trainer.models.decoder import Block
+    from trainer.models.decoder.model import Block
 
     block = Block(ModelConfig(dropout=0.25))
     h = torch.randn(2, 8, 128)

@@ -57,8 +57,8 @@ def test_worker_rendezvous_listens_on_its_node_address_under_the_epochs_key(tmp_
     alone: whoever could reach the port could read, or plant first, the group's addresses."""
     import ray
 
-    from orchestrator.worker import TrainWorker
-    from trainer.config_load import load_config
+    from orchestrator.workers.worker import TrainWorker
+    from trainer.config.load import load_config
 
     cfg = load_config("examples/tiny.toml", ['data.max_bytes=200000', 'data.seq_len=16', "train.steps=2",
                                              f'checkpoint.url="file://{tmp_path}/ckpt"', "metrics.enabled=false"])

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from checkpointing.dcp_format import CorruptCheckpointError
+from checkpointing.dcp.format import CorruptCheckpointError
 from checkpointing.recovery.local_copy import host_key, open_copy, publish
 from tests.harness import run_ranks
 

@@ -1,9 +1,9 @@
 """What each ZeRO stage holds at the peak of a training step, measured while the step runs.
 
 One 4-process group trains every layout below (tiny model, ``parallel.bucket_mb=0.25`` so that it
-has several buckets) and measures its second step with :class:`trainer.memory.StepMemory`; a
+has several buckets) and measures its second step with :class:`trainer.observe.device_memory.StepMemory`; a
 single process trains the references. Checked: each stage's peak for parameters, gradients and
-optimizer state against :func:`trainer.memory.predict` plus the stage's transient (one bucket for
+optimizer state against :func:`trainer.observe.device_memory.predict` plus the stage's transient (one bucket for
 stages 1 and 2), in fp32 and bf16; ZeRO-2 below ZeRO-1 by a third of the whole gradients, and its
 gradients never whole; tensor parallelism with ZeRO-2 and gradient accumulation on stages 1-3
 training like one process; FSDP reduce-scattering once per step unless told otherwise; building
@@ -50,7 +50,7 @@ def _close(got, want, rel=1e-4):
 
 @pytest.mark.parametrize("name", STAGES)
 def test_peak_is_the_formula_plus_one_bucket(name, runs):
-    """Within 10% of trainer.memory.predict plus the stage's transient (one bucket for stages 1-2)."""
+    """Within 10% of trainer.observe.device_memory.predict plus the stage's transient (one bucket for stages 1-2)."""
     for rank, res in enumerate(runs):
         r = res[name]
         expected = r["formula_bytes"] + r["transient_bytes"]
@@ -136,10 +136,10 @@ def test_a_model_loaded_from_init_from_is_never_whole_on_a_rank(tmp_path):
 
 def test_zero3_with_replicas_and_a_shard_group_of_one_replicates():
     """HSDP (parallel.dp_replicate=2) at world 2 leaves a dp_shard group of 1: FSDP2 gets the 2-D mesh and
-    replicates the parameters across dp_replicate (each rank holds them whole, as trainer.memory.predict
+    replicates the parameters across dp_replicate (each rank holds them whole, as trainer.observe.device_memory.predict
     says), where a 1-D mesh would have sharded them across the replicas."""
-    from trainer import memory
-    from trainer.config_load import load_config
+    from trainer.observe import device_memory as memory
+    from trainer.config.load import load_config
     from trainer.parallel.dims import ParallelDims
 
     layout = ["parallel.dp_replicate=2", "parallel.zero_stage=3"]

@@ -16,8 +16,8 @@ import pytest
 from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import available_bytes, tier_budget
 from orchestrator.config import RecoveryConfig, recovery_from_raw
-from orchestrator.progress import describe_event, tier_status_line
-from orchestrator.worker_results import Formed, Restored
+from orchestrator.driver.progress import describe_event, tier_status_line
+from orchestrator.workers.results import Formed, Restored
 from tests.fake_group import FakeGroup
 from tests.test_controller import Rig
 

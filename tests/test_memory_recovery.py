@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from checkpointing.manager import CheckpointManager
-from orchestrator.progress import describe_event
+from orchestrator.driver.progress import describe_event
 from tests.cluster import GLOBAL_BATCH, RUN_BASE, STEPS, start_run
 from tests.harness import wait_for
 
@@ -137,9 +137,9 @@ def _resize_2_3_2(root: str, run_id: str, through_memory: bool) -> list[dict]:
 
     import ray
 
-    from orchestrator.restore_plan import group_restore_plan
-    from orchestrator.worker_group import RayWorkerGroup
-    from trainer.config_load import load_config
+    from orchestrator.workers.tier_plan import group_restore_plan
+    from orchestrator.workers.group import RayWorkerGroup
+    from trainer.config.load import load_config
 
     cfg = load_config("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', f'run_id="{run_id}"'])
     group = RayWorkerGroup(cfg, run_id, "")
@@ -200,9 +200,9 @@ def _two_workers(root: str, run_id: str, flush_first: bool) -> list[dict]:
     import ray
 
     from orchestrator.config import GroupTier, RecoveryConfig
-    from orchestrator.restore_plan import group_restore_plan
-    from orchestrator.worker_group import RayWorkerGroup
-    from trainer.config_load import load_config
+    from orchestrator.workers.tier_plan import group_restore_plan
+    from orchestrator.workers.group import RayWorkerGroup
+    from trainer.config.load import load_config
 
     cfg = load_config("examples/tiny.toml", [*RUN_BASE, f'checkpoint.url="{root}"', f'run_id="{run_id}"'])
     group = RayWorkerGroup(cfg, run_id, "")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from checkpointing.dcp_format import CorruptCheckpointError
+from checkpointing.dcp.format import CorruptCheckpointError
 from checkpointing.errors import CheckpointError
 from checkpointing.recovery.restore import load_from_memory, plan_restore
 from checkpointing.recovery.snapshot import MemorySnapshot, replica_peers

@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from checkpointing.dcp_format import CorruptCheckpointError
+from checkpointing.dcp.format import CorruptCheckpointError
 from checkpointing.manifest import checksum
 from checkpointing.recovery.snapshot import MAGIC, MemorySnapshot
 from checkpointing.recovery.tier import MemoryTier

@@ -13,11 +13,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.cli import main as etrain
+from orchestrator.cli.main import main as etrain
 from tests.harness import ROOT, free_port, run_ranks
-from trainer.metrics import RunMetrics
-from trainer.metrics_endpoint import MetricsEndpoint
-from trainer.telemetry import SECONDS_BUCKETS
+from trainer.observe.metrics import RunMetrics
+from trainer.observe.endpoint import MetricsEndpoint
+from trainer.observe.telemetry import SECONDS_BUCKETS
 
 TINY = ["data.seq_len=32", "data.max_bytes=200000", "train.micro_batch=2"]
 

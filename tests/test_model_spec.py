@@ -14,8 +14,8 @@ import torch
 
 from checkpointing.errors import ConfigError
 from tests.test_models import LLAMA
-from trainer.config_load import load_config
-from trainer.telemetry import flops_per_token, mfu
+from trainer.config.load import load_config
+from trainer.observe.telemetry import flops_per_token, mfu
 
 SEQ = 48
 
@@ -42,7 +42,7 @@ def test_mfu_of_a_transformers_model_counts_its_own_flops(tmp_path, monkeypatch)
 
 
 def test_the_peak_of_a_card_is_its_own_not_its_sxm_namesakes():
-    from trainer.telemetry import peak_for_name
+    from trainer.observe.telemetry import peak_for_name
 
     assert peak_for_name("NVIDIA H100 80GB HBM3") == peak_for_name("NVIDIA H200") == 989e12
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12 and peak_for_name("NVIDIA H100 NVL") == 835e12
@@ -102,7 +102,7 @@ def test_every_family_is_a_whole_spec(tmp_path):
 def test_a_new_family_is_registered_by_its_source():
     """What a Mixture-of-Experts decoder will do: register its spec; everything asks it from then on."""
     from trainer.models import FAMILIES, register_family, spec_for
-    from trainer.models.builtin import DecoderSpec
+    from trainer.models.decoder.spec import DecoderSpec
 
     class Wider(DecoderSpec):
         family = "builtin"

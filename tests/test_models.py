@@ -50,8 +50,8 @@ def plain_setup(hf_dir: str):
     """(model, optimizer, batcher) of the plain loop: transformers' model under the seed, torch's AdamW."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.config_load import load_config
-    from trainer.data import Batcher, load_corpus
+    from trainer.config.load import load_config
+    from trainer.data.corpus import Batcher, load_corpus
 
     cfg = load_config(None, TRAIN)
     config = AutoConfig.from_pretrained(os.path.join(hf_dir, "config.json"))

@@ -1,4 +1,4 @@
-"""The built-in Mixture-of-Experts decoder (trainer/models/moe.py): its router and experts against a
+"""The built-in Mixture-of-Experts decoder (trainer/models/decoder/moe.py): its router and experts against a
 per-token loop, its config checks, and the trainer at world 1 against a plain PyTorch loop, bit for bit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from checkpointing.errors import ConfigError
 from tests.harness import run_ranks
 from tests.moe_jobs import assert_matches_world1
 from tests.test_parity import check_memory
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 
 # moe-tiny made narrow for two CPU cores: 4 experts of 64, top 2, every other block MoE, a shared expert.
 BASE = [
@@ -48,7 +48,7 @@ def naive_moe(moe, x: torch.Tensor, cap: int | None = None) -> torch.Tensor:
 
 @pytest.mark.parametrize("capacity", [0.0, 1.0])
 def test_moe_layer_matches_a_per_token_loop(capacity):
-    from trainer.models.decoder import Transformer
+    from trainer.models.decoder.model import Transformer
 
     cfg = load_config(None, BASE + [f"model.capacity_factor={capacity}"])
     model = Transformer(cfg.model)
@@ -77,7 +77,7 @@ def test_moe_config_refusals_name_the_field(override, field):
 
 
 def test_moe_takes_tensor_and_sequence_parallelism():
-    """The MoE layers are replicated across tp (trainer.models.decoder_tp): tp and sequence parallelism pass the
+    """The MoE layers are replicated across tp (trainer.models.decoder.tp): tp and sequence parallelism pass the
     model's preflight, and the planner may offer them."""
     from trainer.models import model_preflight, spec_for
 
@@ -89,8 +89,8 @@ def test_moe_parameters_per_tp_rank_count_the_moe_layers_whole():
     """Under tp a rank holds a tp-th of the attention, the dense feed-forwards, the embedding and the head, and
     every MoE layer whole (router, experts, shared expert): the shape's count is the model's own at tp 1."""
     from trainer.models import spec_for
-    from trainer.models.decoder import Transformer
-    from trainer.models.moe import moe_layers
+    from trainer.models.decoder.model import Transformer
+    from trainer.models.decoder.moe import moe_layers
 
     cfg = load_config(None, BASE)
     shape = spec_for(cfg.model).shape()
@@ -238,14 +238,14 @@ def test_ep_at_world4_matches_world1(world1):
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": BASE, "steps": STEPS, "grads": True, "layouts": [
         ("ep2_zero3", ["parallel.ep=2"]), ("ep2_hsdp", ["parallel.ep=2", "parallel.dp_replicate=2"]),
         ("ep4_zero1", ["parallel.ep=4", "parallel.zero_stage=1"])]}, timeout=600)
-    from trainer.memory import predict
+    from trainer.observe.device_memory import predict
     from trainer.parallel.dims import ParallelDims
 
     overrides = {"ep2_zero3": ["parallel.ep=2"], "ep2_hsdp": ["parallel.ep=2", "parallel.dp_replicate=2"],
                  "ep4_zero1": ["parallel.ep=4", "parallel.zero_stage=1"]}
-    for name in four[0]:  # trainer.memory's prediction of the MoE's shards, within 5%
+    for name in four[0]:  # trainer.observe.device_memory's prediction of the MoE's shards, within 5%
         check_memory(name, four)
-        # and the planner's (trainer.memory.predict, from the config alone) is the trainer's own
+        # and the planner's (trainer.observe.device_memory.predict, from the config alone) is the trainer's own
         cfg = load_config(None, BASE + overrides[name])
         assert predict(cfg, ParallelDims.from_config(cfg, 4), 0) == four[0][name]["predicted"], name
     assert four[3]["ep4_zero1"]["experts"] == {"placement": "Shard(dim=0)", "first": 3, "n": 1}
@@ -277,7 +277,7 @@ def check_tp_layouts(one: dict, ranks: list[dict], extras: dict) -> None:
     layers' replicas across tp counted once), the first step's expert and router gradients within 1e-5 (whole on
     every rank: nothing summed over tp), the step log's tokens per expert (not counted once per tp rank), and
     the trainer's memory prediction (the MoE layers whole on every tp rank), which is the planner's."""
-    from trainer.memory import predict
+    from trainer.observe.device_memory import predict
     from trainer.parallel.dims import ParallelDims
 
     for name, extra in extras.items():
@@ -339,7 +339,7 @@ def test_ep2_tp2_world8_shards_the_experts_outside_ep(world1):
 def test_step_log_figures_reach_the_metrics():
     from trainer.cli import format_step
     from trainer.loop import StepStats
-    from trainer.metrics import RunMetrics
+    from trainer.observe.metrics import RunMetrics
 
     m = RunMetrics("r")
     m.observe_step({"step": 1, "loss": 5.0, "aux_loss": 0.02, "moe_imbalance": 1.5, "tokens_per_s": 1.0,
@@ -357,7 +357,7 @@ def test_step_log_figures_reach_the_metrics():
     # etrain top draws them: per MoE layer its busiest and idlest expert
     from rich.console import Console
 
-    from orchestrator.top import render
+    from orchestrator.cli.top import render
 
     samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in m.collect() for x in f.samples}
     console = Console(record=True, width=200)
@@ -371,8 +371,8 @@ def test_step_log_figures_reach_the_metrics():
 
 
 def test_router_bias_moves_toward_the_underloaded_experts():
-    from trainer.models.decoder import Transformer
-    from trainer.models.moe import update_router_bias
+    from trainer.models.decoder.model import Transformer
+    from trainer.models.decoder.moe import update_router_bias
 
     model = Transformer(load_config(None, BASE).model)
     model.init_weights(0)
@@ -496,7 +496,7 @@ def test_grouped_gemm_experts_equal_the_loop(dtype):
     forward and backward, with idle experts (no slots) among them: within 1e-5 in fp32 (measured: the same
     bits on CPU, torch's CPU kernel being a loop of matmuls); an idle expert's gradient is zero."""
     from trainer.models.grouped import grouped_mm_runs
-    from trainer.models.moe import Experts
+    from trainer.models.decoder.moe import Experts
 
     torch.manual_seed(0)
     ex = Experts(4, 64, 48).to(dtype)

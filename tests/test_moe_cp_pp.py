@@ -88,8 +88,8 @@ def test_cp2_ep2_and_pp2_ep2_at_world4_match_world1(reference):
     four = run_ranks("tests.moe_jobs:train_moe", 4, {"base": STRONG_AUX, "steps": STEPS, "grads": True,
                                                     "layouts": layouts}, timeout=600)
     experts = sum(1 for n in one["grads"] if ".experts." in n)
-    from trainer.config_load import load_config
-    from trainer.memory import predict
+    from trainer.config.load import load_config
+    from trainer.observe.device_memory import predict
     from trainer.parallel.dims import ParallelDims
 
     for name, overrides in layouts:
@@ -136,7 +136,7 @@ def test_pp2_router_bias_balancing_matches_world1():
 def test_the_planner_searches_cp_and_pp_for_moe():
     """etrain plan offers cp and pp (with ep) for the built-in MoE; a pipeline stage counts its own experts
     (a stage's compute is positive, its all-to-alls those of its MoE layers) and a cp rank routes seq_len / cp."""
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
     from trainer.parallel.dims import ParallelDims
     from trainer.plan.cost import DEVICES
     from trainer.plan.experts import all_to_all_per_step, expert_counts

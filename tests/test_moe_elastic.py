@@ -8,7 +8,7 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from tests.test_moe import BASE
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.parallel.dims import ParallelDims, valid_world_sizes
 
 # 4 experts, a global batch of 24 samples one at a time: every world size up to 8 but 5 and 7.

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from orchestrator.policies import Fail, FailurePolicy, FailureRecord, FailureStatus
+from orchestrator.controller.run_policy import Fail, FailurePolicy, FailureRecord, FailureStatus
 from tests.harness import run_ranks
 
 BASE = ["data.max_bytes=20000", "data.seq_len=16", "train.global_batch=4", "train.micro_batch=2",
@@ -70,8 +70,8 @@ def test_every_rank_skips_the_same_step_and_nothing_changes():
 
 
 def test_a_nonfinite_failure_is_not_retried():
-    from orchestrator.worker import _failure_kind
-    from trainer.hf_dir import NonFiniteWeights
+    from orchestrator.workers.worker import _failure_kind
+    from trainer.models.hf.hf_dir import NonFiniteWeights
     from trainer.loop import NonFiniteStep
 
     kind = _failure_kind(NonFiniteStep("the loss is nan and the gradient norm nan at step 7: ..."))
@@ -83,7 +83,7 @@ def test_a_nonfinite_failure_is_not_retried():
 
 
 def test_skip_nonfinite_steps_leaves_the_config_hash_alone():
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
 
     assert load_config(None, BASE).config_hash() == \
         load_config(None, BASE + ["train.skip_nonfinite_steps=true"]).config_hash()

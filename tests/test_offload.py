@@ -22,7 +22,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.recovery.snapshot import MemorySnapshot
 from tests.harness import run_ranks
 from tests.test_checkpoint import assert_same, merged, plan
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.parallel.dims import ParallelDims
 from trainer.zero.offload import NvmeAdamState
 from trainer.zero.swapper import BufferPool, StateFile, Swapper
@@ -311,7 +311,7 @@ def test_refusals_exit_2_naming_the_key(case, tmp_path, capsys, monkeypatch):
 
 
 def test_plan_moves_the_offloaded_state_to_disk_and_reports_the_bandwidth(tmp_path, capsys):
-    from trainer.memory import local_param_count
+    from trainer.observe.device_memory import local_param_count
     from trainer.plan.accounting import rank_memory
     from trainer.plan.cli import main
 

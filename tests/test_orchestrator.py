@@ -5,7 +5,7 @@ its own raylet, shared with tests/test_chaos.py) and one failure-free
 reference run (tests/conftest.py). Workers are real ``TrainWorker`` actors
 training the tiny model over gloo; they are killed with SIGKILL, nodes are added and removed, and
 the etcd server is stopped and started. The CLI is called as a user calls
-it (``orchestrator.cli.main``), against the same run store.
+it (``orchestrator.cli.main.main``), against the same run store.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import uuid
 import pytest
 
 from checkpointing.manager import CheckpointManager
-from orchestrator.cli import main as etrain
-from orchestrator.run import prepare_resume
-from orchestrator.store import open_store
+from orchestrator.cli.main import main as etrain
+from orchestrator.driver.run import prepare_resume
+from orchestrator.store.run_store import open_store
 from tests.cluster import GLOBAL_BATCH, STEPS, follow, start_run
 from tests.cluster import RUN_BASE as BASE
 

@@ -4,7 +4,7 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from orchestrator.config import ElasticConfig, check_sizes
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.parallel.dims import AXES, DERIVED, Axis, Mesh, ParallelDims, fixed_degree, valid_world_sizes
 
 

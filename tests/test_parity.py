@@ -11,7 +11,7 @@ process must match it bit for bit (fp32); then one 4-process group trains the ma
 8-process group trains tp 2 x pp 2 x dp 2 with ZeRO 1 and ZeRO 3). fp32 losses must agree with the
 reference within 1e-4 relative over the first 5 steps (3 beyond the matrix); bf16 within BF16_RTOL over
 the first 2.
-Each layout's measured per-rank memory must be within 5% of trainer.memory's prediction.
+Each layout's measured per-rank memory must be within 5% of trainer.observe.device_memory's prediction.
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ def reference_loop(payload: dict) -> dict:
     """Plain single-process PyTorch: the built-in decoder (or its Mixture of Experts, with the layers' aux
     losses added to the loss) initialised from the seed, AdamW from
     torch.optim (weight decay on matrices only), global-norm clipping, warmup + cosine learning rate,
-    gradient accumulation over micro-batches; the batches read with trainer.data's Batcher. Run in a
+    gradient accumulation over micro-batches; the batches read with trainer.data.corpus's Batcher. Run in a
     rank process (one thread) so that its kernels sum in the same order as the trainer's."""
     import torch
     import torch.nn.functional as F
 
-    from trainer.config_load import load_config
-    from trainer.data import Batcher, load_corpus
-    from trainer.models.decoder import Transformer
-    from trainer.models.moe import Experts
+    from trainer.config.load import load_config
+    from trainer.data.corpus import Batcher, load_corpus
+    from trainer.models.decoder.model import Transformer
+    from trainer.models.decoder.moe import Experts
 
     cfg = load_config(None, payload["base"])
     t = cfg.train

@@ -14,8 +14,8 @@ import pytest
 
 from checkpointing.errors import ConfigError
 from trainer.config import DataConfig, ModelConfig, RunConfig, TrainConfig
-from trainer.config_load import load_config
-from trainer.memory import paper_bytes_per_param, predict
+from trainer.config.load import load_config
+from trainer.observe.device_memory import paper_bytes_per_param, predict
 from trainer.plan.accounting import Layout, block_activation_elems, korthikanti_bytes, rank_memory
 from trainer.plan.cli import main as plan_main
 from trainer.plan.cli import parse_bytes, parse_workers
@@ -61,7 +61,7 @@ def test_planner_model_states_at_zero3_are_the_papers_16p_over_n():
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(16 / 64 * mem["param_count"], rel=1e-6)
     assert mem["param_count"] == model_shape(cfg).n_params  # pp 1, tp 1: the whole model
-    assert states == sum(predict(new, dims, 0, True).values())  # trainer.memory's own prediction, reused
+    assert states == sum(predict(new, dims, 0, True).values())  # trainer.observe.device_memory's own prediction, reused
 
 
 # --- activations -----------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_json_document(capsys):
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys\nfrom orchestrator.cli import main\ntry:\n    main(['plan', '--help'])\n"
+    code = ("import sys\nfrom orchestrator.cli.main import main\ntry:\n    main(['plan', '--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
@@ -261,7 +261,7 @@ def test_calibration_is_stored_under_etrain_home_and_reused(tmp_path, monkeypatc
 
 
 def test_elastic_section_gives_the_sizes_and_its_errors_exit_2(tmp_path, capsys):
-    from orchestrator.cli import main as etrain_main
+    from orchestrator.cli.main import main as etrain_main
 
     with open("examples/tiny.toml") as f:
         base = f.read()
@@ -323,7 +323,7 @@ def test_a_layouts_settings_name_every_field_that_differs():
 def test_a_transformers_model_is_offered_what_training_accepts(tmp_path):
     """A Llama laid out as etrain cuts pipelines from, with its HF tensor-parallel plan: TP and PP; the same
     model with tied embeddings: neither (python -m trainer refuses both for it). Both take context
-    parallelism (their attention routes through etrain's, trainer.models.hf_cp)."""
+    parallelism (their attention routes through etrain's, trainer.models.hf.cp)."""
     from transformers import LlamaConfig
 
     from trainer.plan.shape import planning_config

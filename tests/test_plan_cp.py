@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.plan.accounting import Layout, rank_memory
 from trainer.plan.cli import main as plan_main
 from trainer.plan.comm import step_comm

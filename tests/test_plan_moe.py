@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_moe import BASE
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.plan.accounting import Layout, rank_memory
 from trainer.plan.comm import step_comm
 from trainer.plan.cost import DEVICES
@@ -26,7 +26,7 @@ def dims_at(overrides: list[str], world: int):
 
 
 def test_expert_and_dense_parameters_are_counted_apart_with_their_own_sharding():
-    from trainer.models.decoder import Transformer
+    from trainer.models.decoder.model import Transformer
 
     cfg, dims = dims_at(["parallel.ep=2"], 4)
     with torch.device("meta"):
@@ -105,7 +105,7 @@ def test_flops_count_the_routed_experts_only():
 
 def test_the_search_offers_tp_with_the_moe_layers_whole_on_every_tp_rank():
     """tp (and sequence parallelism) for a Mixture of Experts: each tp rank holds a tp-th of the dense parts and
-    every MoE layer whole (the trainer's own count, trainer.models.decoder_tp), computes the MoE layers whole, and
+    every MoE layer whole (the trainer's own count, trainer.models.decoder.tp), computes the MoE layers whole, and
     their feed-forward regions add no tp all-reduce (two all-gathers under sequence parallelism)."""
     from trainer.models import spec_for
     from trainer.plan.cost import step_flops

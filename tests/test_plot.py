@@ -1,14 +1,14 @@
 """``etrain plot``: a finished run with a failure, a recovery, a resize, a suspend and a resume, drawn from its
-run store (written here through orchestrator.store, no Ray), and a torchrun step log. The data drawn is checked,
+run store (written here through orchestrator.store.run_store, no Ray), and a torchrun step log. The data drawn is checked,
 not the pixels."""
 
 import json
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.plot import log_series, run_series
-from orchestrator.store import CorruptRunStore, HistoryRow, RunSpec, open_store
+from orchestrator.store.run_store import CorruptRunStore, HistoryRow, RunSpec, open_store
 
 T0 = 1_800_000_000.0
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from orchestrator.policies import (
+from orchestrator.controller.run_policy import (
     Continue,
     Fail,
     FailureLog,

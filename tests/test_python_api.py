@@ -29,7 +29,7 @@ def test_train_a_dict_config_in_this_process(tmp_path):
 
 
 def test_train_a_runconfig_and_resume_it(tmp_path):
-    from trainer.config_load import config_from_dict
+    from trainer.config.load import config_from_dict
 
     cfg = config_from_dict({**SMALL, "run_id": "api", "checkpoint": {"url": f"file://{tmp_path}/ck"}})
     first = etrain.train(cfg, quiet=True)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from orchestrator.cli import main as etrain
-from orchestrator.queueing import queue_rows
+from orchestrator.cli.main import main as etrain
+from orchestrator.service.queueing import queue_rows
 from tests.cluster import start_run
 from tests.test_controller import RUN, Rig
 
@@ -145,7 +145,7 @@ def test_a_users_resize_clears_the_allocators_target_in_one_write(tmp_path, caps
 
 
 def test_the_metrics_show_the_queued_phase_and_the_queue_wait():
-    from trainer.metrics import RunMetrics
+    from trainer.observe.metrics import RunMetrics
 
     m = RunMetrics("q")
     m.observe_run(world_size=0, epoch=0, phase="QUEUED", goodput=0.0, queue_wait_s=12.5)

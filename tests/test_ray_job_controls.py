@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from checkpointing.manager import CheckpointManager
-from orchestrator.cli import main as etrain
-from orchestrator.store import open_store
+from orchestrator.cli.main import main as etrain
+from orchestrator.store.run_store import open_store
 from tests.cluster import GLOBAL_BATCH, RUN_BASE, STEPS
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,7 @@ from checkpointing.host_copy import HostCopy, layout_fingerprint
 from checkpointing.recovery.restore import SnapshotKey, load_from_memory
 from checkpointing.recovery.tier import MemoryTier
 from checkpointing.recovery.transport import PeerCopyTransport, SnapshotTransport, TransportError
-from orchestrator.tier_restore import MemoryRestore, RayFetchTransport
+from orchestrator.workers.tier_fetch import MemoryRestore, RayFetchTransport
 
 
 def state(n: int = 33, note: str = "a", seed: int = 1) -> dict:

@@ -51,7 +51,7 @@ SITES = {
 
 
 def drive(argv: list[str], capsys, caplog) -> tuple[int | str, str]:
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     caplog.clear()
     with caplog.at_level(logging.DEBUG):
@@ -80,7 +80,7 @@ def test_no_command_prints_the_secret_of_a_url(site, kind, capsys, caplog, tmp_p
 @pytest.mark.parametrize("argv", [["status"], ["status", "r"], ["events", "r"]])
 def test_the_store_of_a_run_registry_entry_or_env_is_never_printed_whole(argv, capsys, caplog, tmp_path,
                                                                         monkeypatch):
-    from orchestrator import registry
+    from orchestrator.store import user_runs as registry
 
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
@@ -101,7 +101,7 @@ def test_the_ray_cluster_address_is_never_printed_whole(argv, kind, capsys, capl
     monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
     argv = [URLS[kind] if a == "U" else f"file://{tmp_path}/runs" if a == "STORE" else a for a in argv]
     if argv[0] == "resume":  # a run to resume, so that the command gets as far as the cluster
-        from orchestrator.store import RunSpec, open_store
+        from orchestrator.store.run_store import RunSpec, open_store
 
         open_store(f"file://{tmp_path}/runs").create_run(RunSpec("r", {"run_id": "r"}, 1, 1, 1))
     rc, text = drive(argv, capsys, caplog)

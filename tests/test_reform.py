@@ -1,7 +1,7 @@
 """A process's process groups over their life: left and re-formed at once (the old ones freed beside it), freed
 before the interpreter finalizes at exit, aborted on the controller's notice; and the GPU a worker is given.
 
-A re-formed TrainWorker (orchestrator.worker) leaves its groups with ``shutdown_distributed(background=True)``:
+A re-formed TrainWorker (orchestrator.workers.worker) leaves its groups with ``shutdown_distributed(background=True)``:
 freeing a gloo group joins its threads and closes its connections (15-25 ms of a recovery on 2 cores), which
 the next group need not wait for. Real gloo groups in two processes.
 """

@@ -1,4 +1,4 @@
-"""The allocator's policy (orchestrator.scheduling.policy): pure logic, plain pytest, no Ray.
+"""The allocator's policy (orchestrator.service.policy): pure logic, plain pytest, no Ray.
 
 Scenarios a platform team would check by hand, then the properties over 600 seeded random clusters:
 an admitted run never below its minimum, capacity and quotas hold, only valid sizes, no priority
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 
-from orchestrator.scheduling.policy import Admit, ClusterView, Resize, RunDemand, Suspend, decide
+from orchestrator.service.policy import Admit, ClusterView, Resize, RunDemand, Suspend, decide
 
 
 def linear(n_max: int, per_worker: float = 10.0) -> dict[int, float]:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from orchestrator.chaos.oracle import oracle
-from orchestrator.scheduling.demand import resize_cost, throughput
+from orchestrator.service.demand import resize_cost, throughput
 from tests.cluster import GLOBAL_BATCH, STEPS, start_run
 
 A_STEPS = 160  # A outlives B (40 steps at 2 workers) at 1 worker with steps to spare for the growth back
@@ -49,7 +49,7 @@ def passes(final: dict, history: list, ref: dict, steps: int) -> None:
 def test_a_higher_priority_run_takes_what_idle_capacity_lent_and_gives_it_back(ray_cluster, reference, tmp_path):
     import ray
 
-    from orchestrator.scheduling.allocator import ALLOCATOR_NAME, NAMESPACE
+    from orchestrator.service.allocator import ALLOCATOR_NAME, NAMESPACE
 
     root = f"file://{tmp_path}/runs"
     a, store = start_run(root, f"train.steps={A_STEPS}", workers=1, min_workers=1, max_workers=3, run_id="svc-a")

@@ -1,4 +1,4 @@
-"""Run tokens and the admin token: who may suspend, resume, resize and stop a run (orchestrator.auth), through
+"""Run tokens and the admin token: who may suspend, resume, resize and stop a run (orchestrator.service.auth), through
 the `etrain` command as users call it, on a real run store; and where a token may never appear."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import stat
 
 import pytest
 
-from orchestrator import auth, registry
-from orchestrator.cli import main as etrain
-from orchestrator.run import prepare_run
-from orchestrator.store import open_store
+from orchestrator.service import auth
+from orchestrator.store import user_runs as registry
+from orchestrator.cli.main import main as etrain
+from orchestrator.driver.run import prepare_run
+from orchestrator.store.run_store import open_store
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from checkpointing.errors import FencedError
-from orchestrator.store import RunConflict, RunSpec, StoreUnavailable, UnknownRun, open_store
+from orchestrator.store.run_store import RunConflict, RunSpec, StoreUnavailable, UnknownRun, open_store
 
 
 def spec(run_id="r1", **kw):

@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from orchestrator import cas
-from orchestrator.auth import change_run
-from orchestrator.store import RunSpec, SpecConflict, open_store
+from checkpointing.storage import cas
+from orchestrator.service.auth import change_run
+from orchestrator.store.run_store import RunSpec, SpecConflict, open_store
 from tests.conftest import new_bucket
 
 

@@ -93,7 +93,7 @@ def _stop(run_id: str, store: str, env: dict) -> None:
 def _check_history(store_url: str, run_id: str) -> None:
     """The rows the run's history holds carry each step's tokens/s, and the eval loss on the steps that evaluated:
     the same loss as the run's eval events."""
-    from orchestrator.store import open_store
+    from orchestrator.store.run_store import open_store
 
     store = open_store(store_url)
     rows = store.get_history(run_id)

@@ -14,7 +14,7 @@ import torch
 
 from checkpointing.errors import ConfigError
 from tests.harness import run_ranks
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.loop import Trainer
 from trainer.parallel.compile import check_compile
 from trainer.world import World
@@ -185,7 +185,7 @@ def test_cpu_collectives_keep_host_timing():
     import torch.distributed as dist
 
     from tests.harness import free_port
-    from trainer.telemetry import CommMeter
+    from trainer.observe.telemetry import CommMeter
 
     meter = CommMeter()
     meter.install()
@@ -207,7 +207,7 @@ def test_cpu_collectives_keep_host_timing():
 def test_sends_coalesced_in_a_batch_are_timed_to_the_batch_completion():
     """NCCL coalesces batch_isend_irecv's sends and receives: they return no work, so each is recorded when the
     batch's last work completes, not at issue (the collectives here are stand-ins: only the meter's logic)."""
-    from trainer.telemetry import CommMeter
+    from trainer.observe.telemetry import CommMeter
 
     class Future:
         def __init__(self):
@@ -251,7 +251,7 @@ class FakeEvent:
 
 
 def test_event_pairs_are_recorded_once_fired():
-    from trainer.gpu_timing import EventTimer
+    from trainer.observe.gpu_timing import EventTimer
 
     timer, got = EventTimer(), []
     late = FakeEvent(9.0, fired=False)

@@ -29,8 +29,8 @@ import xxhash
 from checkpointing.errors import EtrainError
 from tests.harness import ROOT
 from trainer.config import DataConfig
-from trainer.data import load_corpus
-from trainer.token_cache import open_or_build
+from trainer.data.corpus import load_corpus
+from trainer.data.token_cache import open_or_build
 
 
 def write_jsonl(path, n_docs: int, doc_bytes: int, seed: int = 0) -> bytes:
@@ -207,7 +207,7 @@ def _mutate(rng, final: str, header: dict) -> str:
 
 
 def test_fuzz_300_mutations_are_detected_or_harmless(tmp_path):
-    from trainer.token_cache import CorruptCacheError
+    from trainer.data.token_cache import CorruptCacheError
 
     rng = np.random.default_rng(26)
     docs = _docs(rng)

@@ -22,10 +22,10 @@ import tensorboard  # noqa: F401
 import wandb  # noqa: F401
 
 from checkpointing.errors import ConfigError
-from orchestrator.observers import TrackerObserver
+from orchestrator.controller.observers import TrackerObserver
 from tests.harness import ROOT, wait_for
 from trainer.config import LoggingConfig
-from trainer.trackers import Tracker, Trackers
+from trainer.observe.trackers import Tracker, Trackers
 
 
 def wandb_records(path: str):
@@ -172,13 +172,13 @@ def test_controller_logs_a_failure_a_recovery_and_a_resize_to_tensorboard(tmp_pa
     the run recovers from step 5, grows to 4 workers at step 12; each is in the event file at its step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from orchestrator.controller import Controller
-    from orchestrator.observers import EvalEvents
-    from orchestrator.store import RunSpec, open_store
+    from orchestrator.controller.controller import Controller
+    from orchestrator.controller.observers import EvalEvents
+    from orchestrator.store.run_store import RunSpec, open_store
     from tests.fake_group import FakeClock, FakeGroup, Fault
     from tests.test_controller import INTERVAL, RUN, options, run_config
-    from trainer.config_load import config_from_dict
-    from trainer.trackers import open_trackers
+    from trainer.config.load import config_from_dict
+    from trainer.observe.trackers import open_trackers
 
     raw = {**run_config(tmp_path), "logging": {"tensorboard_dir": str(tmp_path / "tb")}}
     clock, store = FakeClock(), open_store(f"file://{tmp_path}/runs")
@@ -217,7 +217,7 @@ def test_controller_logs_a_failure_a_recovery_and_a_resize_to_tensorboard(tmp_pa
 
 
 def mlflow_config(url: str, **logging):
-    from trainer.config_load import config_from_dict
+    from trainer.config.load import config_from_dict
 
     return config_from_dict({"logging": {"mlflow_uri": url, **logging}})
 
@@ -226,7 +226,7 @@ def test_a_stalled_tracker_server_never_delays_the_caller_and_says_so():
     """Against a server that never replies: starting, logging 3,000 records and the bounded final flush
     take no longer than their bounds; the tracker is reported stalled, then dropping, then not flushed."""
     from tests.tracker_server import MlflowServer
-    from trainer.trackers import wanted
+    from trainer.observe.trackers import wanted
 
     server = MlflowServer(stalled=True)
     try:
@@ -343,8 +343,8 @@ def test_tracker_settings_fuzz_never_crash_and_never_accept_a_bad_value():
     import random
 
     from checkpointing.names import has_credentials
-    from orchestrator.progress import event_line
-    from trainer.config_load import config_from_dict
+    from orchestrator.driver.progress import event_line
+    from trainer.config.load import config_from_dict
 
     rng = random.Random(26)
     strings = ["", "x", "offline", "online", "disabled", "sometimes", "file:///tmp/mlruns", "http://127.0.0.1:1",
@@ -379,8 +379,8 @@ def test_a_tracker_server_that_stops_answering_leaves_etrain_run_responsive(ray_
     10 s, and the steps keep their pace: the median time between steps after the stall is within 5% of
     the median before (or faster: the controller no longer spends time on the tracker's requests).
     Before: the controller froze for 20 minutes and ignored `etrain stop`."""
-    from orchestrator.cli import main as etrain
-    from orchestrator.store import HistoryRow
+    from orchestrator.cli.main import main as etrain
+    from orchestrator.store.run_store import HistoryRow
     from tests.cluster import start_run
     from tests.tracker_server import MlflowServer
 

@@ -19,7 +19,7 @@ from checkpointing.errors import ConfigError
 from tests.harness import run_ranks
 from tests.test_cli import run_trainer
 from tests.test_parity import BASE
-from trainer.config_load import load_config
+from trainer.config.load import load_config
 from trainer.parallel.dims import ParallelDims
 from trainer.zero.quantize import dequantize, quantize, row_bytes
 

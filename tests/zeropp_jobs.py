@@ -78,7 +78,7 @@ def logged_run(payload: dict) -> int:
     """``python -m trainer``'s run of ``payload["overrides"]`` in this world, its step log (rank 0) written to
     ``payload["log"]``: the exit code."""
     from trainer.cli import train_config
-    from trainer.config_load import load_config
+    from trainer.config.load import load_config
 
     return train_config(lambda: load_config(payload["config"], payload["overrides"]), log_file=payload["log"],
                         quiet=True).exit_code

@@ -3,12 +3,15 @@
 It never imports Ray or the orchestrator: the same code runs under ``torchrun``
 (``python -m trainer``), inside an orchestrator actor, or in a test harness.
 
-    config          the run's dataclasses        config_load     TOML + --set -> RunConfig
-    models          a spec per model family      data            corpus and global sample order
-    parallel/       the layout (dims), valid sizes; parallelize: pipeline, TP, AC, FSDP
-    zero           ZeRO 0-2 and FSDP optimizer  memory          predicted bytes per rank
-    world           this process, its group      loop            Trainer (one step), save_due
-    telemetry       comm and step measurements   metrics         the Prometheus exporter
-    metrics_endpoint  its HTTP endpoint          launcher_metrics  rank 0's metrics under torchrun
-    cli             ``python -m trainer``
+    config/     the run's dataclasses; load: TOML + --set -> RunConfig
+    models/     a spec per model family (decoder/, hf/, names/: a folder per family)
+    data/       the corpus and global sample order, data formats, tokenizers, the token cache
+    parallel/   the layout (dims), valid sizes; parallelize: pipeline, TP, CP, EP, AC, FSDP
+    zero/       ZeRO 0-2 and the FSDP-backed stage 3, offload
+    plan/       ``etrain plan``: memory and communication accounting, the search
+    observe/    telemetry, device memory, the Prometheus exporter, trackers
+    export/     ``etrain ckpt export`` and ``[checkpoint] export_every``
+    world       this process, its group      loop        Trainer (one step), run_steps, save_due
+    generate    ``etrain generate``          heap        the garbage collector in a long run
+    compat      the torch versions           cli         ``python -m trainer``
 """

@@ -36,7 +36,7 @@ from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 
 from .config import RunConfig
-from .config_load import load_config
+from .config.load import load_config
 from .heap import freeze_boot_heap, thaw_heap
 
 if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
@@ -158,7 +158,7 @@ def start_metrics(cfg, world: World):
         return None
     import torch.distributed as dist
 
-    from .launcher_metrics import LauncherMetrics
+    from .observe.launcher import LauncherMetrics
 
     store = dist.distributed_c10d._get_default_store() if world.size > 1 else None
     m = LauncherMetrics(cfg, world, store)
@@ -258,14 +258,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m trainer") -> int:
 
 def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, quiet: bool = False) -> Outcome:
     """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
-    from .data import load_splits
-    from .export_every import report_exports, wait_for_exports
+    from .data.corpus import load_splits
+    from .export.every import report_exports, wait_for_exports
     from .loop import Trainer, checkpoint_manager, checkpoint_preflight
     from .models import model_preflight
     from .parallel.dims import ParallelDims, resolve_device
     from .parallel.parallelize import check_device_features
-    from .telemetry import comm_meter
-    from .trackers import Trackers, memory_values, open_trackers, step_values
+    from .observe.telemetry import comm_meter
+    from .observe.trackers import Trackers, memory_values, open_trackers, step_values
     from .world import World, init_distributed, shutdown_distributed
     from .zero.offload import offload_preflight
 
@@ -287,7 +287,7 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
 
             warn_if_not_fitting(cfg, world.size, device)
         if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any process group
-            from .export import init_from_preflight
+            from .export.convert import init_from_preflight
 
             init_from_preflight(cfg)
         corpus, val_corpus = load_splits(cfg)  # the model's vocabulary checked against the tokenizer's first

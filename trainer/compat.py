@@ -18,7 +18,7 @@ Shims, and the releases that need them:
   against ``reduce_scatter_tensor`` (2.11, 2.12).
 
 The function is looked up on ``torch.distributed`` at every call, so the
-communication meter's wrappers (trainer.telemetry, which meters both names)
+communication meter's wrappers (trainer.observe.telemetry, which meters both names)
 see it.
 
 * :func:`fsdp_comm_bases`: FSDP2's custom collectives (``FSDPModule.set_custom_all_gather`` /

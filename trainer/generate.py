@@ -28,14 +28,14 @@ import torch
 
 from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
-from checkpointing.export import ModelSource
+from checkpointing.export.weights import ModelSource
 
-from .export import model_config, refuse_incomplete_export, run_config, tokenizer_files
-from .hf_dir import open_weights, read_config, refuse_nonfinite
+from .export.convert import model_config, refuse_incomplete_export, run_config, tokenizer_files
+from .models.hf.hf_dir import open_weights, read_config, refuse_nonfinite
 from .models import spec_for
 from .models.brought import hf_max_positions, plain_forward
-from .models.hf import hf_forward
-from .tokenize import ByteTokenizer, load_tokenizer
+from .models.hf.spec import hf_forward
+from .data.tokenize import ByteTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ def load(source: str, device: str | torch.device = "cpu", *, trust_code: bool = 
 
 
 def _load_export(path: str, device: torch.device) -> Loaded:
-    """A transformers directory, validated (:mod:`trainer.hf_dir`) before transformers reads it."""
+    """A transformers directory, validated (:mod:`trainer.models.hf.hf_dir`) before transformers reads it."""
     config = read_config(path, path)
     weights = open_weights(path, path)  # headers, index, a .bin only through torch.load(weights_only=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

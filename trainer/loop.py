@@ -6,7 +6,7 @@
         print(stats.step, stats.loss)
 
 Both launchers drive this one loop (:meth:`Trainer.run_steps`): ``python -m
-trainer`` (:mod:`trainer.cli`) and the Ray worker (``orchestrator.worker``);
+trainer`` (:mod:`trainer.cli`) and the Ray worker (``orchestrator.workers.worker``);
 :func:`save_due` is the one rule for when they checkpoint.
 
 A step trains on a fixed global batch of ``train.global_batch`` samples: each
@@ -32,19 +32,19 @@ import torch.distributed as dist
 import xxhash
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
-from checkpointing.faults import StorageFaults
+from checkpointing.storage.faults import StorageFaults
 from checkpointing.host_copy import fence_writes
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
-from checkpointing.retry import RetryPolicy
-from checkpointing.storage import Storage
+from checkpointing.storage.retry import RetryPolicy
+from checkpointing.storage.base import Storage
 
-from . import memory
+from .observe import device_memory as memory
 from .config import RunConfig
-from .data import Batcher, Corpus, check_vocab, load_splits
+from .data.corpus import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
-from .models.decoder import fill_local
-from .models.moe import balance_step, load_router_bias, router_bias_state
+from .models.decoder.model import fill_local
+from .models.decoder.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
@@ -207,7 +207,7 @@ class Trainer:
         if not self._init_from_pending:
             return
         self._init_from_pending = False
-        from .export import WeightSource, load_weights
+        from .export.convert import WeightSource, load_weights
 
         source = WeightSource(self.cfg.model.init_from, self.cfg.model)
         load_weights(self.optimizer.checkpoint_state()["model"], source)
@@ -489,7 +489,7 @@ def checkpoint_manager(cfg: RunConfig, world: World, *, epoch: int = 0, fence=No
                             when_busy=c.when_busy, keep_last=c.keep_last, keep_every=c.keep_every, epoch=epoch,
                             fence=fence, storage=storage, commit_timeout_s=c.timeout_s)
     if c.export_every and world.rank == 0:  # rank 0 commits, and exports what it committed
-        from .export_every import attach_exports
+        from .export.every import attach_exports
 
         attach_exports(mgr, cfg)
     return mgr

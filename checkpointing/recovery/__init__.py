@@ -12,7 +12,7 @@ One module per concept:
 - ``local_copy``: the memory files a rank's snapshots are written into, mapped by peers on the same host;
 - ``transport``: how a held snapshot moves (:class:`~checkpointing.recovery.transport.SnapshotTransport`):
   pushed to peers while training (``PeerCopyTransport``), fetched from holders on restore
-  (``orchestrator.tier_restore.RayFetchTransport``);
+  (``orchestrator.workers.tier_fetch.RayFetchTransport``);
 - ``peer_copy``: the copies to peers, over a gloo group of the tier's own;
 - ``held``: what a worker keeps of the tier across its process groups, and what it answers a restore;
 - ``restore``: the plan of a restore (which holder gives each file of which snapshot) and the load;
@@ -20,5 +20,5 @@ One module per concept:
 
 The host copy of the state and the DCP layout planned for it are shared with the durable checkpoint
 (:mod:`checkpointing.host_copy`); a restore reads through the durable reader and load planner
-(:mod:`checkpointing.dcp_read`), so it reshards exactly as a restore from storage does.
+(:mod:`checkpointing.dcp.reader`), so it reshards exactly as a restore from storage does.
 """

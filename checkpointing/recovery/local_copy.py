@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 
-from ..dcp_format import CorruptCheckpointError
+from ..dcp.format import CorruptCheckpointError
 
 
 def host_key() -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..dcp_format import CorruptCheckpointError
+from ..dcp.format import CorruptCheckpointError
 from .local_copy import open_copy
 from .snapshot import MemorySnapshot
 

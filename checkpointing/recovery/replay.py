@@ -7,7 +7,7 @@ while its layout holds.
     placed = place(replay, region, host, layout)   # the host copy's buffers where these files put each tensor
     patches = placed.replay.patches(state_dict)      # once laid out there: only the non-tensor items again
 
-The durable writer (:class:`checkpointing.dcp_io.EtrainWriter`) lays a file out as byte views: a tensor's
+The durable writer (:class:`checkpointing.dcp.writer.EtrainWriter`) lays a file out as byte views: a tensor's
 envelope, its bytes in place, padding; a non-tensor item serialized. When every tensor of a write was a
 host tensor read in place (the memory tier's host copy: buffers kept from one copy to the next, refilled in
 place), the views of a later state of the same layout are the same views: only the non-tensor items are
@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ..dcp_io import PlannedItems, host_bytes, lookup
+from ..dcp.writer import PlannedItems, host_bytes, lookup
 from ..manifest import FileEntry
 
 

@@ -6,7 +6,7 @@
 A restore from memory is a durable restore with another storage under it: the
 files come from host memory (this rank's own snapshot, the copies it holds for
 peers, files fetched from another holder), and are read by the durable reader
-(:class:`checkpointing.dcp_read.EtrainReader`, every file checked against the
+(:class:`checkpointing.dcp.reader.EtrainReader`, every file checked against the
 step's agreed table before use, the DCP metadata through the restricted
 unpickler) with the durable load planner, so the result is bitwise what a
 durable load of the same state gives, into any world size or layout.
@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..dcp_format import CorruptCheckpointError
+from ..dcp.format import CorruptCheckpointError
 from ..errors import CheckpointError
 from ..manifest import METADATA_NAME
 from .snapshot import MemorySnapshot, MemoryStorage, Source, step_rel
@@ -88,7 +88,7 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     of another holder). Collective. ``snapshot`` (any rank's of that step, its files may be left out)
     gives the agreed table and the DCP metadata: every file is checked against the table before use, and
     the metadata is read with the restricted unpickler. Goes through the durable reader and planner
-    (:class:`checkpointing.dcp_read.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
+    (:class:`checkpointing.dcp.reader.EtrainReader`, ``SafeLoadPlanner``), so the result is what a durable
     load of the same state gives. CorruptCheckpointError naming the file when one is missing or bad.
 
     ``collective=False``: each rank reads its part alone, without DCP's exchange of load plans (two
@@ -98,8 +98,8 @@ def load_from_memory(state_dict: dict[str, Any], sources: dict[str, Source], sna
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..dcp_read import EtrainReader, SafeLoadPlanner, load_failure
-    from ..retry import describe
+    from ..dcp.reader import EtrainReader, SafeLoadPlanner, load_failure
+    from ..storage.retry import describe
 
     if not snapshot.agreed:
         raise CheckpointError(f"the memory snapshot of step {snapshot.step} was never agreed by every rank; "

@@ -12,10 +12,10 @@ bytes on every rank) and the table of every rank's files of the step (name, size
 crc32c), agreed by all ranks when the snapshot was made. The table is what a
 restore checks every byte against, as the manifest is for a durable checkpoint.
 
-:class:`MemoryStorage` is a :class:`checkpointing.storage.Storage` whose objects
+:class:`MemoryStorage` is a :class:`checkpointing.storage.base.Storage` whose objects
 are ``bytes`` in this process (or callables that produce them): the durable
-writer (:class:`checkpointing.dcp_io.EtrainWriter`) writes a snapshot's files
-into one, and the durable reader (:class:`checkpointing.dcp_read.EtrainReader`)
+writer (:class:`checkpointing.dcp.writer.EtrainWriter`) writes a snapshot's files
+into one, and the durable reader (:class:`checkpointing.dcp.reader.EtrainReader`)
 reads a restore's files from one, so both tiers share one writer, one reader,
 one format and one resharding path.
 """
@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..dcp_format import CorruptCheckpointError
-from ..dcp_read import check_locations, load_metadata
+from ..dcp.format import CorruptCheckpointError
+from ..dcp.reader import check_locations, load_metadata
 from ..manifest import CRC_RE, METADATA_NAME, SHARD_RE, FileEntry, checksum, step_dir
-from ..storage import Storage, confine
+from ..storage.base import Storage, confine
 
 MAGIC = b"ETRAIN-MEMORY-SNAPSHOT\n"
 WIRE_VERSION = 2

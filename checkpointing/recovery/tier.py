@@ -12,7 +12,7 @@ format durable checkpoints use, so a restore from memory reshards exactly as a r
 
 :meth:`MemoryTier.take` saves ``state_dict`` (what the checkpoint manager saves:
 the optimizer's ``checkpoint_state()``) with ``dcp.save`` through the durable
-writer (:class:`checkpointing.dcp_io.EtrainWriter`) into a
+writer (:class:`checkpointing.dcp.writer.EtrainWriter`) into a
 :class:`checkpointing.recovery.snapshot.MemoryStorage`: the same shard files
 (format 3, standard DCP) and the same DCP metadata, as ``{name: bytes}`` in
 this rank's memory. Then one ``all_gather`` over the tier's own gloo group is
@@ -61,7 +61,7 @@ from .replay import Patched, Replay, Replayed, place
 from .results import ReplicationResult, SnapshotResult
 from .restore import load_from_memory, plan_restore  # noqa: F401  (the tier's API: restore)
 from .snapshot import MemorySnapshot, MemoryStorage, replica_peers, step_rel
-from ..retry import describe
+from ..storage.retry import describe
 from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
 from .budget import state_bytes
 from .local_copy import Arena, Region, host_keys
@@ -276,7 +276,7 @@ class MemoryTier:
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from ..dcp_io import EtrainWriter, PlannedItems
+        from ..dcp.writer import EtrainWriter, PlannedItems
 
         if writer is not None:
             writer.release()
@@ -328,7 +328,7 @@ class MemoryTier:
         layout still holds: (writer, plan id), else (None, None). Never raises: every rank must vote. The
         replay of the last layout's files first (no DCP, no per-item work; only the non-tensor items when the
         state ``lies_in`` the memory file its files were laid out in), else the writer's ``write_data``."""
-        from ..dcp_io import EtrainWriter, PlannedItems, same_results
+        from ..dcp.writer import EtrainWriter, PlannedItems, same_results
 
         planned = self._plans.get(layout)
         if planned is None:

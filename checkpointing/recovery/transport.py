@@ -9,7 +9,7 @@
   group (:mod:`checkpointing.recovery.peer_copy`). It pushes: every rank of the group sends and
   receives at once, from the tier's background thread; nothing is fetched from it later (its group
   ends with the group that trained).
-- ``orchestrator.tier_restore.RayFetchTransport``: a restore's files, fetched from the live worker
+- ``orchestrator.workers.tier_fetch.RayFetchTransport``: a restore's files, fetched from the live worker
   that holds each (any group's, a worker new to the step included) by a Ray actor call. It pulls;
   nothing is pushed through it (a holder answers ``memory_file`` and ``memory_header``).
 
@@ -91,7 +91,7 @@ class PeerCopyTransport:
 
     def fetch(self, key: Hashable, name: str) -> bytes:
         raise TransportError("copies to peers are pushed while training; a restore fetches a file from its "
-                             "holder through orchestrator.tier_restore.RayFetchTransport")
+                             "holder through orchestrator.workers.tier_fetch.RayFetchTransport")
 
     def header(self, key: Hashable) -> MemorySnapshot:
         return MemorySnapshot.from_bytes(self.fetch(key, ""))

@@ -26,7 +26,7 @@ import os
 from checkpointing.errors import ConfigError
 
 from ..phase import Phase
-from ..store import RunStore
+from ..store.run_store import RunStore
 from .injector import Chaos
 from .oracle import final_trajectory, loss_rel_diff, oracle, stale_commits, verify_committed
 from .plan import ChaosPlan, load_plan
@@ -39,8 +39,8 @@ log = logging.getLogger("etrain")
 def reference_run(spec, store: RunStore, ref_id: str, address: str | None) -> dict:
     """The failure-free reference: reuse ``ref_id`` when it FINISHED, else run the same config
     under that id (same workers, same checkpoint root) to the end."""
-    from ..run import launch
-    from ..store import RunSpec, UnknownRun
+    from ..driver.run import launch
+    from ..store.run_store import RunSpec, UnknownRun
 
     try:
         store.get_spec(ref_id)
@@ -63,7 +63,7 @@ def reference_run(spec, store: RunStore, ref_id: str, address: str | None) -> di
 def judge(run_id: str, store: RunStore, plan: ChaosPlan, chaos: Chaos | None, final: dict,
           ref_id: str | None = None) -> dict:
     """The report of a run that ended: detection and recovery of every fault, and the oracle."""
-    from ..run import parse_spec
+    from ..driver.run import parse_spec
 
     cfg = parse_spec(store.get_spec(run_id))[0]
     history = store.get_history(run_id)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..phase import Phase
-from ..store import RunStore, StoreUnavailable
+from ..store.run_store import RunStore, StoreUnavailable
 from . import procfs
 from .etcd import EtcdControl
 from .plan import ChaosPlan, FaultSpec
@@ -271,8 +271,8 @@ class Chaos:
         self.open_windows.append((inj, spec))
 
     def _inject_drain_node(self, inj: Injection, spec: FaultSpec) -> None:
-        """Ray drains the rank's node, as a spot notice or `ray drain-node` does (orchestrator/drain.py)."""
-        from ..drain import drain_node
+        """Ray drains the rank's node, as a spot notice or `ray drain-node` does (orchestrator/controller/drain.py)."""
+        from ..service.drains import drain_node
 
         t = inj.target = self._target(spec)
         import ray
@@ -303,7 +303,7 @@ class Chaos:
         self.open_windows.append((inj, spec))
 
     def _controller(self):
-        from ..run import controller_actor
+        from ..driver.run import controller_actor
 
         actor = controller_actor(self.run_id)
         if actor is None:

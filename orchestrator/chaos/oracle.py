@@ -11,13 +11,13 @@ trained once in the final trajectory with its data cursor at exactly step x glob
 skipped or repeated); the loss at every step within ``loss_rtol`` of the reference; every committed
 checkpoint verifies; no checkpoint committed by an epoch after a newer one formed (a stale writer the
 fence should have refused). Each reason is a sentence for the report; the oracle only reads.
-History rows may be :class:`~orchestrator.store.HistoryRow` or the plain lists they are stored as.
+History rows may be :class:`~orchestrator.store.run_store.HistoryRow` or the plain lists they are stored as.
 """
 
 from __future__ import annotations
 
 from ..phase import Phase
-from ..store import HistoryRow
+from ..store.run_store import HistoryRow
 
 
 def final_trajectory(history: list) -> dict[int, HistoryRow]:

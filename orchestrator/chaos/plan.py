@@ -60,7 +60,7 @@ A plan is a list of faults, each with a schedule::
 Invariants: a plan that loads is valid (each fault has exactly one schedule, a known kind, a positive
 window; ``after_fault`` names an earlier fault); every problem is a ConfigError that names the fault and
 the field. Tables are built and type-checked by the run config's own section builder
-(``trainer.config_load.build_section``), and ``--fault`` values parse as ``--set`` values do.
+(``trainer.config.load.build_section``), and ``--fault`` values parse as ``--set`` values do.
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ import tomllib
 from dataclasses import dataclass, fields
 
 from checkpointing.errors import ConfigError
-from trainer.config_load import build_section, parse_value
+from trainer.config.load import build_section, parse_value
 
 KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "partition_node", "drain_node",
          "add_node")
-# The cluster changing under the run (orchestrator/drain.py): a resize, never a failure.
+# The cluster changing under the run (orchestrator/controller/drain.py): a resize, never a failure.
 CLUSTER_KINDS = ("drain_node", "add_node")
 # Faults that take a member out of the group: the controller must see a failure and re-form without it.
 PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank", "partition_node")

@@ -13,7 +13,7 @@ matplotlib is imported only here and only when plotting, with the Agg backend: n
 from __future__ import annotations
 
 from ..plot import draw_marks, event_marks, integer_ticks
-from ..store import HistoryRow
+from ..store.run_store import HistoryRow
 from .oracle import final_trajectory
 
 FAULT_COLOUR = "darkorange"

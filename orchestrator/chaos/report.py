@@ -16,7 +16,7 @@ store or the cluster: the rows are computed from the events and history handed i
 
 from __future__ import annotations
 
-from ..store import HistoryRow
+from ..store.run_store import HistoryRow
 from .injector import Injection
 from .plan import CLUSTER_KINDS, PROCESS_KINDS, ChaosPlan
 

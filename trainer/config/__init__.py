@@ -2,11 +2,11 @@
 
     from trainer.config import RunConfig, TrainConfig
     cfg = RunConfig(train=TrainConfig(steps=10))          # validated as it is built
-    # from a TOML file: trainer.config_load.load_config("examples/tiny.toml", ["parallel.tp=2"])
+    # from a TOML file: trainer.config.load.load_config("examples/tiny.toml", ["parallel.tp=2"])
 
 A whole run is one TOML file with the sections ``[model]``, ``[data]``,
 ``[train]``, ``[parallel]``, ``[checkpoint]``, ``[metrics]`` and ``[logging]``; ``--set section.field=value``
-overrides any field (:mod:`trainer.config_load` reads the file and builds these).
+overrides any field (:mod:`trainer.config.load` reads the file and builds these).
 Each section validates itself in ``__post_init__``; checks that span sections
 run in :class:`RunConfig`; checks that need the world size run in
 :class:`trainer.parallel.dims.ParallelDims`, still before any process group starts.

@@ -28,7 +28,7 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     # Files and multipart parts in flight per rank.
     concurrency: int = 8
-    # Storage fault injection for chaos testing (see checkpointing.faults.StorageFaults).
+    # Storage fault injection for chaos testing (see checkpointing.storage.faults.StorageFaults).
     faults: dict = field(default_factory=dict)
     # This many saves failing in a row fail the run: its work is no longer being made durable.
     max_consecutive_failures: int = 3
@@ -63,9 +63,9 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.export_every={e} must be a multiple of checkpoint.interval_steps={i}; use "
                               f"{near}interval_steps={max(e, 1)} or a divisor of it (export_every=0 exports nothing)")
         if self.faults:
-            from checkpointing.faults import StorageFaults
+            from checkpointing.storage.faults import StorageFaults
 
             try:
                 StorageFaults.from_dict(self.faults)
             except TypeError as e:
-                raise ConfigError(f"checkpoint.faults: {e}; see checkpointing.faults.StorageFaults") from None
+                raise ConfigError(f"checkpoint.faults: {e}; see checkpointing.storage.faults.StorageFaults") from None

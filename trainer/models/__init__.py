@@ -28,8 +28,8 @@ __all__ = ["FAMILIES", "ModelInfo", "ModelSpec", "model_preflight", "register_fa
 
 # model.source -> "package.module:Class" of its spec (or the class itself).
 FAMILIES: dict[str, str | type[ModelSpec]] = {
-    "builtin": "trainer.models.builtin:DecoderSpec",
-    "hf": "trainer.models.hf:HFSpec",
+    "builtin": "trainer.models.decoder.spec:DecoderSpec",
+    "hf": "trainer.models.hf.spec:HFSpec",
     "python": "trainer.models.factory:FactorySpec",
 }
 _CACHE: dict[tuple[str, str], ModelSpec] = {}

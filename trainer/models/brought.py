@@ -1,6 +1,6 @@
 """What a model a user brings (a ``transformers`` causal LM, an ``nn.Module`` factory) needs from the trainer.
 
-    class MySpec(UserModelSpec):          # trainer.models.hf, trainer.models.factory
+    class MySpec(UserModelSpec):          # trainer.models.hf.spec, trainer.models.factory
         family = "..."
         def construct(self) -> nn.Module: ...
 
@@ -42,7 +42,7 @@ from checkpointing.errors import ConfigError
 
 from ..config import ModelConfig, ParallelConfig, RunConfig
 from .blocks import apply_block_ac, find_blocks, parameters_on_meta, shares_parameters, stage_ranges
-from .llama_layout import cut_hf_stage, llama_like
+from .hf.llama_layout import cut_hf_stage, llama_like
 from .refs import resolve_ref
 from .shape import ModelShape
 from .spec import ModelInfo, ModelSpec, Stage, to_empty, zero_parameters

@@ -6,7 +6,7 @@
     shape.flops_per_token(seq_len)                        # training FLOPs per token (MFU)
     shape.block_activation_elems(tp, sp)                  # what one block saves for backward (the planner)
 
-A Mixture of Experts' layers are replicated across tp (trainer.models.decoder_tp): their parameters count whole
+A Mixture of Experts' layers are replicated across tp (trainer.models.decoder.tp): their parameters count whole
 on every tp rank (:meth:`ModelShape.layer_params`), their feed-forward activations too.
 
 The formulas are those of a Llama-style decoder block (the built-in one): attention with
@@ -132,7 +132,7 @@ class ModelShape:
 
     def layer_params(self, index: int, tp: int = 1) -> int:
         """Block ``index``'s parameters on a rank of ``tp``: a Mixture-of-Experts feed-forward is whole on every
-        tp rank (trainer.models.decoder_tp), a dense one split."""
+        tp rank (trainer.models.decoder.tp), a dense one split."""
         if self.is_moe_layer(index) and self.moe_ffn:
             return self.attention_params(tp) + 2 * self.dim + self.moe_ffn
         return self.block_params(tp)
@@ -172,7 +172,7 @@ class ModelShape:
 
     def whole_ffn_share(self, tp: int) -> float:
         """What tp does not split of the blocks' feed-forwards, on average over the blocks: the Mixture-of-Experts
-        layers' share of them, each whole on every tp rank (trainer.models.decoder_tp), less the tp-th counted."""
+        layers' share of them, each whole on every tp rank (trainer.models.decoder.tp), less the tp-th counted."""
         return (1 - 1 / tp) * self.moe_layers / self.n_layers if self.n_layers else 0.0
 
     def block_matmul_elems(self, tp: int) -> float:

@@ -1,5 +1,5 @@
 """Expert parallelism (``[parallel] ep``): each group of ``ep`` data-parallel ranks (along ``dp_shard``) splits
-the experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
+the experts of every Mixture-of-Experts layer (:mod:`trainer.models.decoder.moe`) between them.
 
     layers = spec.expert_layers(model)              # the model family's MoE layers (trainer.models.spec)
     meshes = expert_meshes(dims, mesh)              # once per rank (collective), whatever its stages hold
@@ -98,7 +98,7 @@ def expert_meshes(dims, mesh) -> ExpertMeshes | None:
     emesh = dims.expert_mesh(mesh)
     if emesh is None:
         return None
-    from ..telemetry import comm_meter
+    from ..observe.telemetry import comm_meter
 
     ep_mesh = emesh[Axis.EP.value]
     # The exchanges run on a group of their own (the mesh may share its ep group with dp_shard's, whose

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import RunConfig
 from ..models import spec_for
-from ..models.moe import aux_loss, keep_counters, moe_layers
+from ..models.decoder.moe import aux_loss, keep_counters, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
@@ -144,7 +144,7 @@ class ModelParts:
 
     def pipeline_aux(self) -> torch.Tensor | None:
         """Pipelined Mixture of Experts: the aux losses this rank's stages trained in the last step (each
-        micro-batch's scaled as its loss is; trainer.models.moe.AuxLossToBackward; 0 without MoE layers), the
+        micro-batch's scaled as its loss is; trainer.models.decoder.moe.AuxLossToBackward; 0 without MoE layers), the
         counters cleared; None for a dense model."""
         if not self.moe_model:
             return None

@@ -6,7 +6,7 @@ in their parameters' placements, and the language-model loss.
     loss = lm_loss(logits, targets)     # mean next-token cross-entropy in fp32; vocab-sharded logits too
 
 A model's own plan lives with its family (:mod:`trainer.models`: the built-in decoder's in
-:mod:`trainer.models.decoder_tp`).
+:mod:`trainer.models.decoder.tp`).
 
 Loss parallelism (``parallel.loss_parallel``, on by default under TP): the
 output head keeps its logits split by vocabulary and the cross-entropy runs on

@@ -4,7 +4,7 @@
     result = plan_size(cfg, 64, DEVICES["h100"])     # the fastest layout that fits, its runner-up, the losers
 
 Modules, bottom up: :mod:`.shape` (the model as the planner sees it, counted on the meta device),
-:mod:`.accounting` (per-rank bytes: the ZeRO paper's model states from :mod:`trainer.memory`,
+:mod:`.accounting` (per-rank bytes: the ZeRO paper's model states from :mod:`trainer.observe.device_memory`,
 Korthikanti et al.'s activations, buffers, checkpoint staging, the recovery tier), :mod:`.comm`
 (bytes per step by collective kind and mesh axis, the pipeline bubble), :mod:`.cost` (device
 profiles and the step-time model), :mod:`.search` (enumeration, simulator-guided random search,

@@ -6,8 +6,8 @@
     mem["total"]                                    # device bytes at the step's peak, this rank
 
 Model states (parameters, gradients, optimizer state) and the step's transient buffers are
-:mod:`trainer.memory`'s accounting (:func:`~trainer.memory.predict`,
-:func:`~trainer.memory.transient_bytes`): the ZeRO paper's table as this trainer holds it.
+:mod:`trainer.observe.device_memory`'s accounting (:func:`~trainer.observe.device_memory.predict`,
+:func:`~trainer.observe.device_memory.transient_bytes`): the ZeRO paper's table as this trainer holds it.
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (MLSys 2023), section 4: per layer, the tensors a block saves for backward, sharded by
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import RunConfig
-from ..memory import predict, transient_bytes
+from ..observe.device_memory import predict, transient_bytes
 from ..models import spec_for
 from ..parallel.dims import Axis, ParallelDims
 from .experts import expert_counts
@@ -238,7 +238,7 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     and no ``reduce_every_microbatch``, also the whole unsharded gradients it accumulates into.
     ``recomputing``: while backward recomputes a checkpointed block, which is gathered, with that
     block's unsharded gradients and their fp32 reduce-scatter copy beside it."""
-    from ..memory import local_counts
+    from ..observe.device_memory import local_counts
 
     stage = dims.zero_stage
     if stage == 2:
@@ -275,7 +275,7 @@ def hpz_secondary_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bo
     shard = dims.dp_shard * dims.cp
     if not hpz or not dims.uses_fsdp or dims.pp > 1 or hpz >= shard:
         return 0
-    from ..memory import local_counts
+    from ..observe.device_memory import local_counts
 
     block, total = local_counts(cfg, dims, rank)
     return round((2 if mixed else 4) * max(0, total - block) * (1 / hpz - 1 / shard))
@@ -287,13 +287,13 @@ def rank_memory(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> d
     at most) are host memory, outside ``total``.
 
     The peak is the model states and the recovery tier, plus the largest of three moments: the
-    model-state buffers' own peak (``transient``, :func:`trainer.memory.transient_bytes`),
+    model-state buffers' own peak (``transient``, :func:`trainer.observe.device_memory.transient_bytes`),
     backward's start (activations, logits, workspace and what the buffers hold then,
     ``with_activations``), a checkpointed block's recomputation (the activations kept, that block's
     again, the workspace, the buffers with that block gathered and its gradients), and the optimizer step, whose foreach AdamW makes one fp32 temporary the
     size of what this rank updates (``optimizer_step``; for the small preset at micro-batch 2 it is
     the step that peaks)."""
-    from ..memory import local_param_count
+    from ..observe.device_memory import local_param_count
 
     states = predict(cfg, dims, rank, mixed)
     count = local_param_count(cfg, dims, rank)

@@ -125,7 +125,7 @@ def _device(args):
 
 
 def _run(args, elastic: Callable) -> int:
-    from trainer.config_load import config_from_dict, load_raw
+    from trainer.config.load import config_from_dict, load_raw
 
     if not 0 < args.budget_s < math.inf:
         raise ConfigError(f"--budget-s {args.budget_s} must be > 0 (seconds the random search may take per size)")

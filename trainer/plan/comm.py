@@ -50,7 +50,7 @@ stages, ``m`` micro-batches and ``v`` stages per rank, i.e. ``(p - 1) / (v m + p
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..memory import local_param_count
+from ..observe.device_memory import local_param_count
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh, ParallelDims
 from .experts import MOE_AXES, expert_axis, expert_counts, moe_comm
@@ -137,7 +137,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         if p.activation_checkpoint == "every_k":
             per_block += 2 * sum(1 for s in stages for i in split[s] if i % p.ac_every_k == 0) / max(1, layers)
         act = cfg.train.micro_batch * cfg.data.seq_len // dims.cp * m.dim * act_b  # a cp rank's positions
-        # A Mixture-of-Experts layer runs whole on every tp rank (trainer.models.decoder_tp): its feed-forward region
+        # A Mixture-of-Experts layer runs whole on every tp rank (trainer.models.decoder.tp): its feed-forward region
         # (half a block's) has no all-reduce; under sequence parallelism two all-gathers (its input forward, its
         # output's gradient backward) and one more where recomputed.
         moe = sum(1 for s in stages for i in split[s] if m.is_moe_layer(i))

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..config import RunConfig
-from ..memory import local_counts
+from ..observe.device_memory import local_counts
 from ..models import spec_for
 from ..parallel.dims import EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, Mesh, ParallelDims
 from .comm import bubble_fraction, step_comm

@@ -14,7 +14,7 @@ is computed with the planner's own accounting for layouts at ``world`` ranks.
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..memory import paper_bytes_per_param
+from ..observe.device_memory import paper_bytes_per_param
 from .accounting import Layout
 from .cost import Device
 from .search import HEADROOM, cp_degrees, cp_styles, evaluate, meshes

@@ -307,7 +307,7 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
     """Bytes moved between ranks when a run of ``cfg``'s layout goes from world ``a`` to ``b``: the sharded
     state (optimizer state from ZeRO-1, parameters too at ZeRO-3) re-cut from one shard count to the other,
     and a whole copy of the replicated state to each new rank."""
-    from ..memory import predict
+    from ..observe.device_memory import predict
 
     ca, da = Layout.of(cfg, a).apply(cfg, a)
     _, db = Layout.of(cfg, b).apply(cfg, b)

@@ -7,7 +7,7 @@ config; a ``transformers`` or Python-factory model is built on the meta device (
 weights), its parameters counted and its blocks found as training finds them; the planner then
 works with a built-in decoder of the same width, depth, heads and vocabulary whose feed-forward
 width is chosen so that one block holds as many parameters as the model's block does
-(:meth:`~trainer.models.spec.ModelSpec.planning_model`). Every formula of :mod:`trainer.memory`
+(:meth:`~trainer.models.spec.ModelSpec.planning_model`). Every formula of :mod:`trainer.observe.device_memory`
 then applies unchanged.
 """
 

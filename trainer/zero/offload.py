@@ -56,7 +56,7 @@ def rank_dir(cfg: RunConfig, rank: int) -> str:
 def state_bytes(cfg: RunConfig, world_size: int, rank: int) -> int:
     """What ``rank``'s file holds: exp_avg and exp_avg_sq of its share of the parameters, and with
     ``parallel.offload_params`` their fp32 masters (counted whatever the precision: the most it can be)."""
-    from ..memory import local_param_count
+    from ..observe.device_memory import local_param_count
     from ..parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg, world_size)

@@ -1,0 +1,2 @@
+"""The DCP format: the standard item encoding (``format``), the writer (``writer``) and the validating reader
+(``reader``)."""

@@ -1,0 +1,276 @@
+"""The ``etrain`` commands that act on a run through its run store: status, events, logs, suspend, stop,
+resize, top, plot, chaos and data (``orchestrator.cli.main`` parses the command line and calls them).
+
+    etrain status RUN [--json]     etrain events RUN [--json]     etrain logs RUN [-f]
+    etrain suspend RUN             etrain stop RUN                etrain resize RUN --workers N
+    etrain top RUN [--once]        etrain plot RUN [-o run.png]   etrain chaos RUN --plan P
+    etrain data prepare CONFIG
+
+They find the store the way every command does (:func:`store_url`: ``--store``, ``$ETRAIN_STORE``,
+the run registry, ``file://$PWD/runs``), write desired state there and, unless ``--no-wait``, wait
+for the controller to reach it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from checkpointing.errors import EtrainError
+from checkpointing.names import redact
+
+from ..phase import TERMINAL, Phase
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def store_url(args) -> str:
+    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs."""
+    from ..driver.run import store_url_for
+
+    if not args.store and not os.environ.get("ETRAIN_STORE") and getattr(args, "run", None):
+        from checkpointing.names import check_url
+
+        from ..store import user_runs as registry
+
+        found = registry.lookup(args.run)
+        if found:
+            return check_url(found, f"the run registry entry {registry.runs_dir()}/{args.run}.json")
+    return store_url_for(args.store)
+
+
+def looked_where(args) -> str:
+    """Where a control command looked for a run, and how to point it elsewhere (for UnknownRun)."""
+    from ..store import user_runs as registry
+
+    if args.store:
+        where = "--store"
+    elif os.environ.get("ETRAIN_STORE"):
+        where = "$ETRAIN_STORE"
+    else:
+        where = (f"the run registry {registry.runs_dir()} (no entry for it) and then ./runs of this directory"
+                 if getattr(args, "run", None) else "./runs of this directory")
+    return (f"looked in {where}; name the run's store with --store URL or $ETRAIN_STORE "
+            "(the URL `etrain run` printed, or the run's checkpoint root)")
+
+
+def open_store_of(args):
+    from ..store.run_store import open_store
+
+    return open_store(store_url(args))
+
+
+def cmd_logs(args) -> int:
+    from ..store import user_runs as registry
+
+    if not registry.print_log(args.run, follow=args.follow):
+        print(f"etrain: no log of run {args.run!r} at {registry.log_path(args.run)}: only `etrain run --detach` "
+              f"keeps one; `etrain events {args.run}` shows its events, `ray job logs JOB` a Ray job's output",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def cmd_status(args) -> int:
+    from ..store import user_runs as registry
+    from ..driver.progress import listing_console, status_table, tier_status_line
+
+    explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
+    if args.run:
+        from ..store.liveness import notice
+
+        store = open_store_of(args)
+        spec = store.get_spec(args.run)  # UnknownRun names the fix
+        st = notice(store, args.run, store.get_status(args.run), by="etrain status")  # its controller gone?
+        rows = [{**(st or {"run_id": args.run, "phase": Phase.PENDING}), "owner": spec.owner}]
+    else:  # the runs of one store (--store, $ETRAIN_STORE), else of ./runs and of the run registry
+        rows = registry.statuses([store_url(args)], registered=not explicit, strict=explicit)
+    if args.json:
+        print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
+    elif not rows:
+        print(f"no runs in {redact(store_url(args))}" + ("" if explicit else
+                                                          f" or in the run registry {registry.runs_dir()}"))
+    else:
+        listing_console().print(status_table(rows))
+        if args.run and rows[0].get("reason"):
+            print(f"reason: {rows[0]['reason']}")
+        if args.run and tier_status_line(rows[0]):
+            print(tier_status_line(rows[0]))
+        for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
+                                           if r.get("phase") in registry.NOT_A_STATUS):
+            print(f"{store}: {reason}")
+    return 0
+
+
+def cmd_chaos(args) -> int:
+    from ..chaos.cli import main as chaos_main
+
+    return chaos_main(args, open_store_of(args))
+
+
+def cmd_top(args) -> int:
+    from .top import main as top_main
+
+    if not args.run and not args.url:
+        print("etrain: top needs a RUN (or --url http://HOST:PORT/metrics)", file=sys.stderr)
+        return EXIT_USAGE
+    return top_main(args, None if args.url else open_store_of(args))
+
+
+def cmd_events(args) -> int:
+    from ..driver.progress import event_line
+
+    store = open_store_of(args)
+    store.get_spec(args.run)
+    events = store.events(args.run)
+    if args.json:
+        print(json.dumps(events, indent=2, sort_keys=True))
+        return 0
+    for e in events:
+        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+        print(f"{when}  {event_line(e)}")
+    return 0
+
+
+def live_status(store, run_id: str, command: str) -> dict:
+    """The status of a run a control command may change; RunConflict saying why not (it ended, it is
+    suspended, its controller is gone: the run is then marked INTERRUPTED, orchestrator.store.liveness)."""
+    from ..store.liveness import notice
+    from ..store.run_store import RunConflict
+
+    store.get_spec(run_id)
+    st = notice(store, run_id, store.get_status(run_id), by=f"etrain {command}") or {}
+    phase = Phase.of(st)
+    if phase == Phase.INTERRUPTED:
+        raise RunConflict(f"run {run_id!r} was interrupted (its controller is gone); `etrain resume {run_id}` "
+                          "continues it from its last checkpoint")
+    if phase in (Phase.FINISHED, Phase.FAILED):
+        raise RunConflict(f"run {run_id!r} has {phase}; nothing to change")
+    if phase == Phase.SUSPENDED:
+        raise RunConflict(f"run {run_id!r} is already suspended; nothing changed "
+                          f"(`etrain resume {run_id} [--workers N]` continues it)")
+    if not store.leader_alive(run_id):
+        raise RunConflict(f"run {run_id!r} is not running (its controller is gone); "
+                          f"`etrain resume {run_id}` continues it")
+    return st
+
+
+def wait_phase(store, run_id: str, phases: tuple[str, ...], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = store.get_status(run_id) or {}
+        if st.get("phase") in phases:
+            print(f"etrain: run {run_id!r} {st['phase']} at step {st.get('step')}")
+            return 0 if st["phase"] not in (Phase.FAILED, Phase.INTERRUPTED) else EXIT_FAILED
+        time.sleep(0.5)
+    print(f"etrain: run {run_id!r} did not get there within {timeout:.0f} s; `etrain status {run_id}` shows where "
+          "it is", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def cmd_suspend(args) -> int:
+    return _request(args, "suspended", "suspend", "stops")
+
+
+def cmd_stop(args) -> int:
+    return _request(args, "stop", "stop", "ends")
+
+
+def _request(args, field: str, what: str, verb: str) -> int:
+    """Set the spec's ``field`` (authorized, compare-and-swap) and, unless --no-wait, wait for a terminal phase."""
+    from ..service.auth import change_run
+
+    store = open_store_of(args)
+    live_status(store, args.run, args.command)
+    change_run(store, args.run, {field: True}, args.token)
+    print(f"etrain: {what} of run {args.run!r} requested; it {verb} at the next step boundary")
+    return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
+
+
+def cmd_resize(args) -> int:
+    from ..service.auth import change_run
+    from ..config import allowed_sizes
+    from ..driver.run import parse_spec
+    from ..store.run_store import RunConflict
+
+    store = open_store_of(args)
+    st = live_status(store, args.run, args.command)
+
+    def resize(spec) -> dict:  # decided on the spec read; read and decided again if it changed meanwhile
+        allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
+        if args.workers not in allowed:
+            raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
+                              f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
+        return {"workers": args.workers, "target": 0}  # the user's size overrides the allocator's, in one CAS write
+
+    change_run(store, args.run, resize, args.token)
+    print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
+          "boundary; `etrain events` shows when it did")
+    return 0
+
+
+def cmd_admin(args) -> int:
+    from ..service.auth import ADMIN_TOKEN_ENV, new_admin_token
+
+    store = open_store_of(args)
+    path = new_admin_token(store)
+    print(f"etrain: the admin token of {redact(store.url)} is in {path} (mode 0600); it may suspend, resume, resize "
+          f"and stop every run there: give it as ${ADMIN_TOKEN_ENV} elsewhere, and keep it secret")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from trainer.config.load import load_config
+    from trainer.data.corpus import prepare
+
+    cfg = load_config(args.config, args.set)
+    with Progress(TextColumn("tokenizing"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("tokenizing", total=None)
+        splits = prepare(cfg, lambda done, total: bar.update(task, completed=min(done, total), total=total))
+    for s in splits:
+        where = (f"cache {s['cache_state']} at {s['cache']}" if "cache" in s else
+                 "no cache: token files are mapped in place" if s["kind"] == "tokens" else
+                 "no cache: the default byte corpus is read into memory")
+        print(f"etrain: {s['split']}: {s['tokens']:,} tokens, {s.get('documents', '?')} documents, {s['kind']}, "
+              f"digest {s['digest']}; {where}", flush=True)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from ..plot import check_output, draw, log_series, run_series
+
+    if bool(args.run) == bool(args.log_file):
+        print("etrain: plot needs a RUN or --log-file STEPS.jsonl (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    out = check_output(args.output or (f"{args.run}.png" if args.run else args.log_file.rsplit(".", 1)[0] + ".png"))
+    if args.log_file:
+        try:
+            with open(args.log_file) as f:
+                series = log_series([json.loads(line) for line in f if line.strip()])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EtrainError(f"--log-file {args.log_file!r} is not a readable step log: {e}") from None
+        title = f"step log {args.log_file}"
+    else:
+        store = open_store_of(args)
+        spec = store.get_spec(args.run)
+        seq_len = (spec.config.get("data") or {}).get("seq_len")
+        try:
+            series = run_series(store.get_history(args.run), store.events(args.run),
+                                seq_len=seq_len if isinstance(seq_len, int) else None)
+        except ValueError as e:
+            raise EtrainError(f"run {args.run!r}: {e}") from None
+        title = f"run {args.run}"
+    try:
+        draw(out, series, title=title)
+    except OSError as e:
+        raise EtrainError(f"-o {out!r} cannot be written ({e.strerror or e}); give a path in a writable directory")
+
+    marks = ", ".join(f"{n} {k}" for k in ("failure", "recovery", "resize", "suspend", "resume")
+                      if (n := sum(m["kind"] == k for m in series["marks"])))
+    print(f"etrain: wrote {out}: {len(series['step'])} steps" + (f"; {marks}" if marks else ""))
+    return 0

@@ -1,0 +1,214 @@
+"""What the run store holds: its documents, their shapes, and the check every document read back passes.
+
+    spec = RunSpec.from_json(blob, where="file:///runs/tiny/control/spec.json")   # CorruptRunStore if not one
+    rows = [HistoryRow.of(r) for r in history]                                      # step, loss, world_size, ...
+    status = load_doc(raw, where, status_problem)
+
+The run store (:mod:`orchestrator.store.run_store`) keeps a run's spec (desired state,
+written by the CLI), status, events and step history (observed state, written
+by the controller) and its leader lease, as JSON documents in etcd or beside
+the checkpoints. Stored bytes are data: every document is checked against the
+shape etrain writes before use, and anything else raises
+:class:`CorruptRunStore` naming the document's key or URL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NamedTuple
+
+from checkpointing.errors import ConfigError, EtrainError
+from checkpointing.names import validate_run_id
+
+
+class CorruptRunStore(EtrainError):
+    """A run-store document is not valid JSON or not the shape etrain writes; the message names it."""
+
+
+class UnknownRun(EtrainError):
+    """No run with this id in the store."""
+
+
+class RunConflict(EtrainError):
+    """The request contradicts the run's state (a live run id reused, suspend of a suspended run, ...)."""
+
+
+class SpecConflict(RunConflict):
+    """The spec changed between the read a change was based on and its write (compare-and-swap refused)."""
+
+
+class StoreUnavailable(EtrainError):
+    """The run store cannot be reached right now."""
+
+
+# --- document shapes ---------------------------------------------------------------
+
+_NUMBER = (int, float)
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a JSON object",
+               list: "a JSON list"}
+
+
+def _is(value: Any, types: tuple) -> bool:
+    """isinstance, except that a bool is not an int or a float (JSON tells them apart)."""
+    return isinstance(value, bool) == (bool in types) and isinstance(value, types)
+
+
+def _object_problem(doc: Any, types: dict[str, tuple], required: tuple[str, ...] = (),
+                    none_ok: bool = False) -> str | None:
+    """What is wrong with ``doc`` as a JSON object whose fields have ``types``, or None."""
+    if not isinstance(doc, dict):
+        return f"is not a JSON object (it holds {json.dumps(doc)[:40]})"
+    for key in required:
+        if key not in doc:
+            return f"lacks the field {key!r}"
+    for key, tps in types.items():
+        if key in doc and not (_is(doc[key], tps) or (none_ok and doc[key] is None)):
+            expected = "a number" if tps == _NUMBER else " or ".join(_TYPE_NAMES[t] for t in tps)
+            return f"has {key}={json.dumps(doc[key])[:40]}, not {expected}"
+    return None
+
+
+# RunSpec's fields, as JSON types.
+SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": (int,), "min_workers": (int,),
+                                "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
+                                "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,),
+                                "owner": (str,), "token_hash": (str,), "resume_grant": (str,), "target": (int,),
+                                "requeue": (bool,)}
+
+
+# What the store keeps of a token (orchestrator.service.auth.digest), or "" for none.
+TOKEN_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _spec_problem(doc: Any) -> str | None:
+    problem = _object_problem(doc, SPEC_TYPES, required=("run_id", "config", "workers", "min_workers",
+                                                         "max_workers"))
+    for key in ("token_hash", "resume_grant"):
+        if problem is None and doc.get(key) and not TOKEN_HASH.fullmatch(doc[key]):
+            return f"has {key}={json.dumps(doc[key])[:40]}, not sha256:<64 hex digits>"
+    if problem is None:
+        try:
+            validate_run_id(doc["run_id"])
+        except ConfigError:
+            return f"has run_id={json.dumps(doc['run_id'])[:40]}, which is not a valid run id"
+    return problem
+
+
+def status_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"run_id": (str,), "phase": (str,), "reason": (str,), "step": (int,),
+                                 "total_steps": (int,), "world_size": (int,), "epoch": (int,),
+                                 "loss": _NUMBER, "updated_unix": _NUMBER, "metrics_url": (str,)}, none_ok=True)
+
+
+def event_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"kind": (str,), "time": _NUMBER})
+
+
+def history_problem(doc: Any) -> str | None:
+    ok = isinstance(doc, list) and all(
+        isinstance(row, list) and len(row) >= 6  # rows written before tokens_per_s and eval_loss: 6 long
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[:6])
+        and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in row[6:8])
+        for row in doc)
+    if not ok:
+        return f"is not a JSON list of rows ({', '.join(HistoryRow._fields)}: numbers; the last two may be null)"
+    return None
+
+
+def leader_problem(doc: Any) -> str | None:
+    return _object_problem(doc, {"id": (str,), "expires_unix": _NUMBER}, required=("id", "expires_unix"))
+
+
+def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None]) -> Any:
+    """The JSON document ``raw`` read from ``where``; CorruptRunStore naming ``where`` if it is not
+    valid JSON or ``problem(doc)`` finds something wrong with its shape."""
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptRunStore(f"{where} is not valid JSON: {e}; repair or delete it") from None
+    found = problem(doc)
+    if found:
+        raise CorruptRunStore(f"{where} {found}; repair or delete it")
+    return doc
+
+
+class HistoryRow(NamedTuple):
+    """One trained step in a run's history (``RunStore.put_history``), stored as a JSON list in this
+    order. A step redone after a restore appears again, later."""
+
+    step: int
+    loss: float
+    world_size: int
+    samples_consumed: int
+    unix: float  # when the step ended
+    step_s: float  # how long it took
+    tokens_per_s: float | None = None  # the step's throughput (None in rows of older runs)
+    eval_loss: float | None = None  # the held-out loss after this step, on the steps that evaluated
+
+    @classmethod
+    def of(cls, row) -> HistoryRow:
+        return row if isinstance(row, cls) else cls(*row[:8])
+
+
+@dataclass
+class RunSpec:
+    """What the user asked for. Written by the CLI, read by the controller."""
+
+    run_id: str
+    config: dict[str, Any]  # the whole run config (TOML as a dict)
+    workers: int
+    min_workers: int
+    max_workers: int
+    suspended: bool = False
+    stop: bool = False
+    generation: int = 0  # bumped by every change, so the controller can tell a new request
+    created_unix: float = field(default_factory=time.time)
+    updated_unix: float = 0.0  # when the last change was requested (the requester's clock)
+    ray_address: str = ""  # the cluster that ran it last ("" = a local Ray)
+    # Who started it (informational: the token authorizes) and the sha256 of its run token, never the token
+    # (orchestrator.service.auth). "" in runs recorded before tokens: those take control commands from anyone.
+    owner: str = ""
+    token_hash: str = ""
+    resume_grant: str = ""  # the sha256 of a one-use grant: `etrain resume --submit` hands it to the new job
+    # Written by the cluster's allocator (docs/service.md), never by a user: the size the controller should
+    # have (0: no decision, ``workers`` is the desired size) and whether to give every worker back and wait
+    # in QUEUED (suspended for a higher-priority run, resumed by the controller itself when re-admitted).
+    # A user's resize sets ``workers`` and clears ``target``.
+    target: int = 0
+    requeue: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "spec.json") -> RunSpec:
+        """The spec stored at ``where``; CorruptRunStore if it is not one."""
+        d = load_doc(text, where, _spec_problem)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Lease:
+    run_id: str
+    controller_id: str
+    ttl_s: float
+    handle: Any = None  # backend's own lease object
+
+
+def is_run_id(name: str) -> bool:
+    """Whether ``name`` (a directory or key found in the store) is a valid run id; others are not runs."""
+    try:
+        validate_run_id(name)
+        return True
+    except ConfigError:
+        return False
+
+
+def key_text(key: str | bytes) -> str:
+    """An etcd key as text."""
+    return key.decode(errors="replace") if isinstance(key, bytes) else key
