@@ -40,7 +40,7 @@ def hand_loop(cfg, world, trainer):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from trainer.models.decoder.moe import aux_loss, moe_layers
+    from trainer.models.moe import aux_loss, moe_layers
     from trainer.parallel.dims import ParallelDims
     from trainer.parallel.parallelize import build_model_parts
     from trainer.parallel.tensor import lm_loss
@@ -136,7 +136,7 @@ def grouped_mm_runs_here() -> bool:
 def experts_with_and_without_grouped_gemm(trainer, rounds: int, per_round: int) -> tuple[float, float]:
     """The trainer's step time (median, slowest rank) with its experts by grouped GEMM and by the loop over
     experts (trainer.models.grouped), in alternating rounds."""
-    from trainer.models.decoder.moe import Experts
+    from trainer.models.moe import Experts
 
     experts = [m for m in trainer.parts.modules[0].modules() if isinstance(m, Experts)]
 

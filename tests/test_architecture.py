@@ -1,7 +1,10 @@
 """The house rules, checked on the source: dependencies run orchestrator -> trainer -> checkpointing
-(no import runs uphill), no modules import each other in a circle, no private name (``_x``) is imported
-from another module, and modules stay small (at most 500 lines) in trainer/, checkpointing/,
-orchestrator/ and etrain/. Each rule is a function over files, tested on planted violations too.
+(no import runs uphill), no modules import each other in a circle, the rooms of every folder (its modules
+and subfolders) stand on each other without a loop (no import runs back up), no private name (``_x``) is
+imported from another module, modules stay small (at most 500 lines) and folders uncrowded (at most 15
+modules at their top) in trainer/, checkpointing/, orchestrator/ and etrain/. Each rule is a function over
+files, tested on planted violations too. Circles and back-up imports count every import: at the top, inside
+a function, or under ``if TYPE_CHECKING:``.
 
     pytest tests/test_architecture.py
 
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOWER = ("trainer", "checkpointing")
 UPHILL = ("orchestrator", "ray")
 MAX_LINES = 500
+MAX_MODULES = 15  # modules at the top of one folder
 HOUSE = ("trainer", "checkpointing", "orchestrator", "etrain")
 
 
@@ -100,13 +104,15 @@ def long_modules(paths: list[Path], limit: int = MAX_LINES) -> list[str]:
             for p in paths if (n := len(p.read_text().splitlines())) > limit]
 
 
-def _runtime_imports(path: Path, known: set[str]) -> list[tuple[int, str, list[str]]]:
-    """(line, module, names) of the imports of ``path`` that run (``if TYPE_CHECKING:`` blocks left out),
-    ``from pkg import sub`` resolved to the submodule ``pkg.sub`` where that is a module of ``known``."""
+def _runtime_imports(path: Path, known: set[str], *, type_checking: bool = False) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of the imports of ``path`` (``if TYPE_CHECKING:`` blocks left out unless
+    ``type_checking``), ``from pkg import sub`` resolved to the submodule ``pkg.sub`` where that is a module of
+    ``known``."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = {id(n) for node in ast.walk(tree)
-            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
-            for n in ast.walk(node)}
+    skip = set() if type_checking else {
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+        for n in ast.walk(node)}
     package = module_name(path).split(".") if path.name == "__init__.py" else module_name(path).split(".")[:-1]
     out = []
     for node in ast.walk(tree):
@@ -124,6 +130,50 @@ def _runtime_imports(path: Path, known: set[str]) -> list[tuple[int, str, list[s
     return out
 
 
+def _import_graph(paths: list[Path]) -> dict[str, dict[str, int]]:
+    """module -> {imported module of the house: the line}: every import, wherever it stands (at the top,
+    inside a function, under ``if TYPE_CHECKING:``)."""
+    known = {module_name(p) for p in paths}
+    return {module_name(p): {m: line for line, m, _ in reversed(_runtime_imports(p, known, type_checking=True))
+                             if m in known and m != module_name(p)}
+            for p in paths}
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of nodes that reach each other (Tarjan), those of more than one node, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
 def private_imports(paths: list[Path]) -> list[str]:
     """``from other_module import _name``: a private name used outside the module that defines it."""
     known = {module_name(p) for p in paths}
@@ -134,37 +184,58 @@ def private_imports(paths: list[Path]) -> list[str]:
 
 
 def import_circles(paths: list[Path]) -> list[list[str]]:
-    """The groups of modules that import each other in a loop (strongly connected, more than one)."""
-    known = {module_name(p) for p in paths}
-    graph = {module_name(p): {m for _, m, _ in _runtime_imports(p, known) if m in known} for p in paths}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    circles = []
+    """The groups of modules that import each other in a loop, counting every import (inside functions and
+    under ``if TYPE_CHECKING:`` too)."""
+    return _strongly_connected({m: set(deps) for m, deps in _import_graph(paths).items()})
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                circles.append(sorted(group))
 
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return circles
+def _room(module: str, folder: str) -> str | None:
+    """The room of ``folder`` (a package, dotted; "" for the house) that ``module`` stands in: the child module
+    or subfolder of ``folder`` it is or lies under; None outside ``folder`` and for the folder's own
+    ``__init__``."""
+    prefix = folder + "." if folder else ""
+    if not module.startswith(prefix) or module == folder:
+        return None
+    return module[len(prefix):].split(".")[0]
+
+
+def back_up_imports(paths: list[Path]) -> list[str]:
+    """Imports that run back up: in every folder, its rooms (the modules and subfolders at its top) must
+    import each other without a loop, so that each room stands on the ones below it. Every import counts
+    (inside functions and under ``if TYPE_CHECKING:`` too); an import of a folder's ``__init__`` is an import
+    of the folder, not of a room in it. Each import between two rooms of one loop is listed."""
+    graph = _import_graph(paths)
+    folders = {""} | {module_name(p) for p in paths if p.name == "__init__.py"}
+    by_module = {module_name(p): p for p in paths}
+    out = []
+    for folder in sorted(folders):
+        rooms: dict[str, set[str]] = {}
+        edges: dict[tuple[str, str], list[str]] = {}
+        for mod, deps in graph.items():
+            src = _room(mod, folder)
+            if src is None:
+                continue
+            for dep, line in deps.items():
+                dst = _room(dep, folder)
+                if dst is None or dst == src:
+                    continue
+                rooms.setdefault(src, set()).add(dst)
+                edges.setdefault((src, dst), []).append(f"{by_module[mod].relative_to(ROOT)}:{line}: imports {dep}")
+        for loop in _strongly_connected(rooms):
+            where = folder.replace(".", "/") + "/" if folder else "the house"
+            out.append(f"rooms of {where} that import each other: {', '.join(loop)}")
+            out += ["    " + e for (a, b), es in sorted(edges.items()) if a in loop and b in loop for e in es]
+    return out
+
+
+def crowded_folders(paths: list[Path], limit: int = MAX_MODULES) -> list[str]:
+    """Folders with more than ``limit`` modules at their top (``__init__.py`` aside): time for rooms."""
+    counts: dict[Path, int] = {}
+    for p in paths:
+        if p.name != "__init__.py":
+            counts[p.parent] = counts.get(p.parent, 0) + 1
+    return [f"{d.relative_to(ROOT)}/ has {n} modules at its top (at most {limit}): give it rooms"
+            for d, n in sorted(counts.items()) if n > limit]
 
 
 def test_modules_are_small():
@@ -175,6 +246,15 @@ def test_no_private_name_is_imported_from_another_module():
     bad = private_imports(modules(*HOUSE))
     assert not bad, "private names used outside their module (make them public, or move the code):\n" + \
         "\n".join(bad)
+
+
+def test_no_folder_is_crowded():
+    assert not crowded_folders(modules(*HOUSE)), "\n".join(crowded_folders(modules(*HOUSE)))
+
+
+def test_no_import_runs_back_up():
+    bad = back_up_imports(modules(*HOUSE))
+    assert not bad, "imports that run back up (move what both rooms need below them):\n" + "\n".join(bad)
 
 
 def test_no_modules_import_each_other_in_a_circle():
@@ -189,7 +269,7 @@ def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
     pkg = tmp_path / "checkpointing"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from checkpointing.b import _secret\nimport orchestrator.driver.run\n")
+    (pkg / "a.py").write_text("from checkpointing.b import _secret\nimport orchestrator.run\n")
     (pkg / "b.py").write_text("from . import a\n_secret = 1\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
                               + "y = 1\n" * (MAX_LINES + 1))
@@ -199,4 +279,33 @@ def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
     assert long_modules(paths) == [f"checkpointing/c.py has {MAX_LINES + 4} lines (at most {MAX_LINES}): split it "
                                    "by job"]
     uphill = [name for p in paths for _, name in imported(p) if name.split(".")[0] in UPHILL]
-    assert uphill == ["orchestrator.driver.run"]
+    assert uphill == ["orchestrator.run"]
+
+
+def test_circles_and_back_up_imports_count_every_import(tmp_path, monkeypatch):
+    """A circle closed only under ``if TYPE_CHECKING:`` is a circle; an import inside a function from a room
+    back up to a room above it runs back up; a folder of 16 modules is crowded."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    pkg = tmp_path / "orchestrator"
+    (pkg / "room").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "room" / "__init__.py"):
+        init.write_text("")
+    (pkg / "top.py").write_text("from .room.low import x\n")
+    (pkg / "room" / "low.py").write_text("x = 1\n\ndef f():\n    from ..top import y\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .e import E\n")
+    (pkg / "e.py").write_text("from .d import D\n")
+    paths = sorted(pkg.rglob("*.py"))
+    assert import_circles(paths) == [["orchestrator.d", "orchestrator.e"], ["orchestrator.room.low", "orchestrator.top"]]
+    assert back_up_imports(paths) == [
+        "rooms of orchestrator/ that import each other: d, e",
+        "    orchestrator/d.py:3: imports orchestrator.e",
+        "    orchestrator/e.py:1: imports orchestrator.d",
+        "rooms of orchestrator/ that import each other: room, top",
+        "    orchestrator/room/low.py:4: imports orchestrator.top",
+        "    orchestrator/top.py:1: imports orchestrator.room.low",
+    ]
+    assert crowded_folders(paths) == []
+    for i in range(MAX_MODULES + 1 - 3):  # top.py, d.py and e.py stand there already
+        (pkg / f"m{i}.py").write_text("")
+    assert crowded_folders(sorted(pkg.rglob("*.py"))) == [
+        f"orchestrator/ has {MAX_MODULES + 1} modules at its top (at most {MAX_MODULES}): give it rooms"]

@@ -1,4 +1,4 @@
-"""The built-in Mixture-of-Experts decoder (trainer/models/decoder/moe.py): its router and experts against a
+"""The built-in Mixture-of-Experts decoder (trainer/models/moe.py): its router and experts against a
 per-token loop, its config checks, and the trainer at world 1 against a plain PyTorch loop, bit for bit."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_moe_parameters_per_tp_rank_count_the_moe_layers_whole():
     every MoE layer whole (router, experts, shared expert): the shape's count is the model's own at tp 1."""
     from trainer.models import spec_for
     from trainer.models.decoder.model import Transformer
-    from trainer.models.decoder.moe import moe_layers
+    from trainer.models.moe import moe_layers
 
     cfg = load_config(None, BASE)
     shape = spec_for(cfg.model).shape()
@@ -372,7 +372,7 @@ def test_step_log_figures_reach_the_metrics():
 
 def test_router_bias_moves_toward_the_underloaded_experts():
     from trainer.models.decoder.model import Transformer
-    from trainer.models.decoder.moe import update_router_bias
+    from trainer.models.moe import update_router_bias
 
     model = Transformer(load_config(None, BASE).model)
     model.init_weights(0)
@@ -496,7 +496,7 @@ def test_grouped_gemm_experts_equal_the_loop(dtype):
     forward and backward, with idle experts (no slots) among them: within 1e-5 in fp32 (measured: the same
     bits on CPU, torch's CPU kernel being a loop of matmuls); an idle expert's gradient is zero."""
     from trainer.models.grouped import grouped_mm_runs
-    from trainer.models.decoder.moe import Experts
+    from trainer.models.moe import Experts
 
     torch.manual_seed(0)
     ex = Experts(4, 64, 48).to(dtype)

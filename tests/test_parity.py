@@ -91,7 +91,7 @@ def reference_loop(payload: dict) -> dict:
     from trainer.config.load import load_config
     from trainer.data.corpus import Batcher, load_corpus
     from trainer.models.decoder.model import Transformer
-    from trainer.models.decoder.moe import Experts
+    from trainer.models.moe import Experts
 
     cfg = load_config(None, payload["base"])
     t = cfg.train

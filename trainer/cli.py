@@ -38,6 +38,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 from .config import RunConfig
 from .config.load import load_config
 from .heap import freeze_boot_heap, thaw_heap
+from .world import usable_cpus
 
 if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
     from .loop import StepStats
@@ -60,19 +61,6 @@ def parse_args(argv: list[str] | None, prog: str = "python -m trainer") -> argpa
         ap.error(f"two configs given: {args.config} and --config {args.config_opt}; give one")
     args.config = args.config or args.config_opt
     return args
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on: its CPU affinity, capped by a cgroup (v2) CPU quota."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
 
 
 def pick_threads(quiet: bool = False) -> int | None:

@@ -75,3 +75,17 @@ def fsdp_comm_bases():
     except ImportError:
         return None
     return AllGather, ReduceScatter
+
+
+def require_fsdp_comm_bases():
+    """:func:`fsdp_comm_bases`, or a ConfigError naming the keys and the fix where this torch has none."""
+    bases = fsdp_comm_bases()
+    if bases is None:
+        import torch
+
+        from checkpointing.errors import ConfigError
+
+        raise ConfigError(f"parallel.quantized_weights / quantized_gradients at zero_stage=3 need FSDP2's "
+                          f"custom all-gather and reduce-scatter hooks, which torch {torch.__version__} lacks; "
+                          "use torch >= 2.11, or zero_stage=2")
+    return bases

@@ -27,9 +27,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from .observers import ControllerObserver
+from .protocols import RunView
 
 if TYPE_CHECKING:
-    from .controller import Controller
     from .states import State
 
 log = logging.getLogger("etrain")
@@ -106,7 +106,7 @@ class AutoscaleObserver(ControllerObserver):
         self.asked = 0  # workers asked for now
         self.next_check = 0.0
 
-    def on_state(self, ctl: Controller) -> None:
+    def on_state(self, ctl: RunView) -> None:
         now = ctl.clock()
         if now < self.next_check:
             return
@@ -116,11 +116,11 @@ class AutoscaleObserver(ControllerObserver):
         if waiting != self.asked:
             self.ask(ctl, waiting)
 
-    def on_end(self, ctl: Controller, state: State) -> None:
+    def on_end(self, ctl: RunView, state: State) -> None:
         if self.asked:
             self.ask(ctl, 0)
 
-    def ask(self, ctl: Controller, n: int) -> None:
+    def ask(self, ctl: RunView, n: int) -> None:
         bundle = dict(getattr(ctl.group, "resources", None) or {"CPU": 1})
         try:
             self.board.set(ctl.run_id, [bundle] * n)

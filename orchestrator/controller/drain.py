@@ -38,12 +38,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .run_policy import ScalingPolicy, ScalingStatus
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .protocols import DrainContext
 
 log = logging.getLogger("etrain")
 
@@ -134,7 +131,7 @@ class DrainWatch:
             log.warning("draining nodes not read: %s", e)
         return self.draining
 
-    def check(self, c: Controller) -> DrainShrink | DrainCommit | None:
+    def check(self, c: DrainContext) -> DrainShrink | DrainCommit | None:
         """RUNNING's look at draining nodes: spares there stopped, replacements started, events written;
         what the state must do now (a shrink or a checkpoint at the boundary), or None."""
         draining = self.poll(c.clock())
@@ -169,7 +166,7 @@ class DrainWatch:
                      if isinstance(decision, DrainShrink) else {}))
         return decision
 
-    def tell(self, c: Controller, nodes: set[str], action: str, why: str, draining: Mapping[str, float | None],
+    def tell(self, c: DrainContext, nodes: set[str], action: str, why: str, draining: Mapping[str, float | None],
              **fields) -> None:
         """The ``preempted`` event of a notice, once per node and action."""
         new = sorted(n for n in nodes if (n, action) not in self.told)

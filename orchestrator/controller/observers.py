@@ -40,9 +40,9 @@ from trainer.observe.metrics import StepLedger, goodput_ratio
 from ..phase import Phase
 from .run_policy import FailureRecord
 from ..store.run_store import HistoryRow, StoreUnavailable
+from .protocols import RunView
 
 if TYPE_CHECKING:
-    from .controller import Controller
     from trainer.observe.metrics import RunMetrics
     from .states import State
 
@@ -52,43 +52,43 @@ log = logging.getLogger("etrain")
 class ControllerObserver:
     """Hooks the controller calls; each one does nothing here. Subclass and override what you need."""
 
-    def on_start(self, ctl: Controller) -> None:
+    def on_start(self, ctl: RunView) -> None:
         """This controller leads the run: it holds the lease and has read the epoch."""
 
-    def on_event(self, ctl: Controller, event: dict) -> None:
+    def on_event(self, ctl: RunView, event: dict) -> None:
         """A run event (``kind``, ``time``, ``epoch`` and its fields), for the run's event log."""
 
-    def on_state(self, ctl: Controller) -> None:
+    def on_state(self, ctl: RunView) -> None:
         """After every iteration of the loop; ``ctl.state`` is the state it moved to (often the same)."""
 
-    def on_poll(self, ctl: Controller) -> None:
+    def on_poll(self, ctl: RunView) -> None:
         """RUNNING, once per poll while the members train (never waits)."""
 
-    def on_history(self, ctl: Controller, rows: list[list]) -> None:
+    def on_history(self, ctl: RunView, rows: list[list]) -> None:
         """Rank 0's rows of the steps trained since the last poll (``RunStore.put_history`` rows)."""
 
-    def on_step(self, ctl: Controller, progress: dict) -> None:
+    def on_step(self, ctl: RunView, progress: dict) -> None:
         """Rank 0 completed a new step; ``progress`` is its figures (``StepStats.to_dict()``)."""
 
-    def on_save(self, ctl: Controller, result: dict) -> None:
+    def on_save(self, ctl: RunView, result: dict) -> None:
         """A checkpoint ended: ``result["status"]`` is committed, exists, skipped or failed."""
 
-    def on_formed(self, ctl: Controller) -> None:
+    def on_formed(self, ctl: RunView) -> None:
         """A group of ``len(ctl.members)`` formed a new epoch and restored ``ctl.committed_step``."""
 
-    def on_failure(self, ctl: Controller, failure: FailureRecord, detect_s: float) -> None:
+    def on_failure(self, ctl: RunView, failure: FailureRecord, detect_s: float) -> None:
         """A failure, ``detect_s`` after the last sign of progress; the failure policy decides next."""
 
-    def on_recovery(self, ctl: Controller, seconds: float, steps_lost: int) -> None:
+    def on_recovery(self, ctl: RunView, seconds: float, steps_lost: int) -> None:
         """The first step after a recovery: it took ``seconds`` from detection and lost ``steps_lost``."""
 
-    def on_resize(self, ctl: Controller) -> None:
+    def on_resize(self, ctl: RunView) -> None:
         """The first step after a resize (no step is lost)."""
 
-    def on_end(self, ctl: Controller, state: State) -> None:
+    def on_end(self, ctl: RunView, state: State) -> None:
         """The controller reached a terminal state; nothing is called after this (observers in reverse)."""
 
-    def status_fields(self, ctl: Controller) -> dict[str, Any]:
+    def status_fields(self, ctl: RunView) -> dict[str, Any]:
         """Fields this observer adds to the run's status (``Controller.snapshot``)."""
         return {}
 
@@ -245,7 +245,7 @@ class LeaseKeeper(ControllerObserver):
         self.thread = threading.Thread(target=self._keep, args=(ctl,), name="etrain-lease", daemon=True)
         self.thread.start()
 
-    def _keep(self, ctl: Controller) -> None:
+    def _keep(self, ctl: RunView) -> None:
         ttl_s = ctl.opts.lease_ttl_s
         wait_s = ttl_s / 3
         while not self.stop.wait(wait_s):

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from checkpointing.manager import group_rank_errors
 from checkpointing.names import redact
@@ -40,9 +40,7 @@ from .pending import PendingRecovery, PendingResize
 from ..phase import Phase
 from .run_policy import Fail, FailureRecord, Resize, ScalingStatus
 from ..workers.group import GroupFailure, WorkerLost
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .protocols import StateContext
 
 log = logging.getLogger("etrain")
 
@@ -51,7 +49,7 @@ class State:
     name: ClassVar[Phase]
     terminal: ClassVar[bool] = False
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         raise NotImplementedError(f"{type(self).__name__}.step: not a state the controller knows")
 
 
@@ -59,7 +57,7 @@ class State:
 class Initializing(State):
     name = Phase.INITIALIZING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         c.take_lease()
         c.event("started", workers=c.spec.workers, min_workers=c.spec.min_workers, max_workers=c.spec.max_workers,
                 controller_id=c.controller_id)
@@ -79,7 +77,7 @@ class Queued(State):
     announced: bool = False  # the `queued` event written (the gang was not admitted at once)
     name = Phase.QUEUED
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         now = c.clock()
         self.since = now if self.since is None else self.since
         if c.spec.suspended or c.suspend_cause:
@@ -113,7 +111,7 @@ class Requeuing(State):
 
     name = Phase.SUSPENDING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         c.stop_at_boundary()
         saved = c.save_now()
         if not saved and c.cfg.checkpoint.url:  # tried again at the next poll; check_durability bounds it
@@ -134,7 +132,7 @@ class Scheduling(State):
     since: float | None = None
     name = Phase.SCHEDULING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         now = c.clock()
         self.since = self.since if self.since is not None else now
         if c.spec.suspended or c.suspend_cause:
@@ -166,7 +164,7 @@ class Running(State):
     probe: HangProbe = field(default_factory=HangProbe)  # the members pinged ahead of the hang deadline
     name = Phase.RUNNING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         if not c.train_calls:
             c.launch_training()
         ended = check_training(c)
@@ -199,7 +197,7 @@ class Recovering(State):
     name = Phase.RECOVERING
 
     @classmethod
-    def now(cls, c: Controller, kind: str, message: str, suspects: Iterable[str] = (),
+    def now(cls, c: StateContext, kind: str, message: str, suspects: Iterable[str] = (),
             step: int | None = None) -> Recovering:
         """A recovery from a failure detected now, at the last completed step unless ``step`` is given."""
         t = c.clock()
@@ -207,11 +205,11 @@ class Recovering(State):
                    tuple(suspects), t)
 
     @classmethod
-    def after(cls, c: Controller, e: GroupFailure, step: int | None = None) -> Recovering:
+    def after(cls, c: StateContext, e: GroupFailure, step: int | None = None) -> Recovering:
         """The recovery from a failed group call."""
         return cls.now(c, e.kind, str(e), e.suspects, step)
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         decision = c.opts.failure.decide(c.failures.add(self.failure), c.clock())
         detected = self.detected_at or c.clock()  # detection is measured from the last sign of progress
         c.observers.on_failure(c, self.failure, max(0.0, detected - c.progress_at))
@@ -263,7 +261,7 @@ class Resizing(State):
     leaving: tuple[str, ...] = ()  # members that must not stay (on a draining node: orchestrator.controller.drain)
     name = Phase.RESIZING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         t0 = c.clock()
         c.stop_at_boundary()
         t1 = c.clock()
@@ -290,7 +288,7 @@ class Resizing(State):
         return Running()
 
 
-def suspending(c: Controller, when: str = "") -> Suspending:
+def suspending(c: StateContext, when: str = "") -> Suspending:
     """The suspend asked for: by the driver (``c.suspend_cause``: SIGTERM) or by the spec (a request)."""
     if c.suspend_cause:
         return Suspending(f"suspended by {c.suspend_cause}{' ' + when if when else ''}", cause=c.suspend_cause)
@@ -303,7 +301,7 @@ class Suspending(State):
     cause: str = "request"  # what asked for it: "request" (the spec: etrain suspend, the API), "SIGTERM"
     name = Phase.SUSPENDING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         step = c.last_completed_step()
         try:
             c.stop_at_boundary()
@@ -323,7 +321,7 @@ class Finishing(State):
     stopping: bool = False
     name = Phase.FINISHING
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         try:
             if self.stopping:
                 c.stop_at_boundary()
@@ -349,7 +347,7 @@ class Terminal(State):
     reason: str
     terminal = True
 
-    def step(self, c: Controller) -> State:
+    def step(self, c: StateContext) -> State:
         raise RuntimeError(f"{self.name} is terminal")
 
 
@@ -368,7 +366,7 @@ class Failed(Terminal):
 # --- Running's checks -------------------------------------------------------------------
 
 
-def check_training(c: Controller) -> State | None:
+def check_training(c: StateContext) -> State | None:
     """React to train calls that returned: done, stopped, failed, or a dead worker."""
     calls = list(c.train_calls.values())
     t0 = c.clock()
@@ -403,7 +401,7 @@ def check_training(c: Controller) -> State | None:
     return None  # "stopped" results are collected by stop_at_boundary
 
 
-def _train_results(c: Controller, done: list) -> tuple[dict, list]:
+def _train_results(c: StateContext, done: list) -> tuple[dict, list]:
     """The returned train calls' results by worker, and the workers lost (with why)."""
     results, lost = {}, []
     for call in done:
@@ -414,7 +412,7 @@ def _train_results(c: Controller, done: list) -> tuple[dict, list]:
     return results, lost
 
 
-def check_durability(c: Controller) -> State | None:
+def check_durability(c: StateContext) -> State | None:
     """Failed once ``checkpoint.max_consecutive_failures`` saves failed in a row: the run's work
     is no longer being made durable, and training on would only hide that."""
     limit = c.cfg.checkpoint.max_consecutive_failures
@@ -430,7 +428,7 @@ def check_durability(c: Controller) -> State | None:
                   "checkpoint.max_consecutive_failures")
 
 
-def check_hang(c: Controller, probe: HangProbe) -> State | None:
+def check_hang(c: StateContext, probe: HangProbe) -> State | None:
     """Recovering when no step completed within the hang deadline, naming the members that do not answer
     (pinged ahead of the deadline: :mod:`orchestrator.workers.hang_probe`)."""
     hung = probe.look(c.group, c.members, c.progress_at, c.clock, c.hang_deadline())
@@ -442,7 +440,7 @@ def check_hang(c: Controller, probe: HangProbe) -> State | None:
     return Recovering.now(c, "hang", msg, hung or tuple(c.members))
 
 
-def check_drain(c: Controller) -> State | None:
+def check_drain(c: StateContext) -> State | None:
     """A node hosting members is draining (``orchestrator.controller.drain``): shrink off it at this step boundary,
     or commit a checkpoint before its deadline when the run cannot shrink; not a failure."""
     decision = c.drains.check(c)
@@ -454,7 +452,7 @@ def check_drain(c: Controller) -> State | None:
     return None
 
 
-def check_scaling(c: Controller) -> State | None:
+def check_scaling(c: StateContext) -> State | None:
     """Resize requests, shrink requests, and growth when spares are up.
 
     Missing workers are started at most every ``grow_check_s``; spares

@@ -23,15 +23,12 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from checkpointing.errors import FencedError
 
 from .observers import ControllerObserver
 from ..store.run_store import StoreUnavailable
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .protocols import RunView
 
 log = logging.getLogger("etrain")
 
@@ -100,7 +97,7 @@ class RunStatus(ControllerObserver):
 
     # --- writes -----------------------------------------------------------------------------
 
-    def publish(self, ctl: Controller) -> None:
+    def publish(self, ctl: RunView) -> None:
         """The status, the events not yet written and (every ``HISTORY_EVERY_S``) the history."""
         if ctl.fenced is not None:
             return
@@ -116,7 +113,7 @@ class RunStatus(ControllerObserver):
             log.error("run %s: %s", ctl.run_id, e)
             ctl.fenced = str(e)
 
-    def _publish_final(self, ctl: Controller) -> None:
+    def _publish_final(self, ctl: RunView) -> None:
         """The final status and every event not yet written, waiting for the store up to ``store_wait_s``."""
         if ctl.fenced is not None:
             return
@@ -137,7 +134,7 @@ class RunStatus(ControllerObserver):
         except FencedError as e:
             log.error("run %s: %s", ctl.run_id, e)
 
-    def _flush_events(self, ctl: Controller) -> None:
+    def _flush_events(self, ctl: RunView) -> None:
         while self._unsent:
             try:
                 ctl.store.add_event(ctl.run_id, self._unsent[0])

@@ -19,7 +19,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # GPU sizes.
     "125m": {"dim": 768, "n_layers": 18, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 2048, "max_seq_len": 2048},
     "1b": {"dim": 2048, "n_layers": 20, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "max_seq_len": 2048},
-    # Mixture of Experts (trainer/models/decoder/moe.py): the tiny sizes with 8 experts of ffn_hidden, top 2, every block.
+    # Mixture of Experts (trainer/models/moe.py): the tiny sizes with 8 experts of ffn_hidden, top 2, every block.
     "moe-tiny": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 192, "max_seq_len": 256,
                  "n_experts": 8, "top_k": 2, "moe_every": 1},
 }

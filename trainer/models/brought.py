@@ -42,7 +42,7 @@ from checkpointing.errors import ConfigError
 
 from ..config import ModelConfig, ParallelConfig, RunConfig
 from .blocks import apply_block_ac, find_blocks, parameters_on_meta, shares_parameters, stage_ranges
-from .hf.llama_layout import cut_hf_stage, llama_like
+from .llama_layout import cut_hf_stage, llama_like
 from .refs import resolve_ref
 from .shape import ModelShape
 from .spec import ModelInfo, ModelSpec, Stage, to_empty, zero_parameters

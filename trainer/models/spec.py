@@ -225,13 +225,13 @@ class ModelSpec(ABC):
 
     def aux_loss_fn(self) -> Callable[[nn.Module], torch.Tensor | None] | None:
         """A Mixture of Experts of the model's own: its weighted balancing loss after a forward (added to the
-        loss); None: the built-in MoE layers' (trainer.models.decoder.moe), if any."""
+        loss); None: the built-in MoE layers' (trainer.models.moe), if any."""
         return None
 
     def expert_layers(self, module: nn.Module) -> list:
         """The Mixture-of-Experts layers expert parallelism splits (trainer.parallel.expert: each has ``experts``,
-        ``n_experts`` and a settable ``ep``); the built-in MoE layers by default."""
-        from .decoder.moe import moe_layers
+        ``n_experts`` and a settable ``ep``); the MoE layers of trainer.models.moe by default."""
+        from .moe import moe_layers
 
         return moe_layers(module)
 

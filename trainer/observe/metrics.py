@@ -297,7 +297,7 @@ class RunMetrics:
         yield gauge("etrain_eval_loss", "Held-out loss of the newest evaluation ([eval])", self.eval_loss)
         yield gauge("etrain_learning_rate", "Learning rate of the last step", s.get("lr"))
         yield gauge("etrain_grad_norm", "Global gradient norm of the last step, before clipping", s.get("grad_norm"))
-        if s.get("aux_loss") is not None:  # a Mixture of Experts (trainer.models.decoder.moe)
+        if s.get("aux_loss") is not None:  # a Mixture of Experts (trainer.models.moe)
             yield gauge("etrain_moe_aux_loss", "Load-balancing loss of the last step (part of the loss)", s["aux_loss"])
             yield gauge("etrain_moe_imbalance_ratio",
                         "Largest max/mean tokens per expert over the MoE layers, last step", s.get("moe_imbalance"))

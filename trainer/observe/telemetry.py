@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..world import group_axis
 from .gpu_timing import EventTimer
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh
@@ -114,7 +115,6 @@ class CommMeter:
         self._lock = threading.Lock()
         self._stats: dict[tuple[str, str], list] = {}
         self._axes: dict[str, str] = {}  # process group name -> mesh axis
-        self._groups: dict[str, str] = {}  # groups outside the mesh (the ep groups) -> their axis: label_group
         self._pending: dict[int, tuple] = {}  # functional collectives waiting for their wait()
         self._tls = threading.local()
         self._installed = False
@@ -141,17 +141,13 @@ class CommMeter:
                 continue  # the whole world: left "world"
             self._axes[pg.group_name] = name
 
-    def label_group(self, group, axis: str) -> None:
-        """Label a group that is no mesh dimension (expert parallelism's, trainer.parallel.expert)."""
-        self._groups[group.group_name] = axis
-
     def axis_of(self, group) -> str:
         if group is None:
             return "world"
         name = getattr(group, "group_name", None) if not isinstance(group, str) else group
         if name is None:
             return "other"
-        axis = self._axes.get(name) or self._groups.get(name)
+        axis = self._axes.get(name) or group_axis(name)  # groups outside the mesh: trainer.world.name_group
         if axis is not None:
             return axis
         if dist.is_initialized() and name == dist.group.WORLD.group_name:

@@ -1,5 +1,5 @@
 """Expert parallelism (``[parallel] ep``): each group of ``ep`` data-parallel ranks (along ``dp_shard``) splits
-the experts of every Mixture-of-Experts layer (:mod:`trainer.models.decoder.moe`) between them.
+the experts of every Mixture-of-Experts layer (:mod:`trainer.models.moe`) between them.
 
     layers = spec.expert_layers(model)              # the model family's MoE layers (trainer.models.spec)
     meshes = expert_meshes(dims, mesh)              # once per rank (collective), whatever its stages hold
@@ -98,8 +98,6 @@ def expert_meshes(dims, mesh) -> ExpertMeshes | None:
     emesh = dims.expert_mesh(mesh)
     if emesh is None:
         return None
-    from ..observe.telemetry import comm_meter
-
     ep_mesh = emesh[Axis.EP.value]
     # The exchanges run on a group of their own (the mesh may share its ep group with dp_shard's, whose
     # collectives are metered under that name): the same ranks, in the same order.
@@ -110,10 +108,10 @@ def expert_meshes(dims, mesh) -> ExpertMeshes | None:
     if dist.get_rank(group) != ep_mesh.get_local_rank():
         raise RuntimeError(f"rank {dist.get_rank()}: ep group rank {dist.get_rank(group)} is not its expert "
                            f"mesh's {ep_mesh.get_local_rank()}")
-    comm_meter().label_group(group, "ep")  # etrain_comm_*{kind="all_to_all", axis="ep"}
+    name_group(group, "ep")  # etrain_comm_*{kind="all_to_all", axis="ep"}
     fsdp_mesh = dims.expert_fsdp_mesh(emesh)
     if fsdp_mesh.size(fsdp_mesh.ndim - 1) > 1:
-        comm_meter().label_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), fsdp_mesh.mesh_dim_names[-1])
+        name_group(fsdp_mesh.get_group(fsdp_mesh.ndim - 1), fsdp_mesh.mesh_dim_names[-1])
     return ExpertMeshes(emesh, group, fsdp_mesh)
 
 

@@ -46,9 +46,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..config import RunConfig
 from ..models import spec_for
-from ..models.decoder.moe import aux_loss, keep_counters, moe_layers
+from ..models.moe import aux_loss, keep_counters, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
@@ -144,7 +145,7 @@ class ModelParts:
 
     def pipeline_aux(self) -> torch.Tensor | None:
         """Pipelined Mixture of Experts: the aux losses this rank's stages trained in the last step (each
-        micro-batch's scaled as its loss is; trainer.models.decoder.moe.AuxLossToBackward; 0 without MoE layers), the
+        micro-batch's scaled as its loss is; trainer.models.moe.AuxLossToBackward; 0 without MoE layers), the
         counters cleared; None for a dense model."""
         if not self.moe_model:
             return None
@@ -169,9 +170,7 @@ def check_device_features(pcfg, device: torch.device) -> None:
     check_compile(pcfg, device)
     check_float8(pcfg, device)
     if (pcfg.quantized_weights or pcfg.quantized_gradients) and pcfg.zero_stage == 3:
-        from ..zero.fsdp_comm import comm_classes
-
-        comm_classes()  # ConfigError where this torch's FSDP2 has no custom collectives
+        compat.require_fsdp_comm_bases()  # ConfigError where this torch's FSDP2 has no custom collectives
 
 
 def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | None, rank: int,

@@ -26,6 +26,7 @@ import socket
 import time
 
 from ..config import MODEL_PRESETS, RunConfig
+from ..world import usable_cpus
 from .cost import Device, custom
 
 SIZES = (4, 2 * 2**20, 16 * 2**20)  # the first: latency alone
@@ -135,8 +136,6 @@ def measure_compute(cfg: RunConfig, device: str) -> dict:
     best = min(times[1:])  # the fastest after the first: a shared machine's noise only slows steps down
     cores = 1
     if device == "cpu":
-        from ..cli import usable_cpus
-
         cores = usable_cpus()
     return {"flops": flops / best * cores, "flops_per_core": flops / best, "step_seconds": best,
             "steps": len(times), "step_flops": flops, "note": note}
@@ -201,8 +200,6 @@ def _spawn(world: int, backend: str):
 
 def measure_crowded() -> dict:
     """On the CPU: one small all-reduce's time when twice as many ranks as cores share the host."""
-    from ..cli import usable_cpus
-
     cores = usable_cpus()
     world = min(8, 2 * cores)
     got = _spawn(world, "gloo") if world > 2 else None

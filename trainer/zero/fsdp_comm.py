@@ -23,7 +23,6 @@ import logging
 import torch
 import torch.distributed as dist
 
-from checkpointing.errors import ConfigError
 
 from .. import compat
 from ..config import ParallelConfig
@@ -34,12 +33,7 @@ log = logging.getLogger("etrain")
 
 def comm_classes():
     """(QuantizedAllGather, QuantizedReduceScatter) on this torch's FSDP2 interfaces; ConfigError without them."""
-    bases = compat.fsdp_comm_bases()
-    if bases is None:
-        raise ConfigError(f"parallel.quantized_weights / quantized_gradients at zero_stage=3 need FSDP2's "
-                          f"custom all-gather and reduce-scatter hooks, which torch {torch.__version__} lacks; "
-                          "use torch >= 2.11, or zero_stage=2")
-    all_gather_base, reduce_scatter_base = bases
+    all_gather_base, reduce_scatter_base = compat.require_fsdp_comm_bases()
 
     class QuantizedAllGather(all_gather_base):
         """qwZ: FSDP2's parameter all-gather over the shard group as int8 blocks (other groups: as is)."""

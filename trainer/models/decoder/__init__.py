@@ -1,2 +1,3 @@
-"""The built-in Llama-style decoder family: its spec (``spec``), the model (``model``), its tensor-parallel plan
-(``tp``) and its mixture of experts (``moe``)."""
+"""The built-in Llama-style decoder family: its spec (``spec``), the model (``model``) and its tensor-, sequence-
+and loss-parallel plan (``tp``). Its Mixture-of-Experts layers are ``trainer.models.moe``, which models a user
+brings may use too."""

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...config import ModelConfig
 from ..blocks import selective_context
-from .moe import MoE
+from ..moe import MoE
 from ..shape import ModelShape, layer_split
 
 

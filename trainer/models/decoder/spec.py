@@ -23,7 +23,7 @@ from ...config import ParallelConfig, RunConfig
 from .model import Transformer, cut_stage, initial_weight
 from ..names.llama import LlamaNames
 from ..names.mixtral import MixtralNames
-from .moe import MoE, moe_layers
+from ..moe import MoE, moe_layers
 from ..names.qwen_moe import hf_moe_names
 from ..shape import ModelShape
 from ..spec import ModelSpec, Stage, to_empty, zero_parameters
@@ -90,7 +90,7 @@ class DecoderSpec(ModelSpec):
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every block's attention over the cp group; rotary positions the global ones; a Mixture of Experts'
-        routing counts over the cp group (trainer.models.decoder.moe)."""
+        routing counts over the cp group (trainer.models.moe)."""
         module.cp = cp
         for block in module.layers.values():
             block.attention.cp = cp

@@ -17,7 +17,7 @@ a tp-th of the activation memory outside the regions).
 Loss parallelism keeps the head's logits split by vocabulary
 (:func:`trainer.parallel.tensor.lm_loss` computes the loss on the shards).
 
-A Mixture-of-Experts feed-forward (:class:`~trainer.models.decoder.moe.MoE`) is not split: its router, experts and
+A Mixture-of-Experts feed-forward (:class:`~trainer.models.moe.MoE`) is not split: its router, experts and
 shared experts are replicated across the tp ranks, and each computes the whole layer on the same tokens
 (expert parallelism splits the experts instead, over data-parallel ranks). Under sequence parallelism its
 input is all-gathered along the sequence on entry and its output cut back to the rank's shard on exit;
@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .model import Transformer
-from .moe import MoE
+from ..moe import MoE
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,

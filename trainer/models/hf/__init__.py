@@ -1,2 +1,2 @@
-"""The ``transformers`` family: its spec (``spec``), context parallelism (``cp``), mixture-of-experts models
-(``moe``), pipeline cuts (``llama_layout``) and validated directories and weight files (``hf_dir``)."""
+"""The ``transformers`` family: its spec (``spec``), context parallelism (``cp``), Mixture-of-Experts models
+(``moe``), and Hugging Face directories and weight files validated before anything reads them (``hf_dir``)."""

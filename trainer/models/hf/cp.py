@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .llama_layout import llama_like
+from ..llama_layout import llama_like
 
 IMPLEMENTATION = "etrain_cp"
 

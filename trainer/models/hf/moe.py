@@ -134,7 +134,7 @@ def local_experts(experts: nn.Module, x: torch.Tensor, counts: list[int]) -> tor
 
 def count_load(model: nn.Module) -> None:
     """Every sparse block counts the slots its router sends to each expert (``tokens_per_expert``, read and
-    cleared after each step by :func:`trainer.models.decoder.moe.balance_step`: the step log's imbalance and loads)."""
+    cleared after each step by :func:`trainer.models.moe.balance_step`: the step log's imbalance and loads)."""
     for block in sparse_blocks(model):
         n = int(block.experts.num_experts)
         block.register_buffer("tokens_per_expert", torch.zeros(n), persistent=False)

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...config import ModelConfig
-from ..grouped import expert_linear
+from ..config import ModelConfig
+from .grouped import expert_linear
 
 
 class Experts(nn.Module):
