@@ -38,7 +38,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError
 from .config import RunConfig
 from .config.load import load_config
 from .heap import freeze_boot_heap, thaw_heap
-from .world import usable_cpus
+from .host import usable_cpus
 
 if TYPE_CHECKING:  # torch: imported only once the arguments are parsed, so that --help is instant
     from .loop import StepStats

@@ -310,19 +310,6 @@ def forget_meshes() -> None:
                     "group under another rank may compute on its old meshes", e)
 
 
-def usable_cpus() -> int:
-    """The cores this process may run on: its CPU affinity, capped by a cgroup (v2) CPU quota."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
-
-
 # Process groups outside the device mesh that carry an axis of their own (expert parallelism's exchange and
 # its experts' FSDP groups): group name -> axis. Who makes such a group names it; the comm meter reads it.
 _GROUP_AXES: dict[str, str] = {}

@@ -56,7 +56,8 @@ _METADATA_CLASSES = {
                                               "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "checkpointing.dcp.writer": {"ItemLocation"},
+    # formats 1 and 2 pickled it under the module it was defined in then; the class lives in .writer now
+    "checkpointing.dcp_io": {"ItemLocation"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath"},
@@ -69,7 +70,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
+            return ItemLocation if module == "checkpointing.dcp_io" else super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")

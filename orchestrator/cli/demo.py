@@ -38,7 +38,7 @@ console = Console()
 
 
 TINY = os.path.join("examples", "tiny.toml")
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where etrain's examples/ live
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where etrain's examples/ live
 
 
 def say(text: str) -> None:

@@ -50,7 +50,7 @@ from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.storage.retry import describe
 
 log = logging.getLogger("etrain")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the trainer package lives
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where the trainer package lives
 
 
 @dataclass(frozen=True)

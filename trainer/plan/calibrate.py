@@ -26,7 +26,7 @@ import socket
 import time
 
 from ..config import MODEL_PRESETS, RunConfig
-from ..world import usable_cpus
+from ..host import usable_cpus
 from .cost import Device, custom
 
 SIZES = (4, 2 * 2**20, 16 * 2**20)  # the first: latency alone
