@@ -15,6 +15,7 @@ import torch
 from checkpointing.errors import ConfigError
 from tests.test_models import LLAMA
 from trainer.config.load import load_config
+from trainer.models.decoder.spec import DecoderSpec
 from trainer.observe.telemetry import flops_per_token, mfu
 
 SEQ = 48
@@ -119,6 +120,36 @@ def test_a_new_family_is_registered_by_its_source():
     finally:
         register_family("builtin", saved)
     assert flops_per_token(cfg) == before
+
+
+class OutsideSpec(DecoderSpec):
+    """A family defined outside trainer/ (the built-in decoder under another name)."""
+
+    family = "outside"
+
+
+def test_a_family_registered_from_outside_is_a_source_the_config_takes():
+    """model.source is a registered name, not a fixed list: a family registered ("pkg.mod:Class") before the
+    config is loaded is accepted and spec_for gives its spec; an unknown name is refused (exit 2) naming the
+    field and the families known, the registered one among them."""
+    from trainer.models import FAMILIES, register_family, spec_for
+
+    with pytest.raises(ConfigError, match=r"model.source='outside' is no model family; use one of 'builtin', "
+                                          r"'hf', 'python' \(trainer.models.register_family adds one\)"):
+        load_config(None, ['model.source="outside"'])
+    register_family("outside", "tests.test_model_spec:OutsideSpec")
+    try:
+        cfg = load_config(None, ['model.source="outside"', f"data.seq_len={SEQ}"])
+        spec = spec_for(cfg.model)
+        assert type(spec).__name__ == "OutsideSpec" and spec.family == "outside" and spec.mcfg is cfg.model
+        assert flops_per_token(cfg) == flops_per_token(load_config(None, [f"data.seq_len={SEQ}"]))
+        with pytest.raises(ConfigError, match="model.source='moe' is no model family; use one of 'builtin', "
+                                              "'hf', 'python', 'outside'"):
+            load_config(None, ['model.source="moe"'])
+    finally:
+        FAMILIES.pop("outside")
+    with pytest.raises(ConfigError, match="model.source='outside' is no model family"):
+        load_config(None, ['model.source="outside"'])
 
 
 def test_a_factory_that_cannot_build_on_meta_is_named(tmp_path):

@@ -43,7 +43,7 @@ from .observe import device_memory as memory
 from .config import RunConfig
 from .data.corpus import Batcher, Corpus, check_vocab, load_splits
 from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
-from .models.decoder.model import fill_local
+from .models.spec import fill_local
 from .models.moe import balance_step, load_router_bias, router_bias_state
 from .parallel.parallelize import build_model_parts
 from .world import World

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from checkpointing.errors import ConfigError
 
@@ -24,6 +24,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                  "n_experts": 8, "top_k": 2, "moe_every": 1},
 }
 
+# The model families by their model.source value: "package.module:Class" of each one's spec (a
+# trainer.models.spec.ModelSpec), or the class itself once trainer.models has imported it. The one registry:
+# trainer.models.register_family adds to it (and resolves from it), and the config checks model.source
+# against its names without importing any model code.
+MODEL_FAMILIES: dict[str, Any] = {
+    "builtin": "trainer.models.decoder.spec:DecoderSpec",
+    "hf": "trainer.models.hf.spec:HFSpec",
+    "python": "trainer.models.factory:FactorySpec",
+}
+# The families whose fields this section checks itself; a registered family checks its own in its spec.
+BUILTIN_FAMILIES = ("builtin", "hf", "python")
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -31,9 +43,10 @@ class ModelConfig:
     Face ``transformers`` causal LM built from a local config, or any ``nn.Module`` from a factory
     (docs/models-and-data.md)."""
 
-    # "builtin": the decoder of trainer/model.py; "hf": AutoModelForCausalLM.from_config(hf_config);
-    # "python": factory(model table) -> nn.Module mapping token ids [b, s] to logits [b, s, vocab].
-    source: Literal["builtin", "hf", "python"] = "builtin"
+    # "builtin": the decoder of trainer/models/decoder/; "hf": AutoModelForCausalLM.from_config(hf_config);
+    # "python": factory(model table) -> nn.Module mapping token ids [b, s] to logits [b, s, vocab];
+    # or the name of a family registered with trainer.models.register_family (MODEL_FAMILIES).
+    source: str = "builtin"
     # source "hf": a directory holding config.json, or the JSON file itself (never fetched from a hub).
     hf_config: str = ""
     # source "python": "package.module:function"; loss: "package.module:function"(output, targets) -> scalar.
@@ -77,14 +90,7 @@ class ModelConfig:
     init_from: str = ""
 
     def __post_init__(self) -> None:
-        if self.source == "hf" and not self.hf_config:
-            raise ConfigError('model.source="hf" needs model.hf_config: a directory with config.json, or the file')
-        if self.source == "python" and not self.factory:
-            raise ConfigError('model.source="python" needs model.factory="package.module:function"')
-        if self.source != "python" and self.factory:
-            raise ConfigError(f'model.factory is set but model.source={self.source!r}; set model.source="python"')
-        if self.source != "hf" and self.hf_config:
-            raise ConfigError(f'model.hf_config is set but model.source={self.source!r}; set model.source="hf"')
+        self._check_source()
         for name in ("factory", "loss", "tp_plan"):
             ref = getattr(self, name)
             if ref and (ref.count(":") != 1 or not all(ref.split(":"))):
@@ -117,6 +123,23 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
         self._check_moe()
+
+    def _check_source(self) -> None:
+        """model.source names a registered family; the fields of the built-in ones go with their source."""
+        if self.source not in MODEL_FAMILIES:
+            known = ", ".join(repr(name) for name in MODEL_FAMILIES)
+            raise ConfigError(f"model.source={self.source!r} is no model family; use one of {known} "
+                              "(trainer.models.register_family adds one)")
+        if self.source not in BUILTIN_FAMILIES:
+            return
+        if self.source == "hf" and not self.hf_config:
+            raise ConfigError('model.source="hf" needs model.hf_config: a directory with config.json, or the file')
+        if self.source == "python" and not self.factory:
+            raise ConfigError('model.source="python" needs model.factory="package.module:function"')
+        if self.source != "python" and self.factory:
+            raise ConfigError(f'model.factory is set but model.source={self.source!r}; set model.source="python"')
+        if self.source != "hf" and self.hf_config:
+            raise ConfigError(f'model.hf_config is set but model.source={self.source!r}; set model.source="hf"')
 
     def _check_moe(self) -> None:
         for name in ("n_experts", "n_shared_experts", "capacity_factor", "aux_loss_coef", "router_bias_update_rate"):

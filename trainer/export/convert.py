@@ -332,7 +332,7 @@ def init_from_preflight(cfg) -> None:
 def load_weights(state: dict[str, torch.Tensor], source: WeightSource) -> None:
     """Copy each full tensor of ``source`` into this rank's part of ``state`` ({fqn: tensor or DTensor of
     the global shape}, as the optimizer's checkpoint state holds the weights), one tensor at a time."""
-    from ..models.decoder.model import fill_local
+    from ..models.spec import fill_local
 
     source.check({fqn: tuple(t.shape) for fqn, t in state.items()})
     for fqn, t in state.items():

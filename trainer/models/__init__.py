@@ -6,18 +6,23 @@
 
 Everything outside this package asks the spec (:class:`~trainer.models.spec.ModelSpec`) and never
 which source a model came from. A family is registered by its ``model.source`` value and the
-``package.module:Class`` of its spec, imported when first asked for (this module imports no torch).
+``package.module:Class`` of its spec, imported when first asked for (this module imports no torch). The
+registry, ``FAMILIES``, is the config's ``MODEL_FAMILIES`` (trainer/config/model.py), so that a ``[model]``
+section can check its source against it without importing any model code: register a family before the
+config naming it is loaded.
 
-    builtin   .builtin:DecoderSpec    the Llama-style decoder (.decoder), its TP plan (.decoder_tp),
-                                      its LlamaForCausalLM names (.llama_names)
-    hf        .hf:HFSpec              AutoModelForCausalLM.from_config of a local config.json
-    python    .factory:FactorySpec    factory(model table) -> nn.Module
+    builtin   .decoder.spec:DecoderSpec   the Llama-style decoder (.decoder.model), its TP plan (.decoder.tp),
+                                          its transformers names (.names)
+    hf        .hf.spec:HFSpec             AutoModelForCausalLM.from_config of a local config.json
+    python    .factory:FactorySpec        factory(model table) -> nn.Module
+    (yours)   register_family("myfam", "pkg.mod:MySpec"), then model.source = "myfam"
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..config.model import MODEL_FAMILIES
 from .refs import resolve_ref
 from .spec import ModelInfo, ModelSpec
 
@@ -26,18 +31,17 @@ if TYPE_CHECKING:
 
 __all__ = ["FAMILIES", "ModelInfo", "ModelSpec", "model_preflight", "register_family", "resolve_ref", "spec_for"]
 
-# model.source -> "package.module:Class" of its spec (or the class itself).
-FAMILIES: dict[str, str | type[ModelSpec]] = {
-    "builtin": "trainer.models.decoder.spec:DecoderSpec",
-    "hf": "trainer.models.hf.spec:HFSpec",
-    "python": "trainer.models.factory:FactorySpec",
-}
+# model.source -> "package.module:Class" of its spec (or the class itself): the config's registry itself.
+FAMILIES: dict[str, str | type[ModelSpec]] = MODEL_FAMILIES
 _CACHE: dict[tuple[str, str], ModelSpec] = {}
 _CACHE_SIZE = 16
 
 
 def register_family(source: str, spec: str | type[ModelSpec]) -> None:
-    """Register (or replace) the spec of ``model.source = source``."""
+    """Register (or replace) the spec of ``model.source = source``: from then on a ``[model]`` section may
+    name it (register it before loading the config, in every process that loads one)."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"a model family is registered by its model.source name, a non-empty string; got {source!r}")
     FAMILIES[source] = spec
     for key in [k for k in _CACHE if k[0] == source]:
         del _CACHE[key]

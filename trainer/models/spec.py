@@ -100,6 +100,26 @@ def to_empty(module: nn.Module, device: str | torch.device) -> None:
                                                              device=device)))
 
 
+def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole tensor ``full`` into ``p``: a plain tensor of the same shape, or a
+    DTensor of that global shape (TP, FSDP, both), whose local block is located as DCP locates it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        p.copy_(full)
+        return
+    local = p.to_local()
+    chunks = p.__create_chunk_list__()
+    if not chunks or not local.numel():
+        return
+    if len(chunks) != 1:
+        raise ValueError(f"a local shard of {len(chunks)} blocks cannot be filled from a whole tensor")
+    block = full
+    for dim, (off, size) in enumerate(zip(chunks[0].offsets, chunks[0].sizes)):
+        block = block.narrow(dim, off, size)
+    local.copy_(block.reshape(local.shape))
+
+
 def zero_parameters(module: nn.Module) -> None:
     """Every parameter's local part (a DTensor's own shard) set to zero: weights that are loaded (or drawn)
     over next, allocated uninitialized (``to_empty``)."""

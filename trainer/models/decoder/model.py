@@ -25,6 +25,7 @@ from ...config import ModelConfig
 from ..blocks import selective_context
 from ..moe import MoE
 from ..shape import ModelShape, layer_split
+from ..spec import fill_local
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -194,26 +195,6 @@ def initial_weight(cfg: ModelConfig, fqn: str, shape: tuple[int, ...], seed: int
     else:
         nn.init.trunc_normal_(t, std=0.02, a=-0.06, b=0.06, generator=g)
     return t
-
-
-def fill_local(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the whole tensor ``full`` into ``p``: a plain tensor of the same shape, or a
-    DTensor of that global shape (TP, FSDP, both), whose local block is located as DCP locates it."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        p.copy_(full)
-        return
-    local = p.to_local()
-    chunks = p.__create_chunk_list__()
-    if not chunks or not local.numel():
-        return
-    if len(chunks) != 1:
-        raise ValueError(f"a local shard of {len(chunks)} blocks cannot be filled from a whole tensor")
-    block = full
-    for dim, (off, size) in enumerate(zip(chunks[0].offsets, chunks[0].sizes)):
-        block = block.narrow(dim, off, size)
-    local.copy_(block.reshape(local.shape))
 
 
 def param_seed(seed: int, fqn: str) -> int:
