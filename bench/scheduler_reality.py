@@ -30,7 +30,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from bench.scheduler_trace import Job, Sim  # noqa: E402
 from orchestrator.service.demand import resize_cost, throughput  # noqa: E402
-from orchestrator.service.policy import ClusterView, RunDemand, decide  # noqa: E402
+from orchestrator.service.policy import ClusterView, RunDemand  # noqa: E402
+from orchestrator.service.rules import decide  # noqa: E402
 
 BASE = ['model.preset="tiny"', "data.seq_len=32", "data.max_bytes=1000000", "train.global_batch=12",
         "train.micro_batch=1", "train.warmup_steps=4", "train.log_every=1000", "checkpoint.interval_steps=20",

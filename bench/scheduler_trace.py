@@ -47,7 +47,8 @@ from dataclasses import dataclass, field, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from orchestrator.service.policy import ClusterView, RunDemand, decide  # noqa: E402
+from orchestrator.service.policy import ClusterView, RunDemand  # noqa: E402
+from orchestrator.service.rules import decide  # noqa: E402
 
 ETRAIN_RESIZE_S = 2.0
 NOTICE_S, RESTART_S, CHECKPOINT_EVERY_S = 60.0, 30.0, 600.0

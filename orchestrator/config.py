@@ -1,9 +1,17 @@
-"""The orchestrator's sections of a run config: ``[elastic]`` (how it sizes and heals the group) and
-``[recovery]`` (the memory tier a recovery or a resize restores from).
+"""The orchestrator's sections of a run config: ``[elastic]`` (how it sizes and heals the group, and what it
+claims of a shared cluster) and ``[recovery]`` (the memory tier a recovery or a resize restores from).
 
     raw = load_raw("examples/tiny.toml", ["elastic.workers=4"])
     ecfg = elastic_from_raw(raw, workers=3)   # command-line flags override the file
     rcfg = recovery_from_raw(raw)
+    spec.sharing                              # Sharing: priority, team, ... (sharing_from_raw of the spec's config)
+
+This module is the only reader of the raw ``[elastic]`` and ``[recovery]``
+tables, and :class:`ElasticConfig` holds the one default of each key. The
+run spec carries ``[elastic]``'s claims on a shared cluster as a typed
+:class:`Sharing` (``RunSpec.sharing``); the allocator, the queue, the status
+and the CLI read that value. The sizes are the spec's own (``workers``,
+``min_workers``, ``max_workers``, ``target``): resizes change them.
 
 It lives in the same TOML file as the trainer's sections; the trainer skips
 it (``trainer.config.FOREIGN_SECTIONS``). Checks that need the trainer's
@@ -21,7 +29,40 @@ from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
 from trainer.config.load import build_section
-from trainer.parallel.dims import size_rule, valid_world_sizes
+
+# [elastic]'s claims on a shared cluster: what the run spec carries as a Sharing (the rest are sizes and timings).
+SHARING_KEYS = ("priority", "preemptible", "team", "queue_timeout_s", "grow_into_idle", "min_node_labels",
+                "elastic_node_labels", "cpus_per_worker", "gpus_per_worker")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharing:
+    """What a run claims of a shared cluster (``[elastic]``, docs/service.md): who goes first (``priority``),
+    whether it may give workers back (``preemptible``), whose quota counts it (``team``), how long it may wait
+    in QUEUED (``queue_timeout_s``, 0: for ever), whether idle capacity may grow it above ``workers``
+    (``grow_into_idle``), where its workers go (node labels) and what each takes. Made only from a validated
+    :class:`ElasticConfig` (``ElasticConfig.sharing``, :func:`sharing_from_raw`), so its defaults are that
+    class's."""
+
+    priority: int
+    preemptible: bool
+    team: str
+    queue_timeout_s: float
+    grow_into_idle: bool
+    min_node_labels: str
+    elastic_node_labels: str
+    cpus_per_worker: float
+    gpus_per_worker: float
+
+    @property
+    def gang_labels(self) -> dict[str, str]:
+        """The labels the minimum's gang is placed on (``min_node_labels`` as Ray's selector)."""
+        return node_labels(self.min_node_labels, "elastic.min_node_labels")
+
+    @property
+    def elastic_labels(self) -> dict[str, str]:
+        """The labels the workers beyond the minimum are placed on (``elastic_node_labels``)."""
+        return node_labels(self.elastic_node_labels, "elastic.elastic_node_labels")
 
 
 @dataclass(kw_only=True)
@@ -89,6 +130,10 @@ class ElasticConfig:
         if not isinstance(self.team, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.team):
             raise ConfigError(f"elastic.team={self.team!r} must be a name of letters, digits, '_', '.' or '-' "
                               "(at most 63, starting with a letter or digit)")
+
+    @property
+    def sharing(self) -> Sharing:
+        return Sharing(**{k: getattr(self, k) for k in SHARING_KEYS})
 
 
 LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_./-]{0,251}[A-Za-z0-9])?")
@@ -163,12 +208,24 @@ def recovery_from_raw(raw: dict) -> RecoveryConfig:
     return build_section("recovery", RecoveryConfig, raw.get("recovery", {}))
 
 
+def _elastic_table(raw: dict) -> dict:
+    table = raw.get("elastic", {})
+    if not isinstance(table, dict):
+        raise ConfigError("[elastic] must be a table")
+    return table
+
+
+def sharing_from_raw(raw: dict) -> Sharing:
+    """``[elastic]``'s claims on a shared cluster of a raw run document, validated (ConfigError naming the key);
+    its sizes are left out: a run's sizes are its spec's."""
+    table = {k: v for k, v in _elastic_table(raw).items() if k in SHARING_KEYS}
+    return build_section("elastic", ElasticConfig, table).sharing
+
+
 def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int | None = None,
                      max_workers: int | None = None) -> ElasticConfig:
     """``[elastic]`` of a raw run document, with command-line flags taking precedence."""
-    table = dict(raw.get("elastic", {}))
-    if not isinstance(raw.get("elastic", {}), dict):
-        raise ConfigError("[elastic] must be a table")
+    table = dict(_elastic_table(raw))
     for key, value, flag in (("workers", workers, "--workers"), ("min_workers", min_workers, "--min-workers"),
                              ("max_workers", max_workers, "--max-workers")):
         if value is not None:
@@ -182,11 +239,16 @@ def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int 
 
 def allowed_sizes(cfg: RunConfig, min_workers: int, max_workers: int) -> list[int]:
     """Group sizes in [min_workers, max_workers] that the layout and the global batch allow."""
+    # The layout's rules import torch: not at this module's import, which the CLI's listings make.
+    from trainer.parallel.dims import valid_world_sizes
+
     return [n for n in valid_world_sizes(cfg, max_workers) if n >= min_workers]
 
 
 def check_sizes(cfg: RunConfig, ecfg: ElasticConfig) -> list[int]:
     """The sizes this run may take; ConfigError naming the valid ones if the request is not among them."""
+    from trainer.parallel.dims import size_rule, valid_world_sizes
+
     allowed = allowed_sizes(cfg, ecfg.min_workers, ecfg.max_workers)
     if not allowed:
         raise ConfigError(f"no group size in [{ecfg.min_workers}, {ecfg.max_workers}] works for this run: sizes must "

@@ -292,3 +292,50 @@ def test_grow_into_idle_false_keeps_a_run_at_the_size_its_user_asked_for(store):
     assert store.get_spec("pinned").target in (0, 1) and not kinds(store, "pinned", "allocated")
     with pytest.raises(ConfigError, match="elastic.grow_into_idle='no' must be true or false"):
         ElasticConfig(workers=1, grow_into_idle="no")
+
+
+def first_come_no_preemption(st, waiting: dict[str, str]) -> None:
+    """A second policy's admission rule: queued runs in the order they came, each admitted at its minimum
+    when that fits in what is free; nobody gives anything back for it, whatever its priority."""
+    for r in sorted((r for r in st.runs.values() if st.target[r.run_id] == 0), key=lambda r: r.queued_since):
+        need = st.smallest(r)
+        if need and need <= st.free():
+            st.set(r, need, "admitted", "first come, first served")
+        else:
+            waiting[r.run_id] = f"needs {need} workers: {max(0, st.free())} free (first come, first served)"
+
+
+def fcfs_policy():
+    from orchestrator.service.policy import RulePolicy
+    from orchestrator.service.rules import hold_limits
+
+    return RulePolicy("fcfs", (hold_limits, first_come_no_preemption))
+
+
+def test_another_policy_through_the_seam_admits_in_order_and_preempts_nobody(store, monkeypatch):
+    """The allocator asks whatever policy it is given: under a first-come-first-served policy without
+    preemption, the higher-priority newcomer that the default rules admit by shrinking A waits instead, and
+    is admitted once A ends. A deployment names the policy (ETRAIN_SCHEDULING_POLICY), a bad name is refused
+    naming the variable."""
+    from checkpointing.errors import ConfigError
+    from orchestrator.service.policy import POLICIES, policy_named, register_policy
+
+    a_running_and_b_queued_above_it(store)
+    monkeypatch.setitem(POLICIES, "fcfs", "")  # the name is gone again after the test
+    register_policy("fcfs", f"{__name__}:fcfs_policy")
+    policy = policy_named("fcfs")
+    assert policy.name == "fcfs" and policy_named("default").name == "default"
+    core = AllocatorCore(store, capacity=lambda cpw, gpw: 3, policy=policy)
+    for run_id in store.list_runs():
+        core.register(run_id, store.url)
+    core.tick()
+    a, b = store.get_spec("a"), store.get_spec("b")
+    assert (a.target, b.target) == (0, 0) and not kinds(store, "a", "preempted"), "nobody gives back"
+    assert "first come, first served" in core.last["waiting"]["b"]
+    lease = store.acquire("a", "ctl-a")
+    store.put_status("a", {"run_id": "a", "phase": "FINISHED", "step": 1000}, lease)
+    store.release(lease)
+    core.tick()
+    assert store.get_spec("b").target == 2 and kinds(store, "b", "allocated")[0]["reason"] == "first come, first served"
+    with pytest.raises(ConfigError, match=r"ETRAIN_SCHEDULING_POLICY='lifo' is no scheduling policy"):
+        policy_named("lifo")

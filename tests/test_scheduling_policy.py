@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import random
 
-from orchestrator.service.policy import Admit, ClusterView, Resize, RunDemand, Suspend, decide
+from orchestrator.service.policy import Admit, ClusterView, RunDemand, SetTarget, Suspend
+from orchestrator.service.rules import decide
 
 
 def linear(n_max: int, per_worker: float = 10.0) -> dict[int, float]:
@@ -32,11 +33,11 @@ def test_a_run_grows_into_an_idle_cluster_shrinks_for_a_higher_priority_run_and_
     b = RunDemand(run_id="b", priority=10, min_workers=2, max_workers=2, queued_since=5)
     plan = decide([*runs, b], ClusterView(capacity=3), now=5)
     assert plan.targets == {"a": 1, "b": 2}
-    assert plan.decisions == [Resize("a", 1, "shrink", "preempted", "preempted by run 'b' (priority 10)"),
+    assert plan.decisions == [SetTarget("a", 1, "shrink", "preempted", "preempted by run 'b' (priority 10)"),
                               Admit("b", 2, "admitted by preemption")]
     runs = apply([*runs, b], plan)
     plan = decide([runs[0]], ClusterView(capacity=3), now=9)  # b finished
-    assert plan.targets == {"a": 3} and plan.decisions == [Resize("a", 3, "grow", "idle", "idle capacity")]
+    assert plan.targets == {"a": 3} and plan.decisions == [SetTarget("a", 3, "grow", "idle", "idle capacity")]
 
 
 def test_no_room_for_either_the_second_run_waits_and_says_why():
@@ -95,7 +96,7 @@ def test_lost_capacity_and_quota_cuts_shrink_the_lowest_priority_first_and_never
     b = RunDemand(run_id="b", priority=5, min_workers=2, max_workers=4, allocated=4, team="x")
     plan = decide([a, b], ClusterView(capacity=6), 0)  # a node of 2 drained
     assert plan.targets == {"a": 2, "b": 4}
-    assert plan.decisions == [Resize("a", 2, "shrink", "capacity", "the cluster holds 6 workers")]
+    assert plan.decisions == [SetTarget("a", 2, "shrink", "capacity", "the cluster holds 6 workers")]
     plan = decide([a, b], ClusterView(capacity=3), 0)
     assert plan.targets == {"a": 0, "b": 3}
     plan = decide([a, b], ClusterView(capacity=8, quotas={"x": 5}), 0)
@@ -152,8 +153,8 @@ def test_properties_over_random_clusters():
             r = by_id[d.run_id]
             if not r.preemptible and r.allocated in r.valid():
                 assert not (isinstance(d, Suspend) and d.cause == "preempted"), d
-                assert not (isinstance(d, Resize) and d.cause == "preempted"), d
-            if isinstance(d, Resize) and d.action == "grow" and r.allocated in r.valid():
+                assert not (isinstance(d, SetTarget) and d.cause == "preempted"), d
+            if isinstance(d, SetTarget) and d.action == "grow" and r.allocated in r.valid():
                 saved = r.seconds_left(r.allocated) - r.seconds_left(d.workers)
                 assert math.isinf(r.remaining) or saved > 2.0 * r.resize_cost_s, (r, d)
         # A second decision on the plan's outcome changes nothing: no thrashing.

@@ -25,7 +25,6 @@ from trainer.heap import freeze_boot_heap
 
 from ..service.auth import job_env
 from .autoscale import AutoscaleObserver, DemandBoard
-from ..config import elastic_from_raw, node_labels
 from .controller import Controller, ControllerOptions
 from ..service.drains import ray_draining_nodes
 from .drain import DrainWatch
@@ -43,11 +42,8 @@ class ControllerActor:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-controller %(levelname)s %(message)s")
         store = open_store(store_url)
-        e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
-                             max_workers=spec.max_workers)
         group = RayWorkerGroup(config, spec.run_id, store_url, resources=resources, env=job_env(),
-                               gang_labels=node_labels(e.min_node_labels),
-                               elastic_labels=node_labels(e.elastic_node_labels))
+                               gang_labels=spec.sharing.gang_labels, elastic_labels=spec.sharing.elastic_labels)
         self.endpoint, observers = start_metrics(spec.run_id, config)
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config), AutoscaleObserver(DemandBoard())]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,

@@ -8,11 +8,13 @@ cluster should have, and writes it into each run's spec for its controller to fo
 
 Every ``interval_s`` the allocator reads each registered run's spec, status, history and events from
 the run's own store (:mod:`orchestrator.service.demand`), the cluster's capacity in workers (alive
-nodes, draining ones left out) and the teams' quotas, calls the policy
-(:func:`orchestrator.service.policy.decide`) and writes what changed, each as a compare-and-swap on
+nodes, draining ones left out) and the teams' quotas, asks its policy
+(:mod:`orchestrator.service.policy`; by default today's rules, :mod:`orchestrator.service.rules`;
+``ETRAIN_SCHEDULING_POLICY`` names another) and writes what changed, each as a compare-and-swap on
 the spec it read (a user's resize in between wins; the next decision reads it):
 
-* ``target``: the size the run's controller works toward (0, never decided: the user's ``workers``);
+* ``target``: the size the run's controller works toward (0, never decided or withdrawn: the user's
+  ``workers``);
 * ``requeue``: give every worker back after a durable commit and wait in QUEUED (suspended for a
   higher priority), cleared when the run is admitted again.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +43,8 @@ from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRu
 from ..store.run_store import RunStore, open_store
 from .demand import demand_of, desired
 from .metrics import ClusterMetrics
-from .policy import Admit, ClusterView, Plan, Resize, Suspend, decide
+from .policy import Admit, ClusterView, Plan, Restore, SchedulingPolicy, SetTarget, Suspend, policy_named
+from .rules import default_policy
 
 log = logging.getLogger("etrain")
 
@@ -49,6 +53,7 @@ NAMESPACE = "etrain"
 STATE_DOC = "allocator"
 QUOTAS_DOC = "quotas"
 INTERVAL_S = 2.0
+POLICY_VAR = "ETRAIN_SCHEDULING_POLICY"  # the deployment's scheduling policy (docs/service.md)
 PREEMPTING = {"preempted", "capacity", "quota"}
 
 
@@ -96,11 +101,12 @@ def set_quota(store: RunStore, team: str, max_workers: int | None) -> dict[str, 
 class AllocatorCore:
     """The allocator's logic, without Ray: ``capacity(cpus_per_worker, gpus_per_worker)`` says how many
     workers the cluster holds now (or, as :func:`ray_capacity`, that and how many fit in what is free);
-    ``opener`` opens a run's store from its URL."""
+    ``opener`` opens a run's store from its URL; ``policy`` decides (the default rules without one)."""
 
     def __init__(self, state: RunStore, capacity: Callable[[float, float], int | tuple[int, int]], *, clock=time.time,
-                 opener: Callable[[str], RunStore] = open_store):
+                 opener: Callable[[str], RunStore] = open_store, policy: SchedulingPolicy | None = None):
         self.state = state
+        self.policy = policy or default_policy()
         self.capacity = capacity
         self.clock = clock
         self.opener = opener
@@ -110,7 +116,6 @@ class AllocatorCore:
         self.last: dict = {}
         self.metrics = ClusterMetrics()
         self.phases: dict[str, str] = {}
-        self.shrunk_for_capacity: set[str] = set()
 
     def runs(self) -> dict[str, str]:
         return dict(read_doc(self.state, STATE_DOC)[0].get("runs", {}))
@@ -135,19 +140,17 @@ class AllocatorCore:
         if key not in self._sizes:
             from trainer.config.load import config_from_dict
 
-            from ..config import allowed_sizes, elastic_from_raw
+            from ..config import allowed_sizes
 
             cfg = config_from_dict(spec.config)
-            e = elastic_from_raw(spec.config, workers=spec.workers, min_workers=spec.min_workers,
-                                 max_workers=spec.max_workers)
             self._sizes[key] = (tuple(allowed_sizes(cfg, spec.min_workers, spec.max_workers)),
-                                cfg.train.global_batch, cfg.train.steps, e.cpus_per_worker, e.gpus_per_worker)
+                                cfg.train.global_batch, cfg.train.steps, spec.sharing.cpus_per_worker,
+                                spec.sharing.gpus_per_worker)
         return self._sizes[key]
 
     def gather(self) -> tuple[list, dict[str, tuple[RunStore, RunSpec]], set[str], dict]:
         demands, specs, gone = [], {}, set()
         self.phases = {}
-        self.shrunk_for_capacity = set()  # runs an ``allocated`` event shrank for lost capacity (see _restore)
         per_worker = {"cpus": 0.0, "gpus": 0.0}
         for run_id, url in sorted(self.runs().items()):
             try:
@@ -172,8 +175,6 @@ class AllocatorCore:
                 continue
             demands.append(d)
             specs[run_id] = (st, spec)
-            if any(e.get("kind") == "allocated" and e.get("cause") == "capacity" for e in events):
-                self.shrunk_for_capacity.add(run_id)
             self.phases[run_id] = (status or {}).get("phase", "INITIALIZING")
             per_worker["cpus"] = max(per_worker["cpus"], cpw)
             per_worker["gpus"] = max(per_worker["gpus"], gpw)
@@ -189,9 +190,8 @@ class AllocatorCore:
                 total, free = cap
                 cap = min(total, sum(d.allocated for d in demands) + free)
             now = self.clock()
-            plan = decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state)), now)
+            plan = self.policy.decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state)), now)
             applied = [a for d in plan.decisions if (a := self._apply(d, *specs[d.run_id]))]
-            applied += self._restore(demands, specs, plan, cap)
             self.metrics.observe(demands, plan, self.phases, applied, time.perf_counter() - started, cap, now)
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
@@ -200,43 +200,20 @@ class AllocatorCore:
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
 
-    def _restore(self, demands, specs, plan: Plan, cap: int) -> list[dict]:
-        """Runs shrunk below the size their user asked for (``workers``) while the cluster had lost capacity
-        get it back once it is free again, before any growth into idle capacity is weighed: a lost node is
-        not a decision to keep the run small."""
-        out = []
-        free = cap - sum(plan.targets.values())
-        for d in sorted(demands, key=lambda d: (-d.priority, d.queued_since)):
-            store, spec = specs[d.run_id]
-            want = spec.workers - plan.targets.get(d.run_id, 0)
-            if spec.requeue or not 0 < spec.target < spec.workers or want > free or d.allocated != spec.target:
-                continue
-            if d.run_id not in self.shrunk_for_capacity:
-                continue
-            try:
-                store.update_spec(spec.run_id, expected=spec.generation, target=0)
-            except (SpecConflict, StoreUnavailable, UnknownRun):
-                continue
-            free -= want
-            plan.targets[d.run_id] = spec.workers
-            event = {"action": "grow", "workers": spec.workers, "cause": "restored", "from_workers": spec.target,
-                     "reason": "the cluster has room again for the size the run asked for"}
-            store.add_event(spec.run_id, {"kind": "allocated", **event})
-            out.append({"run_id": spec.run_id, **event})
-        return out
-
     def _apply(self, d, store: RunStore, spec: RunSpec) -> dict | None:
-        if isinstance(d, Resize) and d.cause in ("capacity", "valid") and "QUEUED" not in self.phases.values():
+        if isinstance(d, SetTarget) and d.cause in ("capacity", "valid") and "QUEUED" not in self.phases.values():
             # The cluster lost nodes and no run waits for them: the run's controller already runs at what it
             # can form and keeps its replacements pending, which a joining node places at once.
             return None
         if isinstance(d, Suspend):
             changes, action, workers, cause = {"requeue": True, "target": 0}, "suspend", 0, d.cause
+        elif isinstance(d, Restore):  # the target withdrawn: the user's `workers` again
+            changes, action, workers, cause = {"target": 0}, "grow", d.workers, "restored"
         else:
             workers = d.workers
             changes = {"requeue": False, "target": workers}
             action = "admit" if isinstance(d, Admit) else d.action
-            cause = d.cause if isinstance(d, Resize) else "admitted"
+            cause = d.cause if isinstance(d, SetTarget) else "admitted"
         if all(getattr(spec, k) == v for k, v in changes.items()):
             return None
         try:
@@ -285,7 +262,9 @@ class Allocator:
 
     def __init__(self, state_url: str, interval_s: float = INTERVAL_S):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-allocator %(levelname)s %(message)s")
-        self.core = AllocatorCore(open_store(state_url), ray_capacity)
+        policy = policy_named(os.environ.get(POLICY_VAR) or "default")  # the cluster's environment names it
+        log.info("allocator: scheduling policy %r", policy.name)
+        self.core = AllocatorCore(open_store(state_url), ray_capacity, policy=policy)
         self.interval_s = interval_s
         self.state_url = state_url
         self.endpoint = start_endpoint(self.core.metrics)

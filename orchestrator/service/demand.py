@@ -24,11 +24,6 @@ ACTIVE = frozenset({"INITIALIZING", "QUEUED", "SCHEDULING", "RUNNING", "RECOVERI
 DEFAULT_RESIZE_COST_S = 2.0
 
 
-def elastic_table(spec: RunSpec) -> dict:
-    table = spec.config.get("elastic", {}) if isinstance(spec.config, dict) else {}
-    return table if isinstance(table, dict) else {}
-
-
 def desired(spec: RunSpec) -> int:
     """The size the run's controller works toward: the allocator's target, else what the user asked for."""
     return spec.target if spec.target > 0 else spec.workers
@@ -44,28 +39,24 @@ def demand_of(spec: RunSpec, status: dict | None, history: Iterable[HistoryRow],
     phase = (status or {}).get("phase", Phase.INITIALIZING.value)
     if phase not in ACTIVE or spec.stop or spec.suspended:
         return None
-    el = elastic_table(spec)
+    share = spec.sharing
     queued = spec.requeue or (phase == "QUEUED" and spec.target <= 0)
     rows = [HistoryRow.of(r) for r in history]
     step = int((status or {}).get("step") or (rows[-1].step if rows else 0))
     # [elastic] grow_into_idle = false: idle capacity never takes the run above the size its user asked for.
-    grow_to = spec.max_workers if el.get("grow_into_idle", True) is not False else max(spec.workers, spec.min_workers)
+    grow_to = spec.max_workers if share.grow_into_idle else max(spec.workers, spec.min_workers)
     remaining = float("inf")
     if global_batch > 0 and total_steps > 0:
         remaining = float(max(0, total_steps - step) * global_batch)
     return RunDemand(
         run_id=spec.run_id, min_workers=spec.min_workers, max_workers=grow_to, sizes=tuple(sizes),
-        priority=_int(el.get("priority"), 0), team=str(el.get("team") or "default"),
-        preemptible=el.get("preemptible", True) is not False,
+        priority=share.priority, team=share.team, preemptible=share.preemptible,
         allocated=0 if queued else desired(spec),
         queued_since=_queued_since(spec, events),
         throughput=throughput(rows, global_batch), remaining=remaining,
-        resize_cost_s=resize_cost(events),
+        resize_cost_s=resize_cost(events), requested=spec.workers, target=spec.target, requeue=spec.requeue,
+        shrunk_for_capacity=any(e.get("kind") == "allocated" and e.get("cause") == "capacity" for e in events),
     )
-
-
-def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _queued_since(spec: RunSpec, events: Iterable[dict]) -> float:

@@ -1,50 +1,31 @@
-"""The allocator's policy: how many workers each run of a cluster should have, as one pure function.
+"""The seam of the allocator's policy: what it is given, what it decides, and how a policy is made.
 
-    plan = decide(runs, ClusterView(capacity=64, quotas={"vision": 16}), now)
+    policy = policy_named("default")              # or ETRAIN_SCHEDULING_POLICY's, or RulePolicy(name, rules)
+    plan = policy.decide(runs, ClusterView(capacity=64, quotas={"vision": 16}), now)
     plan.targets["llm-a"]          # the size run llm-a should have (0: queued, or suspended and requeued)
-    plan.decisions                 # Admit / Resize / Suspend values, each with its reason, in order
+    plan.decisions                 # Admit / SetTarget / Suspend / Restore values, each with its reason
     plan.waiting["llm-b"]          # why a queued run is not admitted yet
 
 The inputs are values (:class:`RunDemand` per run, :class:`ClusterView`), the clock is an
 argument, and nothing here touches Ray or the run store: the allocator actor gathers the
-inputs, calls :func:`decide` and writes each run's target; the benchmark
-(``bench/scheduler_trace.py``) replays a trace through the same function on a simulated clock.
+inputs, asks its policy and writes each run's target; the benchmark
+(``bench/scheduler_trace.py``) replays a trace through the same policy on a simulated clock.
 
-The rules, in the order they apply:
-
-1. **Capacity and quotas hold.** Runs keep their size (snapped to a valid one). When the
-   cluster holds fewer workers than the runs have (nodes drained or lost) or a team is
-   over its quota, the lowest-priority runs give back first: preemptible before not,
-   shrunk a valid size at a time toward their minimum, suspended (and requeued) only
-   below it. An admitted run is never below its minimum.
-2. **Admission, highest priority first, then first come.** A queued run is admitted
-   when its minimum fits together (a gang; the workers above it are its elastic part).
-   If the free workers are too few, capacity is taken from preemptible runs by the
-   cheapest rung: shrink toward their minimum (from memory, no step lost) the runs of
-   the same or a lower priority (what idle capacity lent them above their minimum goes
-   back first), else suspend the lowest-priority runs below the newcomer's priority
-   whole. Never kill. It is all or
-   nothing: a run that cannot get its minimum even so takes nothing and waits, with the
-   reason; runs of lower priority may still be admitted into what is free (they can be
-   shrunk or suspended for it later), so nothing waits behind a run that cannot start.
-3. **Growth into idle capacity**, highest priority first, then the largest throughput
-   gain per added worker (from the run's measured, or planned, throughput at each size),
-   up to ``max_workers`` and the team's quota, leaving free the minimum of every queued
-   run that waits at the same or a higher priority (no starvation). A run grows only
-   when the time it saves on its remaining work exceeds ``margin`` times its measured
-   resize cost: no resize whose cost exceeds its gain, and no thrashing.
+A policy is any object with ``decide(runs, cluster, now) -> Plan`` (:class:`SchedulingPolicy`);
+:class:`RulePolicy` makes one of ordered rules, each a function that changes the
+:class:`Targets`. Today's rules, and the default policy made of them, are
+:mod:`orchestrator.service.rules`. A deployment names its policy with
+``ETRAIN_SCHEDULING_POLICY`` in the cluster's environment (docs/service.md): a name of
+:data:`POLICIES` or ``"package.module:function"``.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-# A resize must save this many times its own cost to be worth making.
-MARGIN = 2.0
+from typing import Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +44,12 @@ class RunDemand:
     throughput: Mapping[int, float] = field(default_factory=dict)  # samples/s by size, measured or planned
     remaining: float = math.inf  # samples still to train (inf: unknown, so any positive gain is worth a resize)
     resize_cost_s: float = 2.0  # the run's measured cost of one resize (seconds without progress)
+    # What the run's spec says beside: the size its user asked for (``workers``), the allocator's standing
+    # target (0: none), and whether an ``allocated`` event ever shrank it for the cluster's lost capacity.
+    requested: int = 0
+    target: int = 0
+    requeue: bool = False
+    shrunk_for_capacity: bool = False
 
     def valid(self) -> tuple[int, ...]:
         s = self.sizes or tuple(range(self.min_workers, self.max_workers + 1))
@@ -111,7 +98,9 @@ class Admit:
 
 
 @dataclass(frozen=True)
-class Resize:
+class SetTarget:
+    """A run admitted before is given another size."""
+
     run_id: str
     workers: int
     action: str  # "grow" or "shrink"
@@ -126,7 +115,16 @@ class Suspend:
     reason: str
 
 
-Decision = Admit | Resize | Suspend
+@dataclass(frozen=True)
+class Restore:
+    """The allocator's target is withdrawn: the run goes back to the size its user asked for (``workers``)."""
+
+    run_id: str
+    workers: int
+    reason: str
+
+
+Decision = Admit | SetTarget | Suspend | Restore
 
 
 @dataclass
@@ -136,8 +134,10 @@ class Plan:
     waiting: dict[str, str]
 
 
-class _State:
-    """The targets being decided, with the sums the rules read."""
+class Targets:
+    """The targets a policy is deciding (every run's size, 0: queued or suspended), with the sums its rules
+    read and why each run's target last changed (``causes``: run -> (cause, reason)). Rules change a target
+    only through :meth:`set`; a cause of ``"restored"`` makes the run's decision a :class:`Restore`."""
 
     def __init__(self, runs: list[RunDemand], cluster: ClusterView):
         self.runs = {r.run_id: r for r in runs}
@@ -189,164 +189,74 @@ class _State:
         return self.valid[r.run_id][0] if self.valid[r.run_id] else self.target[r.run_id]
 
 
-def _give_back(st: _State, shrinkable: list[RunDemand], suspendable: list[RunDemand], need: float, cause: str,
-               why: str) -> float:
-    """Free ``need`` workers by the cheapest rung: shrink the ``shrinkable`` runs (in order) a valid size at
-    a time toward their minimum; where that cannot be enough, first suspend as few of the ``suspendable``
-    runs as will do (in order), then shrink. Returns what is still missing (> 0: not enough)."""
-    room = {r.run_id: st.target[r.run_id] - st.smallest(r) for r in shrinkable}
-    reach = sum(room.values())
-    suspended = []
-    for r in suspendable:
-        if reach >= need:
-            break
-        if st.target[r.run_id]:
-            suspended.append(r)
-            reach += st.target[r.run_id] - room.get(r.run_id, 0)  # its minimum is freed too
-    for r in suspended:
-        need -= st.target[r.run_id]
-        st.set(r, 0, cause, why)
-    for r in shrinkable:
-        while need > 0 and st.target[r.run_id] > r.min_workers:
-            n = st.smaller(r, st.target[r.run_id])
-            if n < r.min_workers:
-                break
-            need -= st.target[r.run_id] - n
-            st.set(r, n, cause, why)
-    return need
 
 
-def _shed_order(runs: Iterable[RunDemand]) -> list[RunDemand]:
-    """Who gives back first: preemptible before not, lower priority first, the newest first."""
-    return sorted(runs, key=lambda r: (not r.preemptible, r.priority, -r.queued_since, r.run_id))
+# One rule of a policy: it changes the targets (Targets.set) and says why queued runs still wait (waiting).
+Rule = Callable[[Targets, dict[str, str]], None]
 
 
-def _hold_limits(st: _State) -> None:
-    """Rule 1: the cluster's capacity and each team's quota."""
-    if st.free() < 0:
-        order = _shed_order(r for r in st.runs.values() if st.target[r.run_id])
-        _give_back(st, order, order, -st.free(), "capacity", f"the cluster holds {st.cluster.capacity} workers")
-    for team, quota in st.cluster.quotas.items():
-        over = st.team_used.get(team, 0) - quota
-        if over > 0:
-            members = _shed_order(r for r in st.runs.values() if r.team == team and st.target[r.run_id])
-            _give_back(st, members, members, over, "quota", f"team {team!r} is over its quota of {quota}")
+class SchedulingPolicy(Protocol):
+    """What the allocator asks: the cluster's state in (every run's demand, the capacity and quotas, the
+    clock), the targets and the decisions that reach them out, each with its reason."""
+
+    name: str
+
+    def decide(self, runs: Iterable[RunDemand], cluster: ClusterView, now: float) -> Plan: ...
 
 
-def _admit(st: _State, waiting: dict[str, str]) -> None:
-    """Rule 2: queued runs, highest priority first, then first come; by preemption of lower priorities.
-    Passes until one admits nobody: a run suspended for a higher one may fit in what that left free (a
-    preemption only ever takes from a lower priority, so this ends)."""
-    for _ in range(len(st.runs) + 1):
-        waiting.clear()
-        if not _admit_pass(st, waiting):
-            return
+@dataclass(frozen=True)
+class RulePolicy:
+    """A policy made of ordered rules: each runs once, in order, on the targets the ones before it left."""
+
+    name: str
+    rules: tuple[Rule, ...]
+
+    def decide(self, runs: Iterable[RunDemand], cluster: ClusterView, now: float) -> Plan:
+        runs = list(runs)
+        st = Targets(runs, cluster)
+        waiting: dict[str, str] = {}
+        for rule in self.rules:
+            rule(st, waiting)
+        return Plan(targets=st.target, decisions=[d for r in runs if (d := decision(st, r)) is not None],
+                    waiting=waiting)
 
 
-def _admit_pass(st: _State, waiting: dict[str, str]) -> bool:
-    admitted = False
-    queued = sorted((r for r in st.runs.values() if st.target[r.run_id] == 0),
-                    key=lambda r: (-r.priority, r.queued_since, r.run_id))
-    running = _shed_order(r for r in st.runs.values() if st.target[r.run_id] and r.preemptible)
-    for r in queued:
-        need = st.smallest(r)
-        if not st.valid[r.run_id]:
-            waiting[r.run_id] = f"no valid size in [{r.min_workers}, {r.max_workers}]"
-            continue
-        if st.quota_room(r) < need:
-            waiting[r.run_id] = (f"team {r.team!r} quota: {max(0, int(st.quota_room(r)))} of "
-                                 f"{st.cluster.quotas[r.team]} workers left, {need} needed")
-            continue
-        missing = need - st.free()
-        if missing > 0:
-            # What idle capacity lent above their minimum goes back to any run of the same or a higher
-            # priority; a whole run is suspended only for a higher one.
-            lenders = [v for v in running if v.priority <= r.priority and st.target[v.run_id] > st.smallest(v)]
-            lower = [v for v in running if v.priority < r.priority and st.target[v.run_id]]
-            reclaimable = (sum(st.target[v.run_id] - st.smallest(v) for v in lenders if v.priority == r.priority)
-                           + sum(st.target[v.run_id] for v in lower))
-            if reclaimable < missing:
-                waiting[r.run_id] = (f"needs {need} workers together: {max(0, st.free())} free"
-                                     + (f", {reclaimable} reclaimable from preemptible runs" if reclaimable else ""))
-                continue
-            left = _give_back(st, lenders, lower, missing, "preempted", f"preempted by run {r.run_id!r} (priority "
-                              f"{r.priority})")
-            assert left <= 0, (r.run_id, left)  # reclaimable covered it
-        # A run suspended earlier in this decision and let back in smaller keeps the cause it was cut for.
-        st.set(r, need, *st.causes.get(r.run_id, ("admitted", "its minimum fits" if missing <= 0
-                                                   else "admitted by preemption")))
-        admitted = True
-    return admitted
+def decision(st: Targets, r: RunDemand) -> Decision | None:
+    """What changed for ``r``: none, an admission, a suspension, a new size or a restored one."""
+    old, new = max(r.allocated, 0), st.target[r.run_id]
+    if new == old:
+        return None
+    cause, reason = st.causes.get(r.run_id, ("valid", "the nearest valid size"))
+    if cause == "restored":
+        return Restore(r.run_id, new, reason)
+    if old == 0:
+        return Admit(r.run_id, new, reason)
+    if new == 0:
+        return Suspend(r.run_id, cause, reason)
+    return SetTarget(r.run_id, new, "grow" if new > old else "shrink", cause, reason)
 
 
-def _grow(st: _State, waiting: dict[str, str], margin: float) -> None:
-    """Rule 3: idle capacity to admitted runs below their maximum, worth its resize cost. A heap holds each
-    run's next step; free capacity and quota room only shrink while this runs, so a step that no longer
-    fits never fits again this round."""
-    reserved: dict[int, int] = {}  # priority -> the minimum of the queued runs that wait for capacity there
-    for w, why in waiting.items():
-        if why.startswith("needs"):
-            p = st.runs[w].priority
-            reserved[p] = reserved.get(p, 0) + st.smallest(st.runs[w])
-
-    def reserve(priority: int) -> int:
-        return sum(m for p, m in reserved.items() if p >= priority)
-
-    paid: set[str] = set()  # runs whose resize cost this round already counted
-
-    def step(r: RunDemand):
-        cur = st.target[r.run_id]
-        n = st.larger(r, cur) if cur > 0 else None
-        if n is None or n - cur > min(st.free() - reserve(r.priority), st.quota_room(r)):
-            return None
-        gain = r.rate(n) - r.rate(cur)
-        if gain <= 0 or (r.run_id not in paid and not _worth(r, cur, n, margin)):
-            return None
-        return (-r.priority, -gain / (n - cur), r.queued_since, r.run_id), n
-
-    heap = [c[0] for r in st.runs.values() if (c := step(r)) is not None]
-    heapq.heapify(heap)
-    while heap:
-        key = heapq.heappop(heap)
-        r = st.runs[key[3]]
-        c = step(r)
-        if c is None:
-            continue
-        if c[0] != key:  # its gain changed since it was queued: queue it again as it is now
-            heapq.heappush(heap, c[0])
-            continue
-        paid.add(r.run_id)
-        st.set(r, c[1], "idle", "idle capacity")
-        if (c := step(r)) is not None:
-            heapq.heappush(heap, c[0])
+# Policies a deployment may name (ETRAIN_SCHEDULING_POLICY): name -> "package.module:function" returning one.
+POLICIES: dict[str, str] = {"default": "orchestrator.service.rules:default_policy"}
 
 
-def _worth(r: RunDemand, cur: int, n: int, margin: float) -> bool:
-    """Whether growing from ``cur`` to ``n`` saves more than ``margin`` resize costs of the run's remaining time."""
-    if math.isinf(r.remaining):
-        return True
-    return r.seconds_left(cur) - r.seconds_left(n) > margin * r.resize_cost_s
+def register_policy(name: str, factory: str) -> None:
+    """Name a policy factory (``"package.module:function"``, called with no argument) for deployments."""
+    POLICIES[name] = factory
 
 
-def decide(runs: Iterable[RunDemand], cluster: ClusterView, now: float, *, margin: float = MARGIN) -> Plan:
-    """Every run's target size and the decisions that reach it (see the module's rules). ``now`` is the
-    decision's time (the allocator's clock; a simulated one in the benchmark)."""
-    runs = list(runs)
-    st = _State(runs, cluster)
-    _hold_limits(st)
-    waiting: dict[str, str] = {}
-    _admit(st, waiting)
-    _grow(st, waiting, margin)
-    decisions: list[Decision] = []
-    for r in runs:
-        old, new = max(r.allocated, 0), st.target[r.run_id]
-        if new == old:
-            continue
-        cause, reason = st.causes.get(r.run_id, ("valid", "the nearest valid size"))
-        if old == 0:
-            decisions.append(Admit(r.run_id, new, reason))
-        elif new == 0:
-            decisions.append(Suspend(r.run_id, cause, reason))
-        else:
-            decisions.append(Resize(r.run_id, new, "grow" if new > old else "shrink", cause, reason))
-    return Plan(targets=st.target, decisions=decisions, waiting=waiting)
+def policy_named(name: str) -> SchedulingPolicy:
+    """The policy a deployment names: a registered name, or ``"package.module:function"`` returning one;
+    ConfigError naming ETRAIN_SCHEDULING_POLICY otherwise."""
+    from checkpointing.errors import ConfigError
+    from trainer.models.refs import resolve_ref
+
+    ref = POLICIES.get(name, name)
+    if ":" not in ref:
+        raise ConfigError(f"ETRAIN_SCHEDULING_POLICY={name!r} is no scheduling policy: use one of "
+                          f"{', '.join(sorted(POLICIES))}, or \"package.module:function\" returning one")
+    policy = resolve_ref(ref, "ETRAIN_SCHEDULING_POLICY")()
+    if not callable(getattr(policy, "decide", None)):
+        raise ConfigError(f"ETRAIN_SCHEDULING_POLICY={name!r}: {ref} returned {type(policy).__name__}, which has "
+                          "no decide(runs, cluster, now) method")
+    return policy

@@ -21,13 +21,9 @@ LISTED = ORDER[ORDER.index(Phase.QUEUED): ORDER.index(Phase.FINISHING) + 1]
 
 
 def sharing(spec) -> dict:
-    """The run's share of the cluster as its status shows it. ``[elastic]`` was validated by the driver
-    (:class:`orchestrator.config.ElasticConfig`); a field it leaves out has the config's default."""
-    from ..config import ElasticConfig  # the trainer's config modules: not for `etrain queue`, which lists only
-
-    e, default = spec.config.get("elastic") or {}, ElasticConfig
-    return {"priority": e.get("priority", default.priority), "team": e.get("team", default.team),
-            "preemptible": e.get("preemptible", default.preemptible), "owner": spec.owner,
+    """The run's share of the cluster as its status shows it (its claims: ``spec.sharing``)."""
+    share = spec.sharing
+    return {"priority": share.priority, "team": share.team, "preemptible": share.preemptible, "owner": spec.owner,
             "min_workers": spec.min_workers, "max_workers": spec.max_workers, "target": spec.target,
             "requeue": spec.requeue}
 

@@ -19,10 +19,13 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import validate_run_id
+
+from ..config import Sharing, sharing_from_raw
 
 
 class CorruptRunStore(EtrainError):
@@ -181,15 +184,26 @@ class RunSpec:
     target: int = 0
     requeue: bool = False
 
+    @cached_property
+    def sharing(self) -> Sharing:
+        """The run's claims on a shared cluster (``[elastic]`` priority, team, ...), parsed once from its
+        config (:func:`orchestrator.config.sharing_from_raw`); ConfigError naming the key if they are invalid."""
+        return sharing_from_raw(self.config)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "spec.json") -> RunSpec:
-        """The spec stored at ``where``; CorruptRunStore if it is not one."""
+        """The spec stored at ``where``; CorruptRunStore if it is not one (its ``[elastic]`` claims included)."""
         d = load_doc(text, where, _spec_problem)
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        spec = cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            spec.sharing  # parsed and kept: a spec whose claims do not parse is not one
+        except ConfigError as e:
+            raise CorruptRunStore(f"{where} has a config whose {e}; repair or delete it") from None
+        return spec
 
 
 @dataclass
