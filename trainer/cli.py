@@ -249,13 +249,11 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     from .data.corpus import load_splits
     from .export.every import report_exports, wait_for_exports
     from .loop import Trainer, checkpoint_manager, checkpoint_preflight
-    from .models import model_preflight
-    from .parallel.dims import ParallelDims, resolve_device
-    from .parallel.parallelize import check_device_features
     from .observe.telemetry import comm_meter
     from .observe.trackers import Trackers, memory_values, open_trackers, step_values
+    from .parallel.dims import resolve_device
+    from .preflight import preflight
     from .world import World, init_distributed, shutdown_distributed
-    from .zero.offload import offload_preflight
 
     args = argparse.Namespace(log_file=log_file, quiet=quiet)
     world = None
@@ -265,19 +263,12 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         world = World.from_env()
         setup_logging(world)
         cfg = load()
-        ParallelDims.from_config(cfg, world.size)
         device = resolve_device(cfg.parallel, world.local_rank)
-        check_device_features(cfg.parallel, device)
-        offload_preflight(cfg, world.size, world.rank)  # parallel.offload="nvme": its directory and room
-        model_info = model_preflight(cfg)
+        model_info = preflight(cfg, world_size=world.size, rank=world.rank, device=device)
         if world.is_main and not args.quiet:
             from .plan.fit import warn_if_not_fitting
 
             warn_if_not_fitting(cfg, world.size, device)
-        if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any process group
-            from .export.convert import init_from_preflight
-
-            init_from_preflight(cfg)
         corpus, val_corpus = load_splits(cfg)  # the model's vocabulary checked against the tokenizer's first
         log = _open_log(args.log_file, world)
         ckpt = checkpoint_manager(cfg, world)

@@ -89,17 +89,11 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     raw = with_durable_checkpoints(raw)
     cfg, ecfg = parse_config(raw, workers=workers, min_workers=min_workers, max_workers=max_workers)
     check_sizes(cfg, ecfg)
-    from trainer.models import model_preflight  # the model's family checks it (transformers: only for such models)
+    from trainer.preflight import preflight  # torch: only when a run really starts
 
-    model_preflight(cfg)
-    if cfg.parallel.offload == "nvme":  # its directory and room, here where the job's driver runs (rank 0's share)
-        from trainer.zero.offload import offload_preflight
-
-        offload_preflight(cfg, ecfg.workers, 0)
-    if cfg.model.init_from and not cfg.checkpoint.resume:  # its shapes, before any worker starts
-        from trainer.export.convert import init_from_preflight
-
-        init_from_preflight(cfg)
+    # The checks `etrain train` makes too, as rank 0 at the requested size: its offload share is checked
+    # here where the job's driver runs; the device is the workers', so its features are theirs to check.
+    preflight(cfg, world_size=ecfg.workers)
     if cfg.data.tokenizer != "bytes" or cfg.data.source == "python":
         from trainer.data.corpus import prepare  # tokenize once here, not in every worker's start-up
 
