@@ -81,20 +81,18 @@ def build_parser(prog: str = "etrain plan") -> argparse.ArgumentParser:
     return ap
 
 
-def _default_elastic(raw: dict) -> tuple[int, int]:
-    e = raw.get("elastic", {}) if isinstance(raw.get("elastic", {}), dict) else {}
-    w = int(e.get("workers", 2))
-    lo = int(e.get("min_workers", 1))
-    return lo, int(e.get("max_workers", 0)) or max(w, lo)
+def _no_elastic(raw: dict) -> tuple[int, int]:
+    raise ConfigError("give --workers N or MIN..MAX: the run's [elastic] range is read by `etrain plan`, "
+                      "not by the trainer alone")
 
 
 def main(argv: list[str] | None = None, prog: str = "etrain plan",
          elastic: Callable[[dict], tuple[int, int]] | None = None) -> int:
-    """``elastic(raw) -> (min_workers, max_workers)``: the orchestrator's reading of [elastic] (validated);
-    without it the section's numbers are read as they are."""
+    """``elastic(raw) -> (min_workers, max_workers)``: the orchestrator's reading of [elastic] (validated), the
+    sizes planned without ``--workers``; without it (the trainer alone) ``--workers`` is needed."""
     args = build_parser(prog).parse_args(argv)
     try:
-        return _run(args, elastic or _default_elastic)
+        return _run(args, elastic or _no_elastic)
     except ConfigError as e:
         print(f"etrain plan: {e}", file=sys.stderr)
         return 2
