@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from checkpointing.storage import cas
+from checkpointing.storage import local
 from orchestrator.service.auth import change_run
 from orchestrator.store.run_store import RunSpec, SpecConflict, open_store
 from tests.conftest import new_bucket
@@ -97,10 +97,10 @@ def test_a_local_lock_left_by_a_dead_writer_is_broken(tmp_path, monkeypatch):
     new_run(store)
     lock = f"{tmp_path}/runs/r1/control/spec.json.lock"
     open(lock, "w").close()
-    monkeypatch.setattr(cas, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(local, "LOCK_WAIT_S", 0.3)
     with pytest.raises(Exception, match="unreachable"):  # a live writer's lock: waited for, then given up
         store.update_spec("r1", workers=3)
-    old = time.time() - cas.STALE_LOCK_S - 1
+    old = time.time() - local.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
     assert store.update_spec("r1", workers=3).workers == 3
     assert not os.path.exists(lock)

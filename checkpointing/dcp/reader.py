@@ -174,7 +174,9 @@ class EtrainReader(StorageReader):
         self.storage_data = {}
         self._chunks = {}
 
-    def _fetch(self, paths: list[str]) -> dict[str, bytes]:
+    def fetch(self, paths: list[str]) -> dict[str, bytes]:
+        """The files ``paths`` of the step (names in its manifest), each checked against the manifest's size
+        and crc32c; CorruptCheckpointError names the first that is unlisted, missing, cut short or changed."""
         for p in paths:
             if p not in self.files:
                 raise CorruptCheckpointError(f"{self.step_rel}/{p} is not listed in the manifest")
@@ -208,7 +210,7 @@ class EtrainReader(StorageReader):
                                          "not one")
         where = f"{self.step_rel}/{names[0]}"
         check_metadata_size(self.files[names[0]].size, where)
-        md = load_metadata(self._fetch(names)[names[0]], where)
+        md = load_metadata(self.fetch(names)[names[0]], where)
         check_locations(md, self.files, where)
         return md
 
@@ -232,10 +234,10 @@ class EtrainReader(StorageReader):
             batch.append(path)
             size += self.files[path].size if path in self.files else 0
             if size >= self.max_batch_bytes:
-                self._apply(self._fetch(batch), per_file, planner)
+                self._apply(self.fetch(batch), per_file, planner)
                 batch, size = [], 0
         if batch:
-            self._apply(self._fetch(batch), per_file, planner)
+            self._apply(self.fetch(batch), per_file, planner)
         fut: TorchFuture = TorchFuture()
         fut.set_result(None)
         return fut
@@ -315,7 +317,7 @@ def verify_files(reader: EtrainReader) -> list[str]:
         problems.append(str(e))
     for name in sorted(p for p in reader.files if not METADATA_RE.match(p)):
         try:
-            data = reader._fetch([name])[name]
+            data = reader.fetch([name])[name]
             if md is not None:
                 check_items(md, name, data, f"{reader.step_rel}/{name}")
         except CorruptCheckpointError as e:

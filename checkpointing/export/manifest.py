@@ -168,10 +168,11 @@ def file_problems(storage: Storage, rel: str, doc: dict, present: dict[str, int 
 def _crc32c(storage: Storage, rel: str) -> str:
     """crc32c of one file of an export: streamed 16 MiB at a time from a local disk (an export's
     shards are up to 5 GB), read whole elsewhere."""
-    if not storage.is_local:
+    path = storage.local_path(rel)
+    if path is None:
         return checksum(storage.get(rel))
     c = Checksum()
-    with open(storage._path(rel), "rb") as f:
+    with open(path, "rb") as f:
         while chunk := f.read(16 * MiB):
             c.update(chunk)
     return c.hexdigest()

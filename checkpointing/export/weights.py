@@ -149,19 +149,18 @@ class ModelSource:
     def _fetch(self, path: str):
         """One file's bytes, checked against the manifest's size and crc32c before use. On local
         storage the file is mapped read-only rather than copied (committed files never change)."""
-        storage = self.mgr.storage
         want = self.reader.files.get(path)
-        if not storage.is_local or want is None or not want.size:
-            return self.reader._fetch([path])[path]
-        where = f"{self.reader.step_rel}/{path}"
+        local = self.mgr.storage.local_path(f"{self.reader.step_rel}/{path}") if want and want.size else None
+        if local is None:
+            return self.reader.fetch([path])[path]
         try:
-            with open(storage._path(where), "rb") as f:
+            with open(local, "rb") as f:
                 data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                  prot=mmap.PROT_READ)
         except (FileNotFoundError, ValueError):  # ValueError: an empty file cannot be mapped
-            return self.reader._fetch([path])[path]  # says what is wrong with it
+            return self.reader.fetch([path])[path]  # says what is wrong with it
         if len(data) != want.size or checksum(data) != want.crc32c:
-            return self.reader._fetch([path])[path]
+            return self.reader.fetch([path])[path]
         return data
 
     def _file(self, path: str) -> bytes:
@@ -341,8 +340,9 @@ class Output:
             path = os.path.abspath(out)
             where, self.name = (path, "") if directory else (os.path.dirname(path), os.path.basename(path))
         self.storage = Storage(where)
-        self.local = self.storage.is_local
-        self.dir = self.storage._path("") if self.local else tempfile.mkdtemp(prefix="etrain-export-")
+        root = self.storage.local_path("")
+        self.local = root is not None
+        self.dir = root if root is not None else tempfile.mkdtemp(prefix="etrain-export-")
         self.files: list[dict] = []
 
     def path(self, name: str) -> str:

@@ -23,8 +23,8 @@ leadership lease. Two backends:
 
 Spec writes (and creating a run) are compare-and-swap on both: an etcd
 transaction on the key's mod_revision; on storage, a conditional write
-(:mod:`checkpointing.storage.cas`: S3 If-Match on the ETag, a lock file on local
-disks, best effort elsewhere), so a user's resize and another writer's
+(:meth:`checkpointing.storage.base.Storage.write_if`: S3 If-Match on the ETag, a lock
+file on local disks, best effort elsewhere), so a user's resize and another writer's
 change never overwrite each other. Credentials for etcd come from the
 environment (:mod:`orchestrator.store.etcd_client`). Who may change a run is
 checked above the store (:mod:`orchestrator.service.auth`).
@@ -52,7 +52,6 @@ from checkpointing.names import redact, validate_run_id
 from checkpointing.storage.retry import RetryPolicy
 from checkpointing.storage.base import Storage
 
-from checkpointing.storage import cas
 from . import etcd_client
 from .documents import (  # noqa: F401  (HistoryRow, CorruptRunStore, ...: callers import them from here too)
     SPEC_TYPES,
@@ -261,16 +260,16 @@ class StorageRunStore(RunStore):
 
     def _write(self, run_id, name, value):
         rel = self._rel(run_id, name)
-        self._guard(lambda: cas.write(self.storage, rel, value.encode()))  # readers never see half of it
+        self._guard(lambda: self.storage.write(rel, value.encode()))  # readers never see half of it
 
     def read_versioned(self, run_id, name):
         rel = self._rel(run_id, name)
-        data, version = self._guard(lambda: cas.read_versioned(self.storage, rel)) or (None, None)
+        data, version = self._guard(lambda: self.storage.read_versioned(rel)) or (None, None)
         return (data.decode(errors="replace") if data is not None else None), version
 
     def write_if(self, run_id, name, value, version):
         rel = self._rel(run_id, name)
-        return bool(self._guard(lambda: cas.write_if(self.storage, rel, value.encode(), version)))
+        return bool(self._guard(lambda: self.storage.write_if(rel, value.encode(), version)))
 
     def put_status(self, run_id, status, lease):
         holder = self._leader(run_id)
@@ -342,7 +341,7 @@ class StorageRunStore(RunStore):
         now = self.current_epoch(run_id)
         if now != expected:
             raise FencedError(f"epoch of run {run_id!r} is {now}, not {expected}: another controller moved it")
-        self._guard(lambda: cas.write(self.storage, RunRoot(run_id).fence, fence_blob(expected + 1)))
+        self._guard(lambda: self.storage.write(RunRoot(run_id).fence, fence_blob(expected + 1)))
         return expected + 1
 
 
