@@ -15,6 +15,7 @@ counts as much as one at the top. No Ray, no torch, no process group: it runs in
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -263,6 +264,46 @@ def test_no_modules_import_each_other_in_a_circle():
         "\n".join(" <-> ".join(c) for c in circles)
 
 
+def raw_section_readers(paths: list[Path], sections: tuple[str, ...] = ("elastic", "recovery"),
+                        owner: str = "orchestrator/config.py") -> list[str]:
+    """Code that reads the orchestrator's raw sections (``raw["elastic"]``, ``raw.get("elastic")``) anywhere
+    but in the module that parses them once into typed values."""
+    out = []
+    for p in paths:
+        if str(p.relative_to(ROOT)) == owner:
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                key = node.args[0].value
+            if key in sections:
+                out.append(f"{p.relative_to(ROOT)}:{node.lineno}: reads the raw [{key}] table")
+    return out
+
+
+def test_only_the_config_module_reads_the_raw_elastic_and_recovery_tables():
+    bad = raw_section_readers(modules(*HOUSE))
+    assert not bad, "read the typed value instead (RunSpec.sharing, ElasticConfig, RecoveryConfig):\n" + "\n".join(bad)
+
+
+def missing_named_files(doc: Path) -> list[str]:
+    """The paths of this repository a document names in backquotes (``trainer/loop.py``,
+    ``orchestrator/service/policy.py: decide``, ``checkpointing/storage/``) that do not exist."""
+    names = re.findall(r"`((?:orchestrator|trainer|checkpointing|etrain|tests|bench|docs|deploy|examples)/[^`<>:\s]*)",
+                       doc.read_text())
+    return sorted({n for n in names if not (ROOT / n).exists()})
+
+
+def test_the_architecture_page_names_files_that_exist():
+    """docs/architecture.md's tables and "How to extend" entries name the files to touch: each one exists."""
+    doc = ROOT / "docs" / "architecture.md"
+    assert len(re.findall(r"`(?:orchestrator|trainer|checkpointing)/", doc.read_text())) > 50
+    assert not missing_named_files(doc), missing_named_files(doc)
+
+
 def test_each_rule_catches_a_planted_violation(tmp_path, monkeypatch):
     """A throwaway house under tmp_path breaking each rule once: every rule names its violation."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
@@ -305,6 +346,11 @@ def test_circles_and_back_up_imports_count_every_import(tmp_path, monkeypatch):
         "    orchestrator/top.py:1: imports orchestrator.room.low",
     ]
     assert crowded_folders(paths) == []
+    (pkg / "e.py").write_text("from .d import D\n\ndef f(raw, spec):\n    return raw.get(\"elastic\", {}), spec.config[\"recovery\"]\n")
+    (tmp_path / "arch.md").write_text("see `orchestrator/e.py: f`, `orchestrator/room/` and `trainer/gone.py`\n")
+    assert missing_named_files(tmp_path / "arch.md") == ["trainer/gone.py"]
+    assert raw_section_readers(sorted(pkg.rglob("*.py"))) == ["orchestrator/e.py:4: reads the raw [elastic] table",
+                                                              "orchestrator/e.py:4: reads the raw [recovery] table"]
     for i in range(MAX_MODULES + 1 - 3):  # top.py, d.py and e.py stand there already
         (pkg / f"m{i}.py").write_text("")
     assert crowded_folders(sorted(pkg.rglob("*.py"))) == [
