@@ -56,7 +56,7 @@ def test_zero_paper_figure_7_5b_on_64_gpus(stage, gb):
 
 def test_planner_model_states_at_zero3_are_the_papers_16p_over_n():
     cfg = llama("8b", 4096, 64)
-    new, dims = Layout(1, 64, 1, 1, zero=3).apply(cfg)
+    new, dims = Layout(1, 64, 1, 1, zero_stage=3).apply(cfg)
     mem = rank_memory(new, dims, 0, mixed=True)
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(16 / 64 * mem["param_count"], rel=1e-6)
@@ -102,9 +102,9 @@ def test_llama3_70b_on_64_h100_lands_on_the_megatron_layout_family():
     parallelism with sharded optimizer state over the rest, no full recomputation (docs/planning.md)."""
     res = plan_size(llama("70b", 8192, 128), 64, DEVICES["h100"])
     best = res["best"].layout
-    assert best.tp in (4, 8) and best.sp
-    assert best.pp > 1 and best.schedule == "interleaved_1f1b"
-    assert best.zero >= 1 and best.dp > 1 and best.ac != "full"
+    assert best.tp in (4, 8) and best.sequence_parallel
+    assert best.pp > 1 and best.pp_schedule == "interleaved_1f1b"
+    assert best.zero_stage >= 1 and best.dims.dp > 1 and best.ac != "full"
     assert res["best"].fits and res["runner_up"] is not None and res["losers"]
     assert all(c.reason for c in res["losers"])
     # Plain data parallelism of 70B cannot fit: the first reason a family lost.
@@ -284,7 +284,8 @@ def test_a_factory_model_is_offered_only_what_it_can_take():
 
     res = plan_size(planning_config(cfg), 4, DEVICES["cpu"])
     seen = [c.layout for c in [res["best"], res["runner_up"], *res["losers"]]]
-    assert all(lay.pp == 1 and lay.tp == 1 and not lay.sp for lay in seen)  # no pipeline cut, no TP plan given
+    # no pipeline cut, no TP plan given
+    assert all(lay.pp == 1 and lay.tp == 1 and not lay.sequence_parallel for lay in seen)
     with_plan = planning_config(load_config(None, ['model.source="python"', 'model.factory="tests.custom_model:build"',
                                                    'model.tp_plan="tests.custom_model:tp_plan"', "data.seq_len=32"]))
     assert "tp" in with_plan.plan_allows and "pp" not in with_plan.plan_allows

@@ -89,7 +89,7 @@ def test_search_covers_cp_and_its_styles_only_where_the_trainer_takes_them():
     with_cp = [x for x in layouts if x.cp > 1]
     assert {(x.cp, x.cp_style) for x in with_cp} == {(c, s) for c in (2, 4) for s in ("ring", "allgather", "ulysses")}
     assert any(x.tp == 2 for x in with_cp) and any(x.pp == 2 for x in with_cp)  # cp x tp, cp x pp
-    assert {x.zero for x in with_cp} == {0, 1, 2, 3}  # every stage shards over dp_shard x cp
+    assert {x.zero_stage for x in with_cp} == {0, 1, 2, 3}  # every stage shards over dp_shard x cp
     assert all(evaluate(cfg_of(), x, DEVICES["h100"]).valid for x in with_cp[:50])
     one_head = enumerate_layouts(planning_config(load_config(None, ONE_HEAD)), 4)
     assert {x.cp_style for x in one_head if x.cp > 1} == {"ring", "allgather"}  # ulysses splits heads

@@ -74,7 +74,7 @@ def test_the_search_offers_ep():
     cfg = load_config(None, MOE)
     layouts = enumerate_layouts(cfg, 4)
     assert {lay.ep for lay in layouts} == {1, 2, 4}
-    assert {lay.zero for lay in layouts if lay.ep == 2} == {0, 1, 2, 3}
+    assert {lay.zero_stage for lay in layouts if lay.ep == 2} == {0, 1, 2, 3}
     assert all(_normalize(cfg, lay) == lay for lay in layouts)
     assert _normalize(cfg, Layout(2, 2, 1, 1, 3, ep=4)).ep == 1  # ep must divide dp_shard
     zero1 = evaluate(cfg, Layout(1, 4, 1, 1, 1, ep=2), DEVICES["cpu"])
@@ -113,7 +113,7 @@ def test_the_search_offers_tp_with_the_moe_layers_whole_on_every_tp_rank():
     cfg = load_config(None, MOE)
     layouts = enumerate_layouts(cfg, 4)
     assert {lay.tp for lay in layouts} == {1, 2, 4} and any(lay.tp == 2 and lay.ep == 2 for lay in layouts)
-    assert any(lay.tp == 2 and lay.sp for lay in layouts)
+    assert any(lay.tp == 2 and lay.sequence_parallel for lay in layouts)
     shape = spec_for(cfg.model).shape()
     cfg2, dims2 = dims_at(["parallel.tp=2", "parallel.zero_stage=0"], 2)
     _, dims1 = dims_at(["parallel.zero_stage=0"], 1)

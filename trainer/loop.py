@@ -272,7 +272,7 @@ class Trainer:
             per = memory.bytes_per_param(self.dims.zero_stage, self.dims.zero_shards, self.mixed)
             # ZeRO 0-2 under expert parallelism: the experts are FSDP's, sharded over dp_shard (ep x the rest) x cp
             ex = sum(p.numel() for m in self.parts.expert_units for p in m.parameters())
-            fsdp = memory.bytes_per_param(3, self.dims.dp_shard * self.dims.cp, self.mixed)
+            fsdp = memory.bytes_per_param(3, self.dims.shard_ranks, self.mixed)
             return {k: round(v * (self.parts.local_params - ex) + fsdp[k] * ex) for k, v in per.items()}
         return memory.predict(self.cfg, self.dims, self.world.rank, mixed=self.mixed)
 

@@ -1,4 +1,16 @@
-"""``[parallel]``: the parallel layout (dp_replicate x dp_shard x cp x tp x pp) and its precision."""
+"""``[parallel]``: the parallel layout (dp_replicate x dp_shard x cp x tp x pp) and its precision; the rules of
+context parallelism (cp) and of expert parallelism (ep), each in one place.
+
+    check_cp(cfg.parallel, cfg.model, cfg.data.seq_len, tp)   # a run's cp (trainer.parallel.dims, at its size)
+    check_ep(cfg.parallel, cfg.model)                         # ep against the model (RunConfig)
+    check_ep_carved(ep, dp_shard)                             # ep against a size's dp_shard (ParallelDims)
+    ep_degrees(n_experts, dp_shard), expert_degree(...)       # what the planner offers, what ep=0 takes
+
+Every check of cp and of ep is here (the field checks of :class:`ParallelConfig` too): the config, the mesh
+(:class:`trainer.parallel.dims.ParallelDims`), the context (:mod:`trainer.parallel.context`) and the planner
+(:mod:`trainer.plan.search`) ask these rules and never restate them. What a model's own attention or experts need
+is its spec's (:mod:`trainer.models`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,8 @@ from typing import Literal
 
 from checkpointing.errors import ConfigError
 
-from .checks import check_finite
+from .checks import check_finite, divisors, fmt_list, or_join
+from .model import ModelConfig
 
 CP_STYLES = ("ring", "allgather", "ulysses")
 
@@ -156,3 +169,86 @@ def check_nvme_keys(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.offload_dir={p.offload_dir!r} must be a local path, not a URL")
     if p.offload_buffer_mb <= 0:
         raise ConfigError(f"parallel.offload_buffer_mb={p.offload_buffer_mb} must be > 0 (MiB of host buffers)")
+
+
+# --- context parallelism's rules ------------------------------------------------------------------
+
+
+def cp_splits(seq_len: int, cp: int) -> bool:
+    """Whether every sample's ``seq_len`` positions split into 2 x cp equal chunks (each cp rank takes one from
+    the head and one from the tail: :func:`trainer.parallel.context.zigzag_positions`)."""
+    return seq_len % (2 * cp) == 0
+
+
+def ulysses_splits(n_heads: int, tp: int, cp: int) -> bool:
+    """Whether ``cp_style="ulysses"`` can split a tensor-parallel rank's attention heads (n_heads / tp) across
+    the cp ranks."""
+    return (n_heads // tp) % cp == 0
+
+
+def cp_refuses_dropout(m: ModelConfig) -> bool:
+    """The built-in decoder's attention dropout is not split across the cp ranks: cp > 1 needs model.dropout=0."""
+    return m.source == "builtin" and m.dropout > 0
+
+
+def check_cp(p: ParallelConfig, m: ModelConfig, seq_len: int, tp: int) -> None:
+    """Context parallelism's needs of a run with ``p.cp`` > 1 at tensor-parallel degree ``tp`` (the model's own,
+    whether its attention can be routed, are asked of its spec: :func:`trainer.models.model_preflight`)."""
+    cp, seq = p.cp, seq_len
+    if not cp_splits(seq, cp):
+        near = [v for v in (seq - seq % (2 * cp), seq - seq % (2 * cp) + 2 * cp) if v >= 2 * cp]
+        raise ConfigError(
+            f"parallel.cp={cp} splits every sample's data.seq_len={seq} positions into 2 x cp = {2 * cp} equal "
+            f"chunks (each rank takes one from the head and one from the tail); use data.seq_len="
+            f"{or_join(near)}, or another parallel.cp")
+    if p.cp_style == "ulysses" and m.source == "builtin" and not ulysses_splits(m.n_heads, tp, cp):
+        good = [d for d in divisors(m.n_heads // tp) if d > 1]
+        shown = f" / parallel.tp={tp}" if tp > 1 else ""
+        raise ConfigError(
+            f'parallel.cp_style="ulysses" splits the attention heads across the cp ranks: model.n_heads='
+            f"{m.n_heads}{shown} is not divisible by parallel.cp={cp}; use parallel.cp={or_join(good or [1])}, "
+            'or parallel.cp_style="ring"')
+    if cp_refuses_dropout(m):
+        raise ConfigError(f"parallel.cp={cp} needs model.dropout=0 (got {m.dropout}): attention dropout is not "
+                          "split across the cp ranks; set model.dropout=0, or parallel.cp=1")
+    if p.compile:  # the ring's sends and receives break a block's single graph
+        raise ConfigError(f"parallel.cp={cp} does not combine with parallel.compile=true yet; set "
+                          "parallel.compile=false, or parallel.cp=1")
+
+
+# --- expert parallelism's rules -------------------------------------------------------------------
+
+
+def ep_degrees(n_experts: int, dp_shard: int) -> list[int]:
+    """The ep a size whose dp_shard is ``dp_shard`` can take: the divisors of dp_shard that divide n_experts (ep is
+    carved from dp_shard and splits the experts), [1] without experts."""
+    return [e for e in divisors(dp_shard) if n_experts % e == 0] if n_experts > 0 else [1]
+
+
+def expert_degree(ep: int, n_experts: int, dp_shard: int) -> int:
+    """``parallel.ep`` as configured, or with ``parallel.ep = 0`` (automatic) the largest of :func:`ep_degrees`."""
+    return ep or max(ep_degrees(n_experts, dp_shard))
+
+
+def ep_carves(ep: int, dp_shard: int) -> bool:
+    """Whether ep divides dp_shard (ep is carved from it and adds no ranks)."""
+    return dp_shard % ep == 0
+
+
+def check_ep_carved(ep: int, dp_shard: int) -> None:
+    if not ep_carves(ep, dp_shard):
+        raise ConfigError(f"parallel.ep={ep} is carved from dp_shard={dp_shard} and must divide it; "
+                          f"use a world size whose dp_shard is a multiple of {ep}, parallel.ep in "
+                          f"{fmt_list(divisors(dp_shard))}, or parallel.ep=0 (the largest that fits "
+                          "each size)")
+
+
+def check_ep(p: ParallelConfig, m: ModelConfig) -> None:
+    """``parallel.ep`` against the model: experts to split (a transformers model's are its spec's to check), and
+    an ep that divides them."""
+    if p.ep != 1 and not m.n_experts and m.source != "hf":  # a transformers MoE: its spec's preflight
+        raise ConfigError(f"parallel.ep={p.ep} splits the experts of a Mixture of Experts, and the model has none; "
+                          'set parallel.ep=1, or model.n_experts (e.g. model.preset="moe-tiny")')
+    if p.ep > 1 and m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; use one of "
+                          f"{fmt_list(divisors(m.n_experts))}")

@@ -16,7 +16,7 @@ from .checks import divisors, fmt_list, or_join
 from .data import DataConfig, EvalConfig
 from .model import ModelConfig
 from .observe import LoggingConfig, MetricsConfig
-from .parallel import ParallelConfig
+from .parallel import ParallelConfig, check_ep
 from .train import TrainConfig
 
 
@@ -52,12 +52,7 @@ class RunConfig:
             raise ConfigError(f"checkpoint.export_every writes transformers directories during the run, not yet for "
                               f"model.n_experts={m.n_experts} (Mixture of Experts); set it to 0 and use "
                               "`etrain ckpt export --format hf` (Mixtral) on a checkpoint")
-        if p.ep != 1 and not m.n_experts and m.source != "hf":  # a transformers MoE: its spec's preflight
-            raise ConfigError(f"parallel.ep={p.ep} splits the experts of a Mixture of Experts, and the model has none; "
-                              'set parallel.ep=1, or model.n_experts (e.g. model.preset="moe-tiny")')
-        if p.ep > 1 and m.n_experts % p.ep:
-            raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; use one of "
-                              f"{fmt_list(divisors(m.n_experts))}")
+        check_ep(p, m)  # expert parallelism's rules are config.parallel's
         if self.checkpoint.resume and not self.checkpoint.url:
             raise ConfigError("checkpoint.resume=true needs checkpoint.url")
         if self.checkpoint.export_every and m.source == "python":

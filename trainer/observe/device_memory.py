@@ -94,7 +94,7 @@ def predict(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool = False) 
     # sharded over all of dp_shard (x cp).
     n_stages, stages = dims.stages(rank, cfg.parallel.pp_stages_per_rank)
     experts = spec_for(cfg.model).shape().stage_experts(stages, n_stages) if dims.ep > 1 and stage < 3 else 0
-    fsdp = bytes_per_param(3, dims.dp_shard * dims.cp, mixed)
+    fsdp = bytes_per_param(3, dims.shard_ranks, mixed)
     return {k: round(v * (count - experts) + fsdp[k] * experts) for k, v in per.items()}
 
 
@@ -118,7 +118,7 @@ def transient_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool, 
     if stage < 3:
         return 0
     block, total = local_counts(cfg, dims, rank)
-    n_blocks = spec_for(cfg.model).shape().n_layers // (dims.pp * cfg.parallel.pp_stages_per_rank)
+    n_blocks = spec_for(cfg.model).shape().n_layers // dims.stages(rank, cfg.parallel.pp_stages_per_rank)[0]
     p = 2 if mixed else 4
     gathered = total if dims.pp > 1 else total - max(0, n_blocks - 2) * block
     return p * gathered + (p + 4) * block

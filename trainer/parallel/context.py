@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ..config.parallel import cp_splits
 from .cp_attention import STYLES
 from .dims import Axis, ParallelDims
 
@@ -28,7 +29,7 @@ from .dims import Axis, ParallelDims
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions held by cp rank ``rank`` of ``cp``: chunks ``rank`` and ``2cp - 1 - rank`` of
     ``2cp`` equal chunks of ``seq_len``, in increasing order."""
-    if seq_len % (2 * cp):
+    if not cp_splits(seq_len, cp):  # refused earlier, by name, for a run (trainer.config.parallel.check_cp)
         raise ValueError(f"a sequence of {seq_len} positions does not split into 2 x cp = {2 * cp} chunks")
     c = seq_len // (2 * cp)
     head = torch.arange(rank * c, (rank + 1) * c)

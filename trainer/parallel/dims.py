@@ -3,6 +3,7 @@
     dims = ParallelDims.from_config(cfg, world_size)     # validates; no process group needed
     mesh = dims.build_mesh("cpu")                        # named axes: pp, dp_replicate, dp_shard, (cp,) tp
     dims.zero_stage, dims.dp, dims.uses_fsdp             # derived here, asked everywhere else
+    dims.shard_ranks, dims.zero_shards, dims.grad_ranks  # ZeRO's shard group, its shards, the loss group's size
     dims.group(mesh, Mesh.DP)                            # a named (derived) mesh's process group
     valid_world_sizes(cfg, max_world=16)                 # what a run can be resized to
 
@@ -20,6 +21,12 @@ it, at every size the run takes) and adds no ranks: groups of ``ep`` data-parall
 the experts of a Mixture of Experts; gradients and the loss are still averaged over ``dp``. With
 ``parallel.ep = 0`` each size takes its own ep (:meth:`ParallelDims.expert_degree`), so a resize may change it.
 
+Every quantity the degrees imply (the data-parallel size, the world size, ZeRO's shard group and the
+loss group, their axes, the ranks a group spans, the micro-batches of a step, the sizes a run may take) is a
+property or method here, asked by the trainer, its ZeRO optimizers and the planner (whose layout,
+:class:`trainer.plan.accounting.Layout`, is these degrees plus what only the planner chooses). The rules of cp
+and ep are :mod:`trainer.config.parallel`'s, asked here at each size.
+
 Pure arithmetic over the config plus the mesh accessors: it never imports the
 model, so the orchestrator sizes a group without loading model code.
 :mod:`trainer.parallel.parallelize` applies the layout to a model.
@@ -36,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from checkpointing.errors import ConfigError
 
 from ..config import ParallelConfig, RunConfig, divisors, fmt_list, or_join
+from ..config.parallel import check_cp, check_ep_carved, expert_degree
 
 
 class Axis(StrEnum):
@@ -81,6 +89,11 @@ def fixed_degree(dp_replicate: int, tp: int, pp: int, cp: int = 1) -> int:
     return dp_replicate * cp * tp * pp
 
 
+def config_dp_shard(p: ParallelConfig, world: int) -> int:
+    """``parallel.dp_shard`` at ``world``: as configured, or (-1) what the world leaves after the fixed degree."""
+    return world // fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp) if p.dp_shard == -1 else p.dp_shard
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of each mesh axis (their product is the world size) and the ZeRO stage asked for."""
@@ -106,7 +119,7 @@ class ParallelDims:
                 f"x parallel.tp={p.tp} x parallel.pp={p.pp} = {fixed}; "
                 f"run on {fmt_list([fixed * k for k in range(1, 5)])} processes or change the layout"
             )
-        dp_shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
+        dp_shard = config_dp_shard(p, world_size)
         if fixed * dp_shard != world_size:
             raise ConfigError(
                 f"parallel.dp_replicate={p.dp_replicate} x dp_shard={dp_shard}{cp.replace(' parallel.', ' ')} "
@@ -123,18 +136,12 @@ class ParallelDims:
     def expert_degree(cfg: RunConfig, dp_shard: int) -> int:
         """The ep of a run whose dp_shard is ``dp_shard``: ``parallel.ep`` as configured, or with ``parallel.ep
         = 0`` (automatic) the largest ep that divides both model.n_experts and dp_shard (1 without experts).
-        The one rule the trainer, the orchestrator's valid sizes and the planner ask."""
-        ep, n = cfg.parallel.ep, cfg.model.n_experts
-        if ep:
-            return ep
-        return max((d for d in divisors(dp_shard) if n > 0 and n % d == 0), default=1)
+        The one rule the trainer, the orchestrator's valid sizes and the planner ask
+        (:func:`trainer.config.parallel.expert_degree`)."""
+        return expert_degree(cfg.parallel.ep, cfg.model.n_experts, dp_shard)
 
     def __post_init__(self) -> None:
-        if self.dp_shard % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} is carved from dp_shard={self.dp_shard} and must divide it; "
-                              f"use a world size whose dp_shard is a multiple of {self.ep}, parallel.ep in "
-                              f"{fmt_list(divisors(self.dp_shard))}, or parallel.ep=0 (the largest that fits "
-                              "each size)")
+        check_ep_carved(self.ep, self.dp_shard)
 
     # --- derived quantities: asked here, never re-derived ----------------------------------
 
@@ -151,17 +158,38 @@ class ParallelDims:
     def zero_stage(self) -> int:
         """The ZeRO stage in effect: the one configured, or 0 without data or context parallelism (no copies
         of the parameters to shard)."""
-        return self.zero_requested if self.dp * self.cp > 1 else 0
+        return self.zero_requested if self.grad_ranks > 1 else 0
 
     @property
     def grad_ranks(self) -> int:
-        """The size of :attr:`loss_mesh`: what summed gradients and losses are divided by."""
+        """The size of :attr:`loss_mesh` (dp x cp): what summed gradients and losses are divided by."""
         return self.dp * self.cp
 
     @property
+    def shard_ranks(self) -> int:
+        """The ranks of one ZeRO shard group, whatever the stage: dp_shard x cp (:attr:`Mesh.DP_SHARD_CP`; the cp
+        ranks hold the same parameters). ZeRO-3's (and under ep the experts') resident shard is 1 / this."""
+        return self.dp_shard * self.cp
+
+    @property
     def zero_shards(self) -> int:
-        """Ways ZeRO 1-3 split the optimizer state (and more): dp_shard, or 1 at stage 0."""
-        return self.dp_shard * self.cp if self.zero_stage > 0 else 1
+        """Ways ZeRO 1-3 split the optimizer state (and more): :attr:`shard_ranks`, or 1 at stage 0."""
+        return self.shard_ranks if self.zero_stage > 0 else 1
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis ZeRO 1-3's collectives run over: ``dp_shard``, or ``dp_shard_cp`` under cp."""
+        return Mesh.DP_SHARD_CP if self.cp > 1 else Axis.DP_SHARD
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks the experts' own FSDP units shard over under ep: dp_shard / ep, x cp."""
+        return self.dp_shard // self.ep * self.cp
+
+    @property
+    def expert_shard_axis(self) -> str:
+        """Their axis: ``dp_shard_mod_ep`` (:data:`EXPERT_SPLIT`), or ``dp_shard_mod_ep_cp`` under cp."""
+        return EXPERT_SHARD_CP if self.cp > 1 else EXPERT_SPLIT[0]
 
     @property
     def uses_fsdp(self) -> bool:
@@ -204,12 +232,28 @@ class ParallelDims:
             return n_stages, [0]
         return n_stages, [self.coords(rank)[Axis.PP] + k * self.pp for k in range(per_rank)]
 
+    def span(self, axis: str) -> int:
+        """Consecutive ranks one group of ``axis`` spans (row-major over :data:`AXES`, tp innermost): an axis of
+        the mesh, a derived mesh (its outermost axis's), or one of the expert mesh's (ep innermost in dp_shard)."""
+        if axis == Axis.EP:
+            return self.span(Axis.CP) * self.ep
+        outer = {Mesh.DP: Axis.DP_REPLICATE, Mesh.DP_CP: Axis.DP_REPLICATE, Mesh.DP_SHARD_CP: Axis.DP_SHARD,
+                 EXPERT_SPLIT[0]: Axis.DP_SHARD, EXPERT_SHARD_CP: Axis.DP_SHARD}.get(axis, axis)
+        out = 1
+        for a in AXES[AXES.index(Axis(outer)):]:
+            out *= self.size(a)
+        return out
+
     def local_batch(self, cfg: RunConfig) -> int:
         return cfg.train.global_batch // self.dp
 
     def pp_microbatches(self, cfg: RunConfig) -> int:
         local = self.local_batch(cfg)
         return cfg.parallel.pp_microbatches or max(1, local // cfg.train.micro_batch)
+
+    def microbatches(self, cfg: RunConfig) -> int:
+        """Micro-batches a rank runs per step: the pipeline's, or (at least one) local batch / train.micro_batch."""
+        return self.pp_microbatches(cfg) if self.pp > 1 else max(1, self.local_batch(cfg) // cfg.train.micro_batch)
 
     # --- checks --------------------------------------------------------------------------
 
@@ -252,7 +296,7 @@ class ParallelDims:
                 f"across parallel.tp={self.tp} ranks; use data.seq_len={or_join(near)}, or sequence_parallel=false"
             )
         if self.cp > 1:
-            self.check_cp(cfg)
+            check_cp(p, cfg.model, seq, self.tp)
         if p.offload == "cpu" and self.dp == 1:
             fixed = fixed_degree(self.dp_replicate, self.tp, self.pp, self.cp)
             raise ConfigError(
@@ -266,7 +310,7 @@ class ParallelDims:
 
     def check_hpz(self, hpz: int) -> None:
         """ZeRO++'s hpZ: the secondary shard's groups must tile the ZeRO-3 shard group."""
-        shard = self.dp_shard * self.cp
+        shard = self.shard_ranks
         if shard % hpz or hpz > shard:
             good = [d for d in divisors(shard) if d > 1]
             axes = "dp_shard x cp" if self.cp > 1 else "dp_shard"
@@ -278,31 +322,6 @@ class ParallelDims:
             raise ConfigError(f"parallel.hpz_partition_size={hpz} has no effect with parallel.pp={self.pp}: pipeline "
                               "stages keep their parameters whole between forward and backward; set "
                               "hpz_partition_size=0")
-
-    def check_cp(self, cfg: RunConfig) -> None:
-        """Context parallelism's needs of the run (the model's own, whether its attention can be routed, are
-        asked of its spec: :func:`trainer.models.model_preflight`)."""
-        p, m, seq, cp = cfg.parallel, cfg.model, cfg.data.seq_len, self.cp
-        if seq % (2 * cp):
-            near = [v for v in (seq - seq % (2 * cp), seq - seq % (2 * cp) + 2 * cp) if v >= 2 * cp]
-            raise ConfigError(
-                f"parallel.cp={cp} splits every sample's data.seq_len={seq} positions into 2 x cp = {2 * cp} equal "
-                f"chunks (each rank takes one from the head and one from the tail); use data.seq_len="
-                f"{or_join(near)}, or another parallel.cp")
-        heads = m.n_heads // self.tp  # a rank's heads under tensor parallelism
-        if p.cp_style == "ulysses" and m.source == "builtin" and heads % cp:
-            good = [d for d in divisors(heads) if d > 1]
-            tp = f" / parallel.tp={self.tp}" if self.tp > 1 else ""
-            raise ConfigError(
-                f'parallel.cp_style="ulysses" splits the attention heads across the cp ranks: model.n_heads='
-                f"{m.n_heads}{tp} is not divisible by parallel.cp={cp}; use parallel.cp={or_join(good or [1])}, "
-                'or parallel.cp_style="ring"')
-        if m.source == "builtin" and m.dropout > 0:
-            raise ConfigError(f"parallel.cp={cp} needs model.dropout=0 (got {m.dropout}): attention dropout is not "
-                              "split across the cp ranks; set model.dropout=0, or parallel.cp=1")
-        if p.compile:  # the ring's sends and receives break a block's single graph
-            raise ConfigError(f"parallel.cp={cp} does not combine with parallel.compile=true yet; set "
-                              "parallel.compile=false, or parallel.cp=1")
 
     # --- meshes --------------------------------------------------------------------------
 
@@ -390,7 +409,7 @@ def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
     fixed = fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)
     out = []
     for world in range(fixed, max_world + 1, fixed):
-        if p.dp_shard not in (-1, world // fixed):
+        if config_dp_shard(p, world) != world // fixed:
             continue
         try:
             ParallelDims.from_config(cfg, world)

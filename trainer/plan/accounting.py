@@ -1,6 +1,7 @@
 """Per-rank memory of one layout: model states, activations, buffers, checkpoint staging, recovery tier.
 
-    layout = Layout(dp_replicate=1, dp_shard=8, tp=1, pp=1, zero=3)
+    layout = Layout(dp_replicate=1, dp_shard=8, tp=1, pp=1, zero_stage=3)
+    layout.dims.world_size, layout.dims.shard_ranks  # the degrees' ParallelDims: every derived quantity
     cfg8, dims = layout.apply(cfg, world=8)        # the real config checks: ConfigError names the field
     mem = rank_memory(cfg8, dims, rank=0, mixed=True)
     mem["total"]                                    # device bytes at the step's peak, this rank
@@ -32,11 +33,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..config import RunConfig
 from ..observe.device_memory import predict, transient_bytes
 from ..models import spec_for
-from ..parallel.dims import Axis, ParallelDims
+from ..parallel.dims import Axis, ParallelDims, config_dp_shard
 from .experts import expert_counts
 from .offload import nvme_memory
 
@@ -44,30 +46,23 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 AC_MODES = ("none", "every_k", "full")
 
 
-# Each Layout field and the config field (section, name) that holds it.
-CONFIG_FIELDS = {"dp_replicate": ("parallel", "dp_replicate"), "dp_shard": ("parallel", "dp_shard"),
-                 "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "zero": ("parallel", "zero_stage"),
-                 "sp": ("parallel", "sequence_parallel"), "ac": ("parallel", "activation_checkpoint"),
-                 "micro_batch": ("train", "micro_batch"), "schedule": ("parallel", "pp_schedule"),
-                 "stages_per_rank": ("parallel", "pp_stages_per_rank"),
-                 "reduce_every": ("parallel", "reduce_every_microbatch"),
-                 "pp_microbatches": ("parallel", "pp_microbatches"), "cp": ("parallel", "cp"),
-                 "cp_style": ("parallel", "cp_style"), "ep": ("parallel", "ep")}
-
-
 @dataclass(frozen=True)
 class Layout:
-    """One point of the search space: the mesh, the ZeRO stage, SP, AC, the micro-batch, the schedule."""
+    """One point of the search space: the degrees of :class:`ParallelDims` (:attr:`dims`, which answers every
+    quantity they imply), the ZeRO stage asked for, SP and the pipeline schedule, each named as ``[parallel]``
+    names it, plus the planner's own fields (:data:`PLANNER_FIELDS`; the pipeline's micro-batches and the cp
+    attention style keep their config names too). ``etrain plan --json`` prints the short names it always has
+    (:meth:`to_dict`)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int
-    zero: int = 3
-    sp: bool = False
+    zero_stage: int = 3  # parallel.zero_stage as asked (dims.zero_stage: the one in effect)
+    sequence_parallel: bool = False
     ac: str = "none"
     micro_batch: int = 1
-    schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"
     stages_per_rank: int = 1
     reduce_every: bool = False  # ZeRO-3 with several micro-batches: reduce-scatter after each (sharded accumulation)
     pp_microbatches: int = 0  # parallel.pp_microbatches (0: automatic, what the search proposes)
@@ -75,20 +70,17 @@ class Layout:
     cp_style: str = "ring"
     ep: int = 1  # expert parallelism (a Mixture of Experts): experts split over ep of the dp_shard ranks
 
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh value of these degrees (ConfigError where ep does not divide dp_shard)."""
+        return ParallelDims(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+                            cp=self.cp, ep=self.ep, zero_requested=self.zero_stage)
 
     @classmethod
     def of(cls, cfg: RunConfig, world: int) -> Layout:
         """The layout ``cfg`` asks for at ``world`` (dp_shard = -1 resolved)."""
         values = {f: getattr(getattr(cfg, section), name) for f, (section, name) in CONFIG_FIELDS.items()}
-        if values["dp_shard"] == -1:
-            values["dp_shard"] = world // (values["dp_replicate"] * values["tp"] * values["pp"] * values["cp"])
+        values["dp_shard"] = config_dp_shard(cfg.parallel, world)
         values["ep"] = ParallelDims.expert_degree(cfg, values["dp_shard"])  # parallel.ep=0: this size's own
         return cls(**values)
 
@@ -100,15 +92,15 @@ class Layout:
         changes["parallel"].update(self.zeropp(cfg))
         new = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes["parallel"]),
                                   train=dataclasses.replace(cfg.train, **changes["train"]))
-        return new, ParallelDims.from_config(new, world or self.world)
+        return new, ParallelDims.from_config(new, world or self.dims.world_size)
 
     def zeropp(self, cfg: RunConfig) -> dict:
         """The config's ZeRO++ keys (docs/parallelism.md) where this layout can hold them, off where not."""
         p, hpz = cfg.parallel, cfg.parallel.hpz_partition_size
-        shard = self.dp_shard * self.cp
-        return {"quantized_weights": p.quantized_weights and self.zero > 0,
-                "quantized_gradients": p.quantized_gradients and self.zero > 0,
-                "hpz_partition_size": hpz if hpz and self.zero == 3 and self.pp == 1 and not shard % hpz else 0}
+        return {"quantized_weights": p.quantized_weights and self.zero_stage > 0,
+                "quantized_gradients": p.quantized_gradients and self.zero_stage > 0,
+                "hpz_partition_size": hpz if hpz and self.zero_stage == 3 and self.pp == 1
+                and not self.dims.shard_ranks % hpz else 0}
 
     def settings(self, cfg: RunConfig, world: int) -> str:
         """The config fields to set for this layout, as ``--set`` would take them: those that differ from
@@ -130,16 +122,30 @@ class Layout:
             mesh += f" cp {self.cp} {self.cp_style}"
         if self.ep > 1:
             mesh += f" ep {self.ep}"
-        extra = [f"ZeRO-{self.zero}"] + (["SP"] if self.sp else []) + ([f"AC {self.ac}"] if self.ac != "none" else [])
+        extra = [f"ZeRO-{self.zero_stage}"] + (["SP"] if self.sequence_parallel else []) + (
+            [f"AC {self.ac}"] if self.ac != "none" else [])
         extra.append(f"mb {self.micro_batch}")
         if self.reduce_every:
             extra.append("reduce every mb")
         if self.pp > 1:
-            extra.append(self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+            extra.append(self.pp_schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
         return f"{mesh}, {', '.join(extra)}"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as ``etrain plan --json`` has always named them (:data:`JSON_KEYS`), in field order."""
+        return {JSON_KEYS.get(k, k): v for k, v in dataclasses.asdict(self).items()}
+
+
+# The planner's own fields and the config field (section, name) that holds each; every other Layout field is
+# [parallel]'s field of the same name.
+PLANNER_FIELDS = {"ac": ("parallel", "activation_checkpoint"), "micro_batch": ("train", "micro_batch"),
+                  "stages_per_rank": ("parallel", "pp_stages_per_rank"),
+                  "reduce_every": ("parallel", "reduce_every_microbatch")}
+# Each Layout field and the config field that holds it, in field order (the order settings() names them).
+CONFIG_FIELDS = {f.name: PLANNER_FIELDS.get(f.name, ("parallel", f.name)) for f in dataclasses.fields(Layout)}
+# The keys `etrain plan --json` prints for the fields named after the config's (docs/planning.md): kept for the
+# tools that read them.
+JSON_KEYS = {"zero_stage": "zero", "sequence_parallel": "sp", "pp_schedule": "schedule"}
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: bool = False) -> float:
@@ -255,8 +261,7 @@ def _alongside_activations(cfg: RunConfig, dims: ParallelDims, rank: int, mixed:
     blocks = sum(len(split[s]) for s in stages)
     p = 2 if mixed else 4
     gathered = p * total if dims.pp > 1 else p * (total - blocks * block + block)
-    n_micro = dims.pp_microbatches(cfg) if dims.pp > 1 else dims.local_batch(cfg) // cfg.train.micro_batch
-    accumulated = p * total if n_micro > 1 and not cfg.parallel.reduce_every_microbatch else 0
+    accumulated = p * total if dims.microbatches(cfg) > 1 and not cfg.parallel.reduce_every_microbatch else 0
     if recomputing:  # a block recomputed in backward: gathered with its unsharded and fp32 reduced gradients
         gathered += (p + 4) * block
     return gathered + accumulated
@@ -272,7 +277,7 @@ def hpz_secondary_bytes(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bo
     1 / hpz_partition_size of its parameters (compute dtype) instead of 1 / dp_shard: the extra bytes at
     backward's start."""
     hpz = cfg.parallel.hpz_partition_size
-    shard = dims.dp_shard * dims.cp
+    shard = dims.shard_ranks
     if not hpz or not dims.uses_fsdp or dims.pp > 1 or hpz >= shard:
         return 0
     from ..observe.device_memory import local_counts

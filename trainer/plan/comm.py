@@ -53,7 +53,7 @@ from ..config import RunConfig
 from ..observe.device_memory import local_param_count
 from ..models import spec_for
 from ..parallel.dims import Axis, Mesh, ParallelDims
-from .experts import MOE_AXES, expert_axis, expert_counts, moe_comm
+from .experts import MOE_AXES, expert_counts, moe_comm
 
 
 def _ring(kind: str, n: int, size: float) -> float:
@@ -79,14 +79,14 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
     # ZeRO-3 the stage's collectives carry the dense parameters only.
     ex = expert_counts(cfg, dims, rank) if dims.ep > 1 else None
     experts = ex["experts"] if ex else 0
-    n, r = dims.dp_shard * dims.cp, dims.dp_replicate  # the cp ranks hold the same parameters
-    mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
+    n, r = dims.shard_ranks, dims.dp_replicate  # the cp ranks hold the same parameters
+    mb = dims.microbatches(cfg)
     out: list[dict] = []
 
-    shard_axis, dp_axis = (Mesh.DP_SHARD_CP, Mesh.DP_CP) if dims.cp > 1 else (Axis.DP_SHARD, Mesh.DP)
+    shard_axis, dp_axis = dims.shard_axis, dims.loss_mesh
     sizes = {Mesh.DP: dims.dp, Axis.DP_SHARD: n, Axis.DP_REPLICATE: r, Axis.TP: dims.tp, Axis.PP: 2,
-             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.dp * dims.cp, Axis.CP: dims.cp,
-             MOE_AXES[0]: dims.ep, expert_axis(dims): dims.dp_shard // dims.ep * dims.cp}
+             Mesh.DP_SHARD_CP: n, Mesh.DP_CP: dims.grad_ranks, Axis.CP: dims.cp,
+             MOE_AXES[0]: dims.ep, dims.expert_shard_axis: dims.expert_shard_ranks}
 
     def add(kind: str, axis: str, size: float, calls: int, overlaps: str = "none") -> None:
         if size > 0:
@@ -102,7 +102,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
                         else ("reduce_scatter", 4 * dense))
     buckets = max(1, round(grads / max(1.0, p.bucket_mb * 2**20)))
     if stage == 0:
-        add("all_reduce", dp_axis, _ring("all_reduce", dims.dp * dims.cp, grads), buckets)
+        add("all_reduce", dp_axis, _ring("all_reduce", dims.grad_ranks, grads), buckets)
     elif stage in (1, 2):
         add(rs_kind, shard_axis, _ring(rs_kind, n, reduced), buckets, "compute" if stage == 2 else "none")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, grads / n), buckets)
@@ -122,7 +122,7 @@ def step_comm(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -> lis
         add(rs_kind, shard_axis, rs * _ring(rs_kind, n, reduced), rs * (blocks + 1), "compute")
         add("all_reduce", Axis.DP_REPLICATE, _ring("all_reduce", r, 4 * dense / n), blocks + 1)
     if experts:  # under ep at every stage the experts' units, n_experts / ep per layer, over the ranks outside ep
-        held, axis, calls = ex["gathered"], expert_axis(dims), ex["moe_layers"]
+        held, axis, calls = ex["gathered"], dims.expert_shard_axis, ex["moe_layers"]
         ranks = sizes[axis]
         add("all_gather", axis, gathers * _ring("all_gather", ranks, act_b * held), gathers * calls, "compute")
         add("reduce_scatter", axis, rs * _ring("reduce_scatter", ranks, 4 * held), rs * calls, "compute")

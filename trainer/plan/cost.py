@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from ..config import RunConfig
 from ..observe.device_memory import local_counts
 from ..models import spec_for
-from ..parallel.dims import EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, Mesh, ParallelDims
+from ..parallel.dims import Axis, ParallelDims
 from .comm import bubble_fraction, step_comm
 
 GiB = 2**30
@@ -84,15 +84,11 @@ def custom(base: Device, **changes) -> Device:
 
 
 def axis_span(dims: ParallelDims, axis: str, ranks: int = 0) -> int:
-    """Consecutive ranks one group of ``axis`` spans ("dp": dp_replicate x dp_shard flattened; "hpz":
-    ZeRO++'s secondary groups, ``ranks`` consecutive shard ranks)."""
-    tp, cp, shard, rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    """Consecutive ranks one group of ``axis`` spans (:meth:`ParallelDims.span`; "hpz": ZeRO++'s secondary
+    groups, ``ranks`` consecutive shard ranks)."""
     if axis == "hpz":
-        return tp * ranks
-    return {Axis.TP: tp, Axis.CP: tp * cp, Axis.DP_SHARD: tp * cp * shard, Mesh.DP_SHARD_CP: tp * cp * shard,
-            Axis.DP_REPLICATE: tp * cp * shard * rep, Mesh.DP: tp * cp * shard * rep,
-            Mesh.DP_CP: tp * cp * shard * rep, Axis.PP: dims.world_size,
-            Axis.EP: tp * cp * dims.ep, EXPERT_SPLIT[0]: tp * cp * shard, EXPERT_SHARD_CP: tp * cp * shard}[axis]
+        return dims.span(Axis.TP) * ranks
+    return dims.span(axis)
 
 
 def link(dims: ParallelDims, axis: str, dev: Device, ranks: int = 0) -> str:

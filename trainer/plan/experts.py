@@ -29,14 +29,11 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..models import spec_for
-from ..parallel.dims import EXPERT_SHARD_CP, EXPERT_SPLIT, Axis, ParallelDims
+from ..parallel.dims import EXPERT_SPLIT, Axis, ParallelDims
 
-MOE_AXES = (Axis.EP.value, EXPERT_SPLIT[0])  # the axes step_comm adds for expert parallelism
-
-
-def expert_axis(dims: ParallelDims) -> str:
-    """The axis the experts' own FSDP units shard over: dp_shard / ep, x cp under context parallelism."""
-    return EXPERT_SHARD_CP if dims.cp > 1 else EXPERT_SPLIT[0]
+# The axes step_comm adds for expert parallelism; the experts' own FSDP units shard over
+# ParallelDims.expert_shard_axis (dp_shard / ep, x cp under context parallelism).
+MOE_AXES = (Axis.EP.value, EXPERT_SPLIT[0])
 
 
 def stage_moe_layers(cfg: RunConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
@@ -53,9 +50,9 @@ def expert_counts(cfg: RunConfig, dims: ParallelDims, rank: int = 0) -> dict:
     gathers to compute (``gathered``: all of its ``n_experts / ep``). All zero for a dense model's experts."""
     m = spec_for(cfg.model).shape()
     experts, layers = stage_moe_layers(cfg, dims, rank)
-    dense_shards = dims.dp_shard * dims.cp if dims.uses_fsdp else 1
+    dense_shards = dims.shard_ranks if dims.uses_fsdp else 1
     # under ep the experts are FSDP units of their own at every ZeRO stage (trainer.zero.hybrid below 3)
-    expert_shards = dims.dp_shard * dims.cp if dims.ep > 1 else dense_shards
+    expert_shards = dims.shard_ranks if dims.ep > 1 else dense_shards
     return {"experts": experts, "dense": m.dense_params, "moe_layers": layers, "ep": dims.ep,
             "n_experts": cfg.model.n_experts,
             "expert_shards": expert_shards, "dense_shards": dense_shards,
@@ -71,7 +68,7 @@ def all_to_all_per_step(cfg: RunConfig, dims: ParallelDims, act_b: int, rank: in
     if dims.ep == 1 or not moe_layers:
         return 0.0, 0.0, 0
     full = cfg.parallel.activation_checkpoint == "full"
-    mb = dims.pp_microbatches(cfg) if dims.pp > 1 else max(1, dims.local_batch(cfg) // cfg.train.micro_batch)
+    mb = dims.microbatches(cfg)
     tokens = dims.local_batch(cfg) // mb * cfg.data.seq_len // dims.cp  # a micro-batch's, of this cp rank
     slots = (6 if full else 4) * tokens * mcfg.top_k * m.dim * act_b
     counts = (2 if full else 1) * 8 * mcfg.n_experts

@@ -76,8 +76,8 @@ def explain(cfg: RunConfig, shape: Shape, world: int, dev: Device) -> list[str]:
     base = dp[3] or dp[0]
     if base is not None:
         lay = base.layout
-        none = evaluate(cfg, Layout(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.zero, lay.sp, "none", mb), dev)
-        full = evaluate(cfg, Layout(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.zero, lay.sp, "full", mb), dev)
+        none, full = (evaluate(cfg, Layout(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.zero_stage,
+                                           lay.sequence_parallel, ac, mb), dev) for ac in ("none", "full"))
         if none.valid and full.valid:
             lines.append(f"Activation checkpointing (micro-batch {mb}): activations {_gib(none.memory['activations'])}"
                          f" -> {_gib(full.memory['activations'])} per rank, for "
@@ -93,8 +93,8 @@ def context_parallel_line(cfg: RunConfig, world: int, dev: Device) -> str | None
     degrees = [c for c in cp_degrees(cfg, world) if c > 1]
     if not degrees:
         return None
-    lean = [evaluate(cfg, Layout(rep, shard, tp, pp, 3 if rep * shard > 1 else 0, tp > 1, "full", 1), dev)
-            for rep, shard, tp, pp, cp in meshes(cfg, world) if cp == 1 and (rep == 1 or shard * rep > 1)]
+    lean = [evaluate(cfg, Layout(d.dp_replicate, d.dp_shard, d.tp, d.pp, 3 if d.dp > 1 else 0, d.tp > 1, "full", 1),
+                     dev) for d in meshes(cfg, world) if d.cp == 1 and (d.dp_replicate == 1 or d.dp > 1)]
     lean = [c for c in lean if c.valid]
     least = min(lean, key=lambda c: c.memory["total"], default=None)
     if least is None or least.fits:

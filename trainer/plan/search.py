@@ -24,7 +24,9 @@ from dataclasses import dataclass, replace
 from checkpointing.errors import ConfigError
 
 from ..config import RunConfig, divisors
-from ..parallel.dims import Axis
+from ..config.parallel import cp_refuses_dropout, cp_splits, ep_carves, ulysses_splits
+from ..config.parallel import ep_degrees as carved_ep_degrees
+from ..parallel.dims import Axis, ParallelDims, fixed_degree
 from .accounting import Layout, peak_memory, peak_ranks
 from .cost import Device, step_time
 
@@ -80,37 +82,37 @@ def cp_styles(cfg: RunConfig, cp: int, tp: int = 1) -> list[str]:
     """The attention styles a cp of ``cp`` can take (ulysses: a tp rank's heads divisible by cp)."""
     if cp == 1:
         return ["ring"]
-    return ["ring", "allgather"] + (["ulysses"] if (cfg.model.n_heads // tp) % cp == 0 else [])
+    return ["ring", "allgather"] + (["ulysses"] if ulysses_splits(cfg.model.n_heads, tp, cp) else [])
 
 
 def ep_degrees(cfg: RunConfig, dp_shard: int) -> list[int]:
     """Expert-parallel degrees: 1, and for a Mixture of Experts the divisors of dp_shard that divide n_experts."""
-    n = cfg.model.n_experts
-    return [e for e in divisors(dp_shard) if n % e == 0] if n > 0 else [1]
+    return carved_ep_degrees(cfg.model.n_experts, dp_shard)
 
 
-def _choices(cfg: RunConfig, dp: int, tp: int, pp: int, cp: int = 1, dp_shard: int = 1) -> dict:
+def _choices(cfg: RunConfig, dims: ParallelDims) -> dict:
+    """What may vary on the mesh ``dims``."""
     ok = _allowed(cfg)
-    local = cfg.train.global_batch // dp if cfg.train.global_batch % dp == 0 else 0
+    local = dims.local_batch(cfg) if cfg.train.global_batch % dims.dp == 0 else 0
     mbs = sorted({d for d in divisors(local) if d & (d - 1) == 0 or d == cfg.train.micro_batch}) if local else [1]
-    scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + (
-        [("interleaved_1f1b", 2)] if cfg.model.n_layers >= 2 * pp else [])
+    scheds = [("1f1b", 1)] if dims.pp == 1 else [("1f1b", 1), ("gpipe", 1)] + (
+        [("interleaved_1f1b", 2)] if cfg.model.n_layers >= 2 * dims.pp else [])
     # Context parallelism's ranks hold copies of the parameters: every stage shards over dp_shard x cp.
-    zero = [0, 1, 2, 3] if dp * cp > 1 else [0]
-    return {"zero": zero, "sp": [False, True] if tp > 1 and ok["sp"] else [False],
-            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds, "cp_style": cp_styles(cfg, cp, tp),
-            "ep": ep_degrees(cfg, dp_shard)}
+    zero = [0, 1, 2, 3] if dims.grad_ranks > 1 else [0]
+    return {"zero": zero, "sp": [False, True] if dims.tp > 1 and ok["sp"] else [False],
+            "ac": ["none", "every_k", "full"], "mb": mbs[-6:], "sched": scheds,
+            "cp_style": cp_styles(cfg, dims.cp, dims.tp), "ep": ep_degrees(cfg, dims.dp_shard)}
 
 
 def cp_degrees(cfg: RunConfig, world: int) -> list[int]:
     """The context-parallel degrees the model and the sequence allow at ``world`` (seq_len splits into 2 x cp)."""
-    if not _allowed(cfg)["cp"] or cfg.model.dropout > 0:
+    if not _allowed(cfg)["cp"] or cp_refuses_dropout(cfg.model):
         return [1]
-    return [c for c in divisors(world) if cfg.data.seq_len % (2 * c) == 0] or [1]
+    return [c for c in divisors(world) if cp_splits(cfg.data.seq_len, c)] or [1]
 
 
-def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
-    """(dp_replicate, dp_shard, tp, pp, cp) with product ``world`` that the model could take."""
+def meshes(cfg: RunConfig, world: int) -> list[ParallelDims]:
+    """The meshes (dp_replicate, dp_shard, tp, pp, cp) of ``world`` ranks that the model could take."""
     ok, m = _allowed(cfg), cfg.model
     out = []
     for cp in cp_degrees(cfg, world):
@@ -120,25 +122,25 @@ def meshes(cfg: RunConfig, world: int) -> list[tuple[int, int, int, int, int]]:
             for pp in divisors(world // (cp * tp)):
                 if pp > 1 and (not ok["pp"] or pp > m.n_layers):
                     continue
-                dp = world // (cp * tp * pp)
+                dp = world // (cp * tp * pp)  # what is left for dp_replicate x dp_shard
                 for rep in divisors(dp):
-                    out.append((rep, dp // rep, tp, pp, cp))
+                    out.append(ParallelDims(pp=pp, dp_replicate=rep, dp_shard=dp // rep, tp=tp, cp=cp))
     return out
 
 
 def enumerate_layouts(cfg: RunConfig, world: int) -> list[Layout]:
     out = []
-    for rep, shard, tp, pp, cp in meshes(cfg, world):
-        c = _choices(cfg, rep * shard, tp, pp, cp, shard)
+    for d in meshes(cfg, world):
+        c = _choices(cfg, d)
         for z, sp, ac, mb, (sched, v), style, ep in itertools.product(c["zero"], c["sp"], c["ac"], c["mb"],
                                                                       c["sched"], c["cp_style"], c["ep"]):
-            if rep > 1 and z != 3:
+            if d.dp_replicate > 1 and z != 3:
                 continue  # dp_replicate only differs from one flat dp axis as HSDP
             # Sharded accumulation matters at ZeRO-3 with several micro-batches and no pipeline.
-            many = z == 3 and pp == 1 and cfg.train.global_batch // (rep * shard) > mb
+            many = z == 3 and d.pp == 1 and d.local_batch(cfg) > mb
             for every in (False, True) if many else (False,):
-                out.append(Layout(rep, shard, tp, pp, z, sp, ac, mb, sched, v, every, cp=cp, cp_style=style,
-                                  ep=ep))
+                out.append(Layout(d.dp_replicate, d.dp_shard, d.tp, d.pp, z, sp, ac, mb, sched, v, every, cp=d.cp,
+                                  cp_style=style, ep=ep))
     return out
 
 
@@ -159,15 +161,15 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
             return cur
         f = next(p for p in range(2, n + 1) if n % p == 0)
         return replace(cur, **{src: n // f, dst: getattr(cur, dst) * f})
-    c = _choices(cfg, cur.dp, cur.tp, cur.pp, cur.cp, cur.dp_shard)
+    c = _choices(cfg, cur.dims)
     if what == "ep":
         return replace(cur, ep=rng.choice(c["ep"]))
     if what == "cp_style":
         return replace(cur, cp_style=rng.choice(c["cp_style"]))
     if what == "zero":
-        return replace(cur, zero=rng.choice(c["zero"]))
+        return replace(cur, zero_stage=rng.choice(c["zero"]))
     if what == "sp":
-        return replace(cur, sp=rng.choice(c["sp"]))
+        return replace(cur, sequence_parallel=rng.choice(c["sp"]))
     if what == "ac":
         return replace(cur, ac=rng.choice(c["ac"]))
     if what == "every":
@@ -175,25 +177,25 @@ def _propose(cfg: RunConfig, cur: Layout, rng: random.Random) -> Layout:
     if what == "mb":
         return replace(cur, micro_batch=rng.choice(c["mb"]))
     sched, v = rng.choice(c["sched"])
-    return replace(cur, schedule=sched, stages_per_rank=v)
+    return replace(cur, pp_schedule=sched, stages_per_rank=v)
 
 
 def _normalize(cfg: RunConfig, lay: Layout) -> Layout:
     """Degenerate choices made canonical (no schedule without pp, no SP without tp, ZeRO 0 at dp 1, one flat
     dp axis below ZeRO-3), as :func:`enumerate_layouts` makes them."""
-    if lay.dp_replicate > 1 and lay.zero != 3:  # dp_replicate only differs from one flat dp axis as HSDP
-        lay = replace(lay, dp_replicate=1, dp_shard=lay.dp)
+    if lay.dp_replicate > 1 and lay.zero_stage != 3:  # dp_replicate only differs from one flat dp axis as HSDP
+        lay = replace(lay, dp_replicate=1, dp_shard=lay.dp_replicate * lay.dp_shard)  # the two axes merged
+    if not ep_carves(lay.ep, lay.dp_shard):  # first: the layout's dims refuse such an ep
+        lay = replace(lay, ep=1)
     if lay.pp == 1:
-        lay = replace(lay, schedule="1f1b", stages_per_rank=1)
+        lay = replace(lay, pp_schedule="1f1b", stages_per_rank=1)
     if lay.tp == 1:
-        lay = replace(lay, sp=False)
+        lay = replace(lay, sequence_parallel=False)
     if lay.cp == 1:
         lay = replace(lay, cp_style="ring")
-    if lay.dp * lay.cp == 1:
-        lay = replace(lay, zero=0)
-    if lay.ep > 1 and lay.dp_shard % lay.ep:
-        lay = replace(lay, ep=1)
-    if lay.zero != 3 or lay.pp > 1 or cfg.train.global_batch // max(1, lay.dp) <= lay.micro_batch:
+    if lay.dims.grad_ranks == 1:
+        lay = replace(lay, zero_stage=0)
+    if lay.zero_stage != 3 or lay.pp > 1 or lay.dims.local_batch(cfg) <= lay.micro_batch:
         lay = replace(lay, reduce_every=False)
     return lay
 
@@ -205,8 +207,9 @@ def _anneal(cfg: RunConfig, world: int, dev: Device, seen: dict, budget_s: float
               and cfg.model.n_kv_heads % d == 0) if _allowed(cfg)["tp"] else 1
     # The config's layout as a start, its pipeline micro-batches automatic like every candidate's.
     own = replace(Layout.of(cfg, world), pp_microbatches=0)
-    starts = [own if world % (cfg.parallel.model_parallel * cfg.parallel.dp_replicate * cfg.parallel.cp) == 0
-              else Layout(1, world, 1, 1), Layout(1, world, 1, 1, 3), Layout(1, world // tp0, tp0, 1, 3, tp0 > 1, "full")]
+    p = cfg.parallel
+    starts = [own if world % fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp) == 0 else Layout(1, world, 1, 1),
+              Layout(1, world, 1, 1, 3), Layout(1, world // tp0, tp0, 1, 3, tp0 > 1, "full")]
     deadline = time.monotonic() + budget_s
 
     def get(lay: Layout) -> Candidate:
@@ -277,15 +280,16 @@ def plan_size(cfg: RunConfig, world: int, dev: Device, *, budget_s: float = 6.0,
                 "searched": len(seen), "space": len(layouts), "method": method,
                 "seconds": time.monotonic() - t0}
     best = fitting[0]
-    runner = next((c for c in fitting[1:] if c.layout.zero != best.layout.zero or c.layout.tp != best.layout.tp
+    runner = next((c for c in fitting[1:] if c.layout.zero_stage != best.layout.zero_stage
+                   or c.layout.tp != best.layout.tp
                    or c.layout.pp != best.layout.pp or c.layout.dp_replicate != best.layout.dp_replicate
                    or c.layout.cp != best.layout.cp or c.layout.ep != best.layout.ep),
                   fitting[1] if len(fitting) > 1 else None)
     # One loser per family (mesh, ZeRO stage): its best member, and why it lost to the plan.
     fam: dict = {}
     for c in sorted(seen.values(), key=lambda c: _cost(c, dev)):
-        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.cp_style, c.layout.zero,
-               c.layout.ep)
+        key = (c.layout.dp_replicate, c.layout.tp, c.layout.pp, c.layout.cp, c.layout.cp_style,
+               c.layout.zero_stage, c.layout.ep)
         if c is not best and c is not runner and key not in fam and c.valid:
             fam[key] = c
     # The closest families first, then (a third of the list) families that do not fit, so both reasons show.
@@ -311,11 +315,11 @@ def resize_bytes(cfg: RunConfig, a: int, b: int, dev: Device) -> int:
 
     ca, da = Layout.of(cfg, a).apply(cfg, a)
     _, db = Layout.of(cfg, b).apply(cfg, b)
-    slices = da.tp * da.pp * da.dp_replicate  # the cp ranks are part of the sharding axis
+    n1, n2 = da.shard_ranks, db.shard_ranks  # the cp ranks are part of the sharding axis
+    slices = da.world_size // n1  # shard groups: tp x pp x dp_replicate
     sa = predict(ca, da, 0, dev.mixed)
     sharded_rank = sa["optimizer"] * (da.zero_stage >= 1) + sa["params"] * da.uses_fsdp
     replicated_rank = sa["optimizer"] + sa["params"] - sharded_rank
-    n1, n2 = da.dp_shard * da.cp, db.dp_shard * db.cp
     moved = sharded_rank * n1 * (1 - shard_overlap(n1, n2)) * slices
     if db.dp > da.dp:
         moved += replicated_rank * (db.world_size - da.world_size)
