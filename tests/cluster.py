@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-# The run every Ray test starts from (tests/test_orchestrator.py, tests/test_chaos.py): the tiny model,
+# The run every Ray test starts from (tests/orchestrator/test_orchestrator.py, tests/orchestrator/test_chaos.py): the tiny model,
 # 40 steps, a checkpoint every 4; the failure-free reference of the session trains exactly this.
 # ZeRO-2: parameters stay whole through the 6 micro-batches of a step, which steps 2.5x faster than
 # ZeRO-3 on a loaded 2-core machine; ZeRO-3 (FSDP2) is covered by the parity and checkpoint tests,

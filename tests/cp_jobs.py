@@ -1,4 +1,4 @@
-"""Context-parallel runs inside real process groups (tests.harness.run_ranks), for tests/test_context_parallel.py."""
+"""Context-parallel runs inside real process groups (tests.harness.run_ranks), for tests/trainer/test_context_parallel.py."""
 
 from __future__ import annotations
 

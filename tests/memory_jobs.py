@@ -1,4 +1,4 @@
-"""Functions that tests/test_memory.py and bench/memory.py run inside real process groups (tests.harness).
+"""Functions that tests/trainer/test_memory.py and bench/memory.py run inside real process groups (tests.harness).
 
     run_ranks("tests.memory_jobs:peak_layouts", 4, {"base": [...], "layouts": [(name, overrides, steps, measure)]})
 """

@@ -1,4 +1,4 @@
-"""Memory-tier jobs that tests/test_memory_tier.py and bench/memory_tier.py run inside real process groups
+"""Memory-tier jobs that tests/checkpointing/test_memory_tier.py and bench/memory_tier.py run inside real process groups
 (tests.harness): the real Trainer, the state the CheckpointManager saves (``optimizer.checkpoint_state()``),
 a durable checkpoint of the same step beside each memory snapshot.
 

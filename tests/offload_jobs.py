@@ -1,4 +1,4 @@
-"""Jobs for tests/test_offload.py and bench/offload.py, run inside real process groups (tests.harness).
+"""Jobs for tests/trainer/test_offload.py and bench/offload.py, run inside real process groups (tests.harness).
 
     run_ranks("tests.offload_jobs:peak_rss", 1, {"base": [...], "layout": [...], "steps": 2}, fresh=True)
 """

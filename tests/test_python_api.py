@@ -14,7 +14,7 @@ import pytest
 
 import etrain
 from tests.cluster import RUN_BASE
-from tests.test_models import LLAMA
+from tests.trainer.test_models import LLAMA
 
 SMALL = {"data": {"seq_len": 32, "max_bytes": 300000}, "train": {"steps": 4, "global_batch": 4, "micro_batch": 2,
                                                                "log_every": 100},

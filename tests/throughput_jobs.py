@@ -1,4 +1,4 @@
-"""Rank jobs of tests/test_throughput.py (see tests.harness.run_ranks)."""
+"""Rank jobs of tests/trainer/test_throughput.py (see tests.harness.run_ranks)."""
 
 from __future__ import annotations
 

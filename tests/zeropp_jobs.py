@@ -1,4 +1,4 @@
-"""ZeRO++ jobs run inside real gloo groups (tests/test_zeropp.py, bench/zeropp.py)."""
+"""ZeRO++ jobs run inside real gloo groups (tests/trainer/test_zeropp.py, bench/zeropp.py)."""
 
 from __future__ import annotations
 

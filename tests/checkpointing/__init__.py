@@ -1,0 +1,1 @@
+"""Tests of checkpointing/ (shared fixtures and helpers: tests/)."""

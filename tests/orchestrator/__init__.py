@@ -1,0 +1,1 @@
+"""Tests of orchestrator/ (shared fixtures and helpers: tests/)."""

@@ -1,0 +1,1 @@
+"""Tests of trainer/ (shared fixtures and helpers: tests/)."""
