@@ -32,8 +32,8 @@ demo: $(STAMP)
 test: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "not ray and not soak and not slow and not exhaustive" tests
 
-# The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/test_orchestrator.py,
-# tests/test_chaos.py, tests/test_terminal.py, ...), and the long multi-process tests marked
+# The Ray tier: runs on a multi-node Ray cluster on 127.0.0.1 (tests/orchestrator/test_orchestrator.py,
+# tests/orchestrator/test_chaos.py, tests/orchestrator/test_terminal.py, ...), and the long multi-process tests marked
 # slow: about 30 minutes here. CI runs it after `make test`.
 test-ray: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "(ray or slow) and not soak and not exhaustive" tests

@@ -3,7 +3,7 @@
     python bench/context_parallel.py [--quick] [--world 4]
 
 At world 4 (re-launched under torchrun on loopback, real gloo), the tiny model at dim 64 (as
-tests/test_context_parallel.py trains it), one sample per micro-batch, a global batch of 4 samples, ZeRO 0
+tests/trainer/test_context_parallel.py trains it), one sample per micro-batch, a global batch of 4 samples, ZeRO 0
 (no gathered parameters in the count), for seq_len 512, 1024, 2048, 4096 (``--quick``: 512, 1024) and each
 layout: cp 1 (dp 4), cp 2 (dp 2) and cp 4 (dp 1) with each ``cp_style``. Every layout trains the same
 tokens per step. Per layout, after one warm-up step: one step under ``trainer.observe.device_memory.StepMemory``, whose

@@ -10,7 +10,7 @@ group). It is taken where it runs for the device and dtype, found once per (devi
 a small forward and backward (:func:`grouped_mm_runs`), with 16-byte-aligned operands (torch's kernels
 require it on some releases); elsewhere, and while torch.compile traces, the loop. On CPU (torch 2.11 and
 2.13, fp32 and bf16) torch runs it as a loop of matmuls in C++, one per expert: the same bits as the Python
-loop forward and backward (tests/test_moe.py checks it), without a Python call and an autograd node per
+loop forward and backward (tests/trainer/test_moe.py checks it), without a Python call and an autograd node per
 expert. On CUDA, bf16 on Hopper and newer runs a fused kernel whose sums may differ from the loop's in the
 last bits.
 """
