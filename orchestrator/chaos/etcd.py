@@ -19,6 +19,7 @@ import time
 from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
+from ..store.etcd_client import SCHEMES
 from . import procfs
 
 
@@ -47,13 +48,14 @@ def pid_listening_on(port: int) -> int | None:
 
 
 class EtcdControl:
-    """Stops and restarts the etcd behind an ``etcd://host:port`` run store, when it runs on this machine."""
+    """Stops and restarts the etcd behind an ``etcd://host:port`` (or ``etcds://``) run store, when it runs
+    on this machine."""
 
     def __init__(self, store_url: str):
-        if not store_url.startswith("etcd://"):
+        if not store_url.startswith(SCHEMES):
             raise ConfigError(f"etcd_outage needs an etcd run store (--store etcd://host:port); this run's is "
                               f"{redact(store_url)}")
-        hostport = store_url[len("etcd://"):].split("/", 1)[0]
+        hostport = store_url.split("://", 1)[1].split("/", 1)[0]
         self.port = int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 2379
         self.pid: int | None = None
         self.cmdline: list[str] = []

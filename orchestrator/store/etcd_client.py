@@ -1,6 +1,7 @@
 """The etcd client of the run store: its credentials and TLS files from the environment, its errors made plain.
 
     client = connect("10.0.0.5", 2379, timeout_s=5)     # etcd3gw client; user/password and TLS from the env
+    client = connect("10.0.0.5", 2379, 5, tls=True)    # an etcds:// store: HTTPS, whatever the env says
     value = call("etcd://10.0.0.5:2379/etrain", lambda: client.get(key))   # StoreUnavailable on any failure
 
 Credentials never appear in a store URL (``etcd://user:pw@...`` is refused where URLs are checked); they
@@ -10,8 +11,16 @@ the workers, which check the epoch fence at each commit):
 | variable | what |
 |---|---|
 | ``ETRAIN_ETCD_USER``, ``ETRAIN_ETCD_PASSWORD`` | a user of etcd's authentication; both or neither |
-| ``ETRAIN_ETCD_CA`` | the CA bundle that signed the server's certificate: talk HTTPS and check it |
+| ``ETRAIN_ETCD_TLS=1`` | talk HTTPS (as an ``etcds://`` store URL does), the server checked against the system's trust store |
+| ``ETRAIN_ETCD_CA`` | the CA bundle that signed the server's certificate: talk HTTPS and check it against this |
 | ``ETRAIN_ETCD_CERT``, ``ETRAIN_ETCD_KEY`` | a client certificate and its key (etcd's ``--client-cert-auth``) |
+| ``ETRAIN_ETCD_INSECURE=1`` | let a user and password go over plain HTTP (a warning each time a process connects) |
+
+HTTPS is on for an ``etcds://`` URL, or with any of ``ETRAIN_ETCD_TLS``, ``ETRAIN_ETCD_CA`` or a client
+certificate. Without ``ETRAIN_ETCD_CA`` the server's certificate is checked against the system's trust
+store (OpenSSL's default bundle, which ``$SSL_CERT_FILE`` overrides). A user and password over plain HTTP
+would cross the network in the clear: they are refused (:class:`ConfigError`, exit 2) unless
+``ETRAIN_ETCD_INSECURE=1`` says that is meant (etcd on loopback, or behind a tunnel).
 
 With a user, the client asks etcd for a token (``/v3/auth/authenticate``) and sends it with every
 request, asking for a new one when etcd says it expired. The password is sent only there, and is never
@@ -20,15 +29,21 @@ written to a message.
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 
 from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
 from .documents import StoreUnavailable
 
+log = logging.getLogger("etrain")
+
 USER, PASSWORD, CA, CERT, KEY = ("ETRAIN_ETCD_USER", "ETRAIN_ETCD_PASSWORD", "ETRAIN_ETCD_CA", "ETRAIN_ETCD_CERT",
                                  "ETRAIN_ETCD_KEY")
+TLS, INSECURE = "ETRAIN_ETCD_TLS", "ETRAIN_ETCD_INSECURE"
+SCHEMES = ("etcd://", "etcds://")  # the etcd run store's URLs: over HTTP, over HTTPS
 # What etcd says when it wants credentials, or refuses the ones it got.
 _AUTH_ERRORS = ("user name is empty", "invalid auth token", "authentication failed", "permission denied",
                 "user name not found", "auth: revision")
@@ -48,8 +63,27 @@ def _file(var: str) -> str:
     return path
 
 
-def connect(host: str, port: int, timeout_s: float):
-    """An etcd3gw client for ``host:port``, with the user, password and TLS files of the environment."""
+def _flag(var: str) -> bool:
+    value = os.environ.get(var, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(f"${var}={value[:20]!r} is not a switch; set it to 1 (on) or 0 (off)")
+    return value in ("1", "true", "yes")
+
+
+def trust_store() -> str | bool:
+    """What checks a server's certificate without ``$ETRAIN_ETCD_CA``: the system's CA bundle (OpenSSL's
+    default file, ``$SSL_CERT_FILE`` if set), or requests' own bundle (True) where the system has none."""
+    paths = ssl.get_default_verify_paths()
+    return paths.cafile if paths.cafile and os.path.isfile(paths.cafile) else True
+
+
+_warned: set[str] = set()
+
+
+def connect(host: str, port: int, timeout_s: float, tls: bool = False):
+    """An etcd3gw client for ``host:port``, with the user, password and TLS files of the environment; HTTPS
+    when ``tls`` (an ``etcds://`` URL) or the environment asks for it. ConfigError for a user and password
+    that would go over plain HTTP, unless ``$ETRAIN_ETCD_INSECURE`` allows it."""
     import etcd3gw
 
     login = _pair(USER, PASSWORD)
@@ -57,25 +91,35 @@ def connect(host: str, port: int, timeout_s: float):
     ca = _file(CA) if os.environ.get(CA) else None
     if cert:
         cert = (_file(CERT), _file(KEY))
-    tls = bool(ca or cert)
-    session = _session(f"{'https' if tls else 'http'}://{host}:{port}", login, timeout_s, ca, cert)
+    tls = bool(tls or _flag(TLS) or ca or cert)
+    where = f"{host}:{port}"
+    if login and not tls:
+        if not _flag(INSECURE):
+            raise ConfigError(f"etcd at {where}: ${USER} and ${PASSWORD} would be sent over plain HTTP, in the "
+                              f"clear; use TLS (an etcds://{where}/... store URL or ${TLS}=1, with ${CA} for a "
+                              f"private CA), or set ${INSECURE}=1 if the path to etcd is trusted (loopback, a tunnel)")
+        if where not in _warned:
+            _warned.add(where)
+            log.warning("etcd at %s: the password of $%s goes over plain HTTP, in the clear ($%s=1); use TLS "
+                        "(etcds://) unless the path to etcd is trusted", where, USER, INSECURE)
+    session = _session(f"{'https' if tls else 'http'}://{where}", login, timeout_s, ca or trust_store(), cert)
     return etcd3gw.client(host=host, port=port, protocol="https" if tls else "http", timeout=timeout_s,
                           session=session)
 
 
-def _session(base: str, login: tuple[str, str] | None, timeout_s: float, ca: str | None, cert):
+def _session(base: str, login: tuple[str, str] | None, timeout_s: float, verify: str | bool, cert):
     import requests
 
     class Session(requests.Session):
         """Sends etcd's auth token with each request (authenticating first, and again when it expired), and
-        checks the server against ``ca``: given with every request, as $REQUESTS_CA_BUNDLE would win over
-        a session's own ``verify``."""
+        checks the server against ``verify`` (a CA bundle): given with every request, as $REQUESTS_CA_BUNDLE
+        would win over a session's own ``verify``."""
 
         token: str | None = None
 
         def authenticate(self) -> None:
             self.token = None
-            resp = super().request("POST", f"{base}/v3/auth/authenticate", timeout=timeout_s, verify=ca or True,
+            resp = super().request("POST", f"{base}/v3/auth/authenticate", timeout=timeout_s, verify=verify,
                                    cert=cert, json={"name": login[0], "password": login[1]})
             if resp.status_code != 200:
                 raise StoreUnavailable(f"etcd at {base} refused the user ${USER}={login[0]!r}: "
@@ -83,7 +127,7 @@ def _session(base: str, login: tuple[str, str] | None, timeout_s: float, ca: str
             self.token = resp.json().get("token") or ""
 
         def request(self, method, url, *args, **kwargs):
-            kwargs.update(verify=ca or True, cert=cert)
+            kwargs.update(verify=verify, cert=cert)
             if login is None or url.endswith("/version"):  # the API discovery asks no credentials
                 return super().request(method, url, *args, **kwargs)
             for attempt in range(2):
@@ -119,8 +163,10 @@ def call(url: str, fn):
     except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
             ex.ConnectionTimeoutError) as e:
         if "SSL" in f"{e} {getattr(e, 'detail_text', '')}":  # etcd3gw keeps requests' text in detail_text
-            raise StoreUnavailable(f"etcd at {redact(url)}: the TLS handshake failed; check ${CA} (the CA that "
-                                   f"signed the server's certificate) and ${CERT} / ${KEY}") from None
+            against = f"${CA}" if os.environ.get(CA) else f"the system's trust store (${CA} unset)"
+            raise StoreUnavailable(f"etcd at {redact(url)}: the TLS handshake failed (the server's certificate "
+                                   f"checked against {against}); set ${CA} to the CA that signed it, check "
+                                   f"${CERT} / ${KEY}, and that the server speaks TLS") from None
         raise StoreUnavailable(f"etcd at {redact(url)} is unreachable ({type(e).__name__}); "
                                "is the server up and the address right?") from None
     except ex.Etcd3Exception as e:

@@ -12,7 +12,8 @@
 *observed* state (status, events) by the run's controller, which holds a
 leadership lease. Two backends:
 
-* ``etcd://host:port[/prefix]``: etcd through its HTTP gateway (etcd3gw).
+* ``etcd://host:port[/prefix]``: etcd through its HTTP gateway (etcd3gw);
+  ``etcds://`` the same over HTTPS (:mod:`orchestrator.store.etcd_client`).
   Leadership is a key bound to a lease; status writes and epoch bumps are
   transactions that compare the leader key first, so a stale or second
   controller is refused (:class:`FencedError`) and cannot change anything.
@@ -348,10 +349,11 @@ class StorageRunStore(RunStore):
 class EtcdRunStore(RunStore):
     """etcd v3 through its HTTP gateway. Leadership by lease; fenced writes by transaction."""
 
-    def __init__(self, host: str, port: int, prefix: str = "etrain", timeout_s: float = 5.0):
-        self.url = f"etcd://{host}:{port}/{prefix}"
+    def __init__(self, host: str, port: int, prefix: str = "etrain", timeout_s: float = 5.0, tls: bool = False):
+        self.url = f"{'etcds' if tls else 'etcd'}://{host}:{port}/{prefix}"
         self.prefix = prefix.strip("/")
-        self.client = etcd_client.connect(host, port, timeout_s)  # user, password, TLS: from the environment
+        # user, password, CA and client certificate: from the environment; HTTPS for etcds:// (or as it says)
+        self.client = etcd_client.connect(host, port, timeout_s, tls=tls)
 
     def _key(self, run_id: str | None, name: str) -> str:
         return f"/{self.prefix}/runs/{validate_run_id(run_id)}/{name}" if run_id is not None else \
@@ -475,10 +477,12 @@ class EtcdRunStore(RunStore):
 
 
 def open_store(url: str) -> RunStore:
-    """``etcd://host:port[/prefix]`` or any fsspec URL (the embedded storage backend)."""
-    if url.startswith("etcd://"):
+    """``etcd://host:port[/prefix]``, ``etcds://`` for etcd over HTTPS, or any fsspec URL (the embedded
+    storage backend)."""
+    if url.startswith(etcd_client.SCHEMES):
         parts = urlsplit(url)
         if not parts.hostname:
-            raise EtrainError(f"--store {redact(url)!r}: use etcd://host:port[/prefix]")
-        return EtcdRunStore(parts.hostname, parts.port or 2379, parts.path.strip("/") or "etrain")
+            raise EtrainError(f"--store {redact(url)!r}: use {parts.scheme}://host:port[/prefix]")
+        return EtcdRunStore(parts.hostname, parts.port or 2379, parts.path.strip("/") or "etrain",
+                            tls=parts.scheme == "etcds")
     return StorageRunStore(url)
