@@ -11,7 +11,7 @@ the workers, which check the epoch fence at each commit):
 | variable | what |
 |---|---|
 | ``ETRAIN_ETCD_USER``, ``ETRAIN_ETCD_PASSWORD`` | a user of etcd's authentication; both or neither |
-| ``ETRAIN_ETCD_TLS=1`` | talk HTTPS (as an ``etcds://`` store URL does), the server checked against the system's trust store |
+| ``ETRAIN_ETCD_TLS=1`` | talk HTTPS (as an ``etcds://`` URL does), checked against the system's trust store |
 | ``ETRAIN_ETCD_CA`` | the CA bundle that signed the server's certificate: talk HTTPS and check it against this |
 | ``ETRAIN_ETCD_CERT``, ``ETRAIN_ETCD_KEY`` | a client certificate and its key (etcd's ``--client-cert-auth``) |
 | ``ETRAIN_ETCD_INSECURE=1`` | let a user and password go over plain HTTP (a warning each time a process connects) |
