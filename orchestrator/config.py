@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from checkpointing.errors import ConfigError
 from checkpointing.recovery.budget import DEFAULT_FRACTION, NO_BOUND
 from trainer.config import RunConfig, check_finite
+from trainer.config.checks import MAX_RANKS
 from trainer.config.load import build_section
 
 # [elastic]'s claims on a shared cluster: what the run spec carries as a Sharing (the rest are sizes and timings).
@@ -94,6 +95,10 @@ class ElasticConfig:
     elastic_node_labels: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("workers", "min_workers", "max_workers", "standby"):  # before any size is computed from them
+            if getattr(self, name) > MAX_RANKS:
+                raise ConfigError(f"elastic.{name}={getattr(self, name)} is above {MAX_RANKS:_} workers, the most a "
+                                  "run may name; give a size the cluster can hold")
         if self.max_workers == 0:
             self.max_workers = max(self.workers, self.min_workers)
         if self.min_workers < 1:
@@ -102,7 +107,7 @@ class ElasticConfig:
             raise ConfigError(f"elastic.max_workers={self.max_workers} is below elastic.min_workers="
                               f"{self.min_workers}; raise max_workers or lower min_workers")
         if not self.min_workers <= self.workers <= self.max_workers:
-            raise ConfigError(f"elastic.workers={self.workers} (--workers) is outside [min_workers, max_workers] = "
+            raise ConfigError(f"elastic.workers={self.workers} (--workers) is outside [elastic.min_workers, elastic.max_workers] = "
                               f"[{self.min_workers}, {self.max_workers}]; pick a size in that range or widen it")
         if self.standby < 0:
             raise ConfigError(f"elastic.standby={self.standby} must be >= 0 (warm spare workers)")
@@ -229,8 +234,8 @@ def elastic_from_raw(raw: dict, *, workers: int | None = None, min_workers: int 
     for key, value, flag in (("workers", workers, "--workers"), ("min_workers", min_workers, "--min-workers"),
                              ("max_workers", max_workers, "--max-workers")):
         if value is not None:
-            if value < 1:
-                raise ConfigError(f"{flag} {value} must be >= 1")
+            if not 1 <= value <= MAX_RANKS:
+                raise ConfigError(f"{flag} {value} (elastic.{key}) must be in [1, {MAX_RANKS:_}]")
             table[key] = value
     if workers is not None and max_workers is None and "max_workers" in table and table["max_workers"] < workers:
         table["max_workers"] = workers  # --workers beyond the file's max raises the max, as asked
@@ -246,16 +251,17 @@ def allowed_sizes(cfg: RunConfig, min_workers: int, max_workers: int) -> list[in
 
 
 def check_sizes(cfg: RunConfig, ecfg: ElasticConfig) -> list[int]:
-    """The sizes this run may take; ConfigError naming the valid ones if the request is not among them."""
-    from trainer.parallel.dims import size_rule, valid_world_sizes
+    """The sizes this run may take; ConfigError naming the valid ones, and the rule that refused, if the request is
+    not among them."""
+    from trainer.parallel.dims import size_refusal, valid_world_sizes, why_no_size
 
     allowed = allowed_sizes(cfg, ecfg.min_workers, ecfg.max_workers)
     if not allowed:
-        raise ConfigError(f"no group size in [{ecfg.min_workers}, {ecfg.max_workers}] works for this run: sizes must "
-                          f"be {size_rule(cfg)} and fit train.global_batch="
-                          f"{cfg.train.global_batch} with train.micro_batch={cfg.train.micro_batch}; valid sizes up "
-                          f"to {ecfg.max_workers}: {valid_world_sizes(cfg, ecfg.max_workers) or 'none'}")
+        raise ConfigError(f"no group size in [{ecfg.min_workers}, {ecfg.max_workers}] works for this run: "
+                          f"{why_no_size(cfg, ecfg.min_workers, ecfg.max_workers)}; valid sizes up to "
+                          f"{ecfg.max_workers}: {valid_world_sizes(cfg, ecfg.max_workers) or 'none'}")
     if ecfg.workers not in allowed:
         raise ConfigError(f"--workers {ecfg.workers} is not a valid size for this run; valid sizes in "
-                          f"[{ecfg.min_workers}, {ecfg.max_workers}]: {allowed}")
+                          f"[{ecfg.min_workers}, {ecfg.max_workers}]: {allowed} (elastic.workers; at "
+                          f"{ecfg.workers}, {size_refusal(cfg, ecfg.workers)})")
     return allowed

@@ -8,7 +8,7 @@ from typing import Literal
 from checkpointing.errors import ConfigError
 from checkpointing.names import check_url
 
-from .checks import check_finite
+from .checks import MAX_TOKENS, check_finite, check_range
 
 
 @dataclass(kw_only=True)
@@ -42,6 +42,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len={self.seq_len} must be >= 2")
+        check_range("data", "seq_len", self.seq_len, 2, MAX_TOKENS, "tokens")
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes={self.max_bytes} must be >= 0 (0 reads everything)")
         if not self.source:

@@ -29,7 +29,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.names import redact_text
 
 from . import FOREIGN_SECTIONS, MODEL_PRESETS, SECTIONS, TOP_LEVEL, RunConfig
-
+from .checks import nul_field
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -74,9 +74,17 @@ def _check_type(where: str, value: Any, tp: Any) -> Any:
         if not accepts(value):
             raise ConfigError(f"{where} must be {what}, got {shown(value)}")
         if tp is float:
+            try:
+                value = float(value)
+            except OverflowError:  # an integer beyond any float (Python's, not TOML's): no finite number either
+                value = math.inf
             if not math.isfinite(value):
-                raise ConfigError(f"{where}={value} is not a finite number; give a number (not nan or inf)")
-            return float(value)
+                raise ConfigError(f"{where}={shown(value)} is not a finite number; give a number (not nan or inf)")
+            return value
+        if tp in (str, dict):
+            found = nul_field(value, where)
+            if found:
+                raise ConfigError(f"{found} holds a NUL byte (\\x00); remove it")
     return value
 
 
@@ -99,12 +107,12 @@ def build_section(name: str, cls: type, raw: dict[str, Any]) -> Any:
     values: dict[str, Any] = {}
     if name == "model":
         preset = raw.get("preset", "tiny")
-        if preset not in MODEL_PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
+        if not isinstance(preset, str) or preset not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={shown(preset)} is unknown; use one of {', '.join(MODEL_PRESETS)}")
         values.update(MODEL_PRESETS[preset])
     for key, value in raw.items():
         if key not in known:
-            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
+            raise ConfigError(f"unknown key {name}.{key}{_suggest(str(key), known)}")
         values[key] = _check_type(f"{name}.{key}", value, hints[key])
     return cls(**values)
 

@@ -7,7 +7,13 @@ from typing import Any
 
 from checkpointing.errors import ConfigError
 
-from .checks import check_finite, divisors, fmt_list
+from .checks import MAX_TOKENS, check_finite, check_range, divisors, fmt_list
+
+# Each size's bounds (docs/operations.md#bounds), far above any real model: refused at load, before a divisor
+# listing or a model's construction crawls through a mistyped value.
+SIZE_BOUNDS = {"dim": 2**20, "n_layers": 2**16, "n_heads": 2**16, "n_kv_heads": 2**16, "ffn_hidden": 2**22,
+               "vocab_size": 2**24, "max_seq_len": MAX_TOKENS}
+MAX_EXPERTS = 2**20
 
 # Model sizes by name. A preset fills every model field that the [model]
 # section does not set itself.
@@ -99,9 +105,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model.preset={self.preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}"
             )
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+        for name, most in SIZE_BOUNDS.items():
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+            check_range("model", name, getattr(self, name), 1, most)
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}; "
@@ -145,6 +152,8 @@ class ModelConfig:
         for name in ("n_experts", "n_shared_experts", "capacity_factor", "aux_loss_coef", "router_bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0")
+        for name in ("n_experts", "n_shared_experts"):
+            check_range("model", name, getattr(self, name), 0, MAX_EXPERTS)
         if not self.n_experts:
             return
         if self.source != "builtin":

@@ -19,10 +19,15 @@ from typing import Literal
 
 from checkpointing.errors import ConfigError
 
-from .checks import check_finite, divisors, fmt_list, or_join
-from .model import ModelConfig
+from .checks import MAX_MIB, MAX_RANKS, MAX_SAMPLES, check_finite, check_range, divisors, fmt_list, or_join
+from .model import SIZE_BOUNDS, ModelConfig
 
 CP_STYLES = ("ring", "allgather", "ulysses")
+# Bounds (docs/operations.md#bounds): the degrees are ranks (each with its least value: -1 and 0 are automatic or
+# off); ZeRO++'s scale blocks and the offload buffers are sizes.
+DEGREES = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1, "ep": 0, "hpz_partition_size": 0}
+MAX_QUANT_BLOCK = 1_048_576
+MIN_BUFFER_MB = 0.001
 
 
 @dataclass(kw_only=True)
@@ -95,6 +100,12 @@ class ParallelConfig:
                                   + (", or 0 to choose it at each size" if name == "ep" else ""))
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
+        for name, least in DEGREES.items():
+            check_range("parallel", name, getattr(self, name), least, MAX_RANKS, "ranks")
+        layers = SIZE_BOUNDS["n_layers"]
+        for name, least, most in (("pp_stages_per_rank", 1, layers), ("ac_every_k", 1, layers),
+                                  ("pp_microbatches", 0, MAX_SAMPLES)):
+            check_range("parallel", name, getattr(self, name), least, most)
         if self.cp_style not in CP_STYLES:
             raise ConfigError(f"parallel.cp_style={self.cp_style!r} is not one of {', '.join(map(repr, CP_STYLES))}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -120,6 +131,11 @@ class ParallelConfig:
         check_finite(self, "parallel")
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb={self.bucket_mb} must be > 0 (MiB per ZeRO-2 reduce bucket)")
+        check_range("parallel", "bucket_mb", self.bucket_mb, 0, MAX_MIB, "MiB per ZeRO-2 reduce bucket")
+        check_range("parallel", "offload_buffer_mb", self.offload_buffer_mb, MIN_BUFFER_MB, MAX_MIB,
+                    "MiB of host buffers offload=\"nvme\" streams through; tens of MiB are usual")
+        if self.offload_dir:
+            check_offload_dir(self.offload_dir)
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp > 1 (got tp={self.tp}); "
                               "set parallel.tp=2 or more, or sequence_parallel=false")
@@ -135,9 +151,9 @@ class ParallelConfig:
 
     def check_zeropp(self) -> None:
         """ZeRO++'s keys: each needs a ZeRO stage that has the collective it changes."""
-        if self.quantization_block < 4 or self.quantization_block % 4:
+        if not 4 <= self.quantization_block <= MAX_QUANT_BLOCK or self.quantization_block % 4:
             raise ConfigError(f"parallel.quantization_block={self.quantization_block} must be a multiple of 4 "
-                              "(elements per int8 scale block); use 256")
+                              f"in [4, {MAX_QUANT_BLOCK:_}] (elements per int8 scale block); use 256")
         for key in ("quantized_weights", "quantized_gradients"):
             if getattr(self, key) and self.zero_stage == 0:
                 raise ConfigError(f"parallel.{key}=true quantizes a ZeRO collective, and parallel.zero_stage=0 "
@@ -167,8 +183,19 @@ def check_nvme_keys(p: ParallelConfig) -> None:
                           "optimizer state's files (e.g. offload_dir=\"/local_nvme/etrain\")")
     if "://" in p.offload_dir:
         raise ConfigError(f"parallel.offload_dir={p.offload_dir!r} must be a local path, not a URL")
-    if p.offload_buffer_mb <= 0:
-        raise ConfigError(f"parallel.offload_buffer_mb={p.offload_buffer_mb} must be > 0 (MiB of host buffers)")
+
+
+def check_offload_dir(path: str) -> None:
+    """parallel.offload_dir, whenever it is set: a path that names a directory, not one that climbs out of where
+    it is given (its scratch files are created and removed under it)."""
+    if "\x00" in path:
+        raise ConfigError("parallel.offload_dir holds a NUL byte (\\x00); give a local directory")
+    if not path.strip():
+        raise ConfigError(f"parallel.offload_dir={path!r} is blank; give a local directory such as "
+                          '"/local_nvme/etrain", or leave it unset')
+    if ".." in path.replace("\\", "/").split("/"):
+        raise ConfigError(f"parallel.offload_dir={path!r} climbs with '..'; give the directory itself, e.g. an "
+                          'absolute path such as "/local_nvme/etrain"')
 
 
 # --- context parallelism's rules ------------------------------------------------------------------

@@ -12,7 +12,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.names import validate_run_id
 
 from .checkpoint import CheckpointConfig
-from .checks import divisors, fmt_list, or_join
+from .checks import check_text, divisors, fmt_list, or_join
 from .data import DataConfig, EvalConfig
 from .model import ModelConfig
 from .observe import LoggingConfig, MetricsConfig
@@ -35,6 +35,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        for name in SECTIONS:  # what the loader refuses, refused of sections built in Python too
+            check_text(getattr(self, name), name)
         m, p, d, t = self.model, self.parallel, self.data, self.train
         self._check_layout_fits_builtin()
         stages = p.pp * p.pp_stages_per_rank

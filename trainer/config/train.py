@@ -7,7 +7,7 @@ from typing import Literal
 
 from checkpointing.errors import ConfigError
 
-from .checks import check_finite
+from .checks import MAX_SAMPLES, check_finite, check_range
 
 
 @dataclass(kw_only=True)
@@ -41,6 +41,9 @@ class TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+        for name in ("global_batch", "micro_batch"):
+            check_range("train", name, getattr(self, name), 1, MAX_SAMPLES, "samples")
+        check_range("train", "seed", self.seed, -2**63, 2**63 - 1, "a 64-bit integer")
         if self.micro_batch > self.global_batch:
             raise ConfigError(
                 f"train.micro_batch={self.micro_batch} is larger than train.global_batch={self.global_batch}; "

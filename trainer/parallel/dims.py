@@ -5,7 +5,8 @@
     dims.zero_stage, dims.dp, dims.uses_fsdp             # derived here, asked everywhere else
     dims.shard_ranks, dims.zero_shards, dims.grad_ranks  # ZeRO's shard group, its shards, the loss group's size
     dims.group(mesh, Mesh.DP)                            # a named (derived) mesh's process group
-    valid_world_sizes(cfg, max_world=16)                 # what a run can be resized to
+    valid_world_sizes(cfg, max_world=16)                 # what a run can be resized to (O(the batch's divisors))
+    size_refusal(cfg, 6), why_no_size(cfg, 1, 16)        # why a size, or every size in a range, is refused
 
 World = pp x dp_replicate x dp_shard x cp x tp, with tp innermost (neighbouring
 ranks, the fastest links) and pp outermost. ``dp_shard`` is the elastic axis:
@@ -128,8 +129,8 @@ class ParallelDims:
             )
         dims = cls(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, cp=p.cp,
                    ep=cls.expert_degree(cfg, dp_shard), zero_requested=p.zero_stage)
+        dims.check_features(cfg)  # first: cp's and sequence parallelism's rules refuse every size, not only this one
         dims.check_batch(cfg)
-        dims.check_features(cfg)
         return dims
 
     @staticmethod
@@ -314,10 +315,11 @@ class ParallelDims:
         if shard % hpz or hpz > shard:
             good = [d for d in divisors(shard) if d > 1]
             axes = "dp_shard x cp" if self.cp > 1 else "dp_shard"
+            use = f"use hpz_partition_size={or_join(good)}, or 0 to turn hpZ off" if good else \
+                "turn hpZ off with hpz_partition_size=0, or run on more data-parallel ranks"
             raise ConfigError(
                 f"parallel.hpz_partition_size={hpz} must divide the ZeRO-3 shard group ({axes} = {shard} ranks "
-                f"at world size {self.world_size}); use hpz_partition_size={or_join(good) if good else '0'}, "
-                "or 0 to turn hpZ off")
+                f"at world size {self.world_size}); {use}")
         if self.pp > 1:
             raise ConfigError(f"parallel.hpz_partition_size={hpz} has no effect with parallel.pp={self.pp}: pipeline "
                               "stages keep their parameters whole between forward and backward; set "
@@ -398,25 +400,60 @@ class ParallelDims:
 
 
 def valid_dp_sizes(cfg: RunConfig, max_dp: int) -> list[int]:
-    """Data-parallel sizes the fixed global batch allows (micro-batch and pipeline rules)."""
+    """Data-parallel sizes up to ``max_dp`` that the fixed global batch allows: d with d x train.micro_batch
+    dividing train.global_batch, so the divisors of global_batch / micro_batch (O(sqrt global_batch))."""
     t = cfg.train
-    return [d for d in range(1, max_dp + 1) if t.global_batch % (d * t.micro_batch) == 0]
+    if t.global_batch % t.micro_batch:
+        return []
+    return [d for d in divisors(t.global_batch // t.micro_batch) if d <= max_dp]
+
+
+def batch_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
+    """The sizes up to ``max_world`` that the first rules allow, smallest first: multiples of the fixed degree whose
+    dp_shard is ``parallel.dp_shard`` (when it is not -1) and whose data-parallel size fits the global batch.
+
+    Every size :func:`valid_world_sizes` returns is one of these, and the batch bounds how many there are: the
+    data-parallel size dp_replicate x dp_shard must divide global_batch / micro_batch, so dp_shard is a divisor of
+    global_batch / (micro_batch x dp_replicate). Never a loop up to ``max_world``."""
+    p, t = cfg.parallel, cfg.train
+    fixed = fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)
+    per_shard = p.dp_replicate * t.micro_batch
+    if t.global_batch % per_shard:
+        return []
+    shards = divisors(t.global_batch // per_shard)
+    if p.dp_shard != -1:
+        shards = [k for k in shards if k == p.dp_shard]
+    return [fixed * k for k in shards if fixed * k <= max_world]
+
+
+def size_refusal(cfg: RunConfig, world: int) -> str | None:
+    """Why a group of ``world`` ranks cannot run ``cfg`` (the first rule it breaks, in
+    :meth:`ParallelDims.from_config`'s words), or None where it can."""
+    try:
+        ParallelDims.from_config(cfg, world)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def valid_world_sizes(cfg: RunConfig, max_world: int) -> list[int]:
-    """World sizes a run can be resized to: multiples of dp_replicate x cp x tp x pp that fit the batch."""
-    p = cfg.parallel
-    fixed = fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)
-    out = []
-    for world in range(fixed, max_world + 1, fixed):
-        if config_dp_shard(p, world) != world // fixed:
-            continue
-        try:
-            ParallelDims.from_config(cfg, world)
-        except ConfigError:
-            continue
-        out.append(world)
-    return out
+    """World sizes a run can be resized to: multiples of dp_replicate x cp x tp x pp that fit the batch (and every
+    other rule of :meth:`ParallelDims.from_config`); in O(the batch's divisors), whatever ``max_world``."""
+    return [world for world in batch_world_sizes(cfg, max_world) if size_refusal(cfg, world) is None]
+
+
+def why_no_size(cfg: RunConfig, lo: int, hi: int) -> str:
+    """Why no size in [lo, hi] works, for the message that says so: the first refusal of a size the batch allows
+    (parallel.cp against data.seq_len, Ulysses against the heads, hpZ against the shard group, ep against
+    dp_shard...), or, when the batch allows none in the range, the batch rule itself."""
+    for world in batch_world_sizes(cfg, hi):
+        if world >= lo:
+            refusal = size_refusal(cfg, world)
+            if refusal:
+                return f"at size {world}, {refusal}"
+    t = cfg.train
+    return (f"sizes must be {size_rule(cfg)}, whose data-parallel size divides train.global_batch={t.global_batch} "
+            f"in train.micro_batch={t.micro_batch} units")
 
 
 def size_rule(cfg: RunConfig) -> str:
@@ -424,11 +461,12 @@ def size_rule(cfg: RunConfig) -> str:
     p = cfg.parallel
     ep = f", with dp_shard a multiple of parallel.ep={p.ep} (or parallel.ep=0 to choose it at each size)" \
         if p.ep > 1 else ""
-    if p.cp > 1:
-        return (f"multiples of dp_replicate x cp x tp x pp (here {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = "
-                f"{fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)}){ep}")
-    return (f"multiples of dp_replicate x tp x pp (here {p.dp_replicate} x {p.tp} x {p.pp} = "
-            f"{fixed_degree(p.dp_replicate, p.tp, p.pp)}){ep}")
+    cp = p.cp > 1
+    names = ("dp_replicate", "cp", "tp", "pp") if cp else ("dp_replicate", "tp", "pp")
+    here = " x ".join(str(getattr(p, n)) for n in names)
+    keys = ", ".join(f"parallel.{n}" for n in names[:-1]) + f" and parallel.{names[-1]}"
+    return (f"multiples of {' x '.join(names)} (here {here} = {fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp)}), "
+            f"the degrees {keys}{ep}")
 
 
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
