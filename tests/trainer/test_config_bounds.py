@@ -208,6 +208,8 @@ def test_the_batch_is_named_where_it_is_the_cause():
     with pytest.raises(ConfigError, match=r"sizes must be multiples of dp_replicate x tp x pp \(here 1 x 2 x 1 = 2\), "
                                           r"the degrees parallel.dp_replicate, parallel.tp and parallel.pp, whose "):
         check_sizes(cfg, ElasticConfig(workers=1, max_workers=1))
+    with pytest.raises(ConfigError, match=r"\(parallel.dp_shard=3 allows only 3\)"):
+        check_sizes(load_config(None, ["parallel.dp_shard=3"]), ElasticConfig(workers=2))
 
 
 def test_a_size_refuses_on_the_layout_rule_before_the_batch():

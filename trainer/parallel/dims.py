@@ -451,9 +451,11 @@ def why_no_size(cfg: RunConfig, lo: int, hi: int) -> str:
             refusal = size_refusal(cfg, world)
             if refusal:
                 return f"at size {world}, {refusal}"
-    t = cfg.train
-    return (f"sizes must be {size_rule(cfg)}, whose data-parallel size divides train.global_batch={t.global_batch} "
-            f"in train.micro_batch={t.micro_batch} units")
+    t, p = cfg.train, cfg.parallel
+    fixed = "" if p.dp_shard == -1 else \
+        f" (parallel.dp_shard={p.dp_shard} allows only {fixed_degree(p.dp_replicate, p.tp, p.pp, p.cp) * p.dp_shard})"
+    return (f"sizes must be {size_rule(cfg)}{fixed}, whose data-parallel size divides train.global_batch="
+            f"{t.global_batch} in train.micro_batch={t.micro_batch} units")
 
 
 def size_rule(cfg: RunConfig) -> str:
