@@ -305,7 +305,7 @@ class Chaos:
     def _controller(self):
         from ..driver.run import controller_actor
 
-        actor = controller_actor(self.run_id)
+        actor = controller_actor(self.run_id, self.store.url)
         if actor is None:
             raise RuntimeError(f"no live controller for run {self.run_id!r} in this Ray cluster")
         return actor

@@ -11,7 +11,7 @@ Ray's autoscaler already sees pending placement groups; ``request_resources``
 adds a standing request that it meets at once, without its upscaling-speed
 limit, and that survives the placement group's retries. It is one request
 per cluster (each call replaces the last), so every run puts its own bundles
-under its run id in the GCS key-value store (namespace ``etrain-demand``)
+under its run id and store (its cluster key) in the GCS key-value store (namespace ``etrain-demand``)
 and the request sent is the union of every run's: a run that withdraws (its
 workers placed, or the run ended) leaves the others' standing.
 :class:`AutoscaleObserver` does this for a controller: every ``every_s`` it
@@ -26,6 +26,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from ..store.cluster_names import cluster_key
 from .observers import ControllerObserver
 from .protocols import RunView
 
@@ -123,7 +124,7 @@ class AutoscaleObserver(ControllerObserver):
     def ask(self, ctl: RunView, n: int) -> None:
         bundle = dict(getattr(ctl.group, "resources", None) or {"CPU": 1})
         try:
-            self.board.set(ctl.run_id, [bundle] * n)
+            self.board.set(cluster_key(ctl.run_id, ctl.store.url), [bundle] * n)  # the run id and its store
         except Exception as e:  # the request is a hint: a failure to send it changes nothing in the run
             log.warning("autoscale: the request for %d worker(s) was not sent: %s", n, e)
             return

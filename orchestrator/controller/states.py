@@ -68,8 +68,9 @@ class Initializing(State):
 @dataclass
 class Queued(State):
     """Wait until the run's gang (``min_workers`` reserved together) is admitted; while the allocator holds
-    the run (``spec.requeue``) hold nothing and wait. ``timeout``: ``queue_timeout_s`` bounds the wait (the
-    first admission; a run requeued by the allocator is never failed for waiting)."""
+    the run (``spec.requeue``) hold nothing and wait. ``queue_timeout_s`` bounds both waits: the first
+    admission (``timeout``: the run fails) and a requeued run's (it ends SUSPENDED, its checkpoint
+    committed when it was requeued: `etrain resume` continues it)."""
 
     reason: str
     timeout: bool = False
@@ -95,6 +96,12 @@ class Queued(State):
             self.announced = True
             c.queued(self.reason, self.since)
         waited = c.clock() - self.since
+        if c.spec.requeue and c.opts.queue_timeout_s and waited > c.opts.queue_timeout_s:
+            why = (f"requeued by the cluster's allocator and not re-admitted within elastic.queue_timeout_s="
+                   f"{c.opts.queue_timeout_s:g} s")
+            c.event("suspended", step=c.last_completed_step(), reason=why, cause="queue_timeout",
+                    checkpoint_committed=c.committed_step == c.last_completed_step())
+            return Suspended(f"{why}; `etrain resume` continues it at step {c.last_completed_step()}")
         if self.timeout and c.opts.queue_timeout_s and waited > c.opts.queue_timeout_s:
             c.release_workers()
             return Failed(f"not admitted within elastic.queue_timeout_s={c.opts.queue_timeout_s:g} s: the cluster "

@@ -35,7 +35,7 @@ from checkpointing.names import check_url, redact, redact_text, validate_run_id
 from trainer.config import RunConfig
 from trainer.config.load import config_from_dict, load_raw
 
-from ..service import auth
+from ..service import auth, grants
 from ..store import liveness
 from ..store import user_runs as registry
 from ..config import ElasticConfig, check_sizes, elastic_from_raw, recovery_from_raw
@@ -43,6 +43,7 @@ from ..controller.controller import ControllerOptions
 from ..controller.actor import ControllerActor
 from ..phase import Phase
 from ..controller.run_policy import FailurePolicy
+from ..store.cluster_names import cluster_key
 from ..store.run_store import RunSpec, RunStore, UnknownRun, open_store
 
 log = logging.getLogger("etrain")
@@ -105,6 +106,7 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,
                    max_workers=ecfg.max_workers, owner=owner or auth.current_user(),
                    token_hash=token_hash or auth.digest(token))
+    grants.check_on_cluster(spec.owner, spec.sharing)  # a claim beyond the owner's grant: exit 2 before it starts
     try:
         st.get_spec(cfg.run_id)  # a run the store knows: create_run says how to continue it
     except UnknownRun:
@@ -162,7 +164,8 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None, *, token: s
 
     def changes(spec: RunSpec) -> dict:
         st.check_resumable(run_id)
-        out: dict = {"suspended": False, "stop": False}
+        # A run the allocator had requeued (and that waited past queue_timeout_s) rejoins the queue afresh.
+        out: dict = {"suspended": False, "stop": False, "requeue": False, "target": 0}
         if workers is not None:
             cfg, ecfg = parse_config(spec.config, workers=workers, min_workers=min(spec.min_workers, workers),
                                      max_workers=max(spec.max_workers, workers))
@@ -206,8 +209,10 @@ def connect(address: str | None, num_cpus: int) -> bool:
     # one listens on loopback only, so the warning is noise in etrain's output (docs/operations.md).
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     # address="local": a new instance, even when another Ray runs on this machine (ray.init() would join it).
-    ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             namespace="etrain", log_to_driver=False, logging_level="warning")
+    # Its processes, the workers among them, inherit this environment: without the shell's tokens.
+    with auth.secrets_withheld():
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 namespace="etrain", log_to_driver=False, logging_level="warning")
     return True
 
 
@@ -231,8 +236,10 @@ def worker_resources(e: ElasticConfig) -> dict:
     return {"CPU": e.cpus_per_worker, "GPU": gpus}
 
 
-def controller_name(run_id: str) -> str:
-    return f"etrain-controller-{run_id}"
+def controller_name(run_id: str, store_url: str) -> str:
+    """The controller actor's name on the cluster: the run id and its store (two stores' runs of one id are
+    two runs)."""
+    return f"etrain-controller-{cluster_key(run_id, store_url)}"
 
 
 def start_controller(spec: RunSpec, store_url: str, cfg: RunConfig, ecfg: ElasticConfig):
@@ -244,7 +251,8 @@ def start_controller(spec: RunSpec, store_url: str, cfg: RunConfig, ecfg: Elasti
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(ControllerActor)
-    return cls.options(name=controller_name(spec.run_id), get_if_exists=False, scheduling_strategy=here).remote(
+    name = controller_name(spec.run_id, store_url)
+    return cls.options(name=name, get_if_exists=False, scheduling_strategy=here).remote(
         spec, store_url, cfg, worker_resources(ecfg), controller_options(ecfg))
 
 
@@ -349,12 +357,12 @@ def exit_code(final: dict) -> int:
     return 0 if Phase.of(final) in (Phase.FINISHED, Phase.SUSPENDED) else 1
 
 
-def controller_actor(run_id: str):
-    """The live controller actor of a run in the connected cluster, or None."""
+def controller_actor(run_id: str, store_url: str):
+    """The live controller actor of ``run_id`` of ``store_url`` in the connected cluster, or None."""
     import ray
 
     try:
-        return ray.get_actor(controller_name(run_id), namespace="etrain")
+        return ray.get_actor(controller_name(run_id, store_url), namespace="etrain")
     except ValueError:
         return None
 
@@ -368,6 +376,7 @@ class BackgroundRun:
 
     def __init__(self, spec: RunSpec, store: RunStore, progress: bool = False):
         self.spec = spec
+        self.store = store
         self.result: dict = {}
         self.error: BaseException | None = None
 
@@ -384,7 +393,7 @@ class BackgroundRun:
     def _wait_actor(self, timeout: float = 120.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            actor = controller_actor(self.spec.run_id)
+            actor = controller_actor(self.spec.run_id, self.store.url)
             if actor is not None:
                 return actor
             if not self.thread.is_alive():

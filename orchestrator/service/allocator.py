@@ -21,81 +21,78 @@ the spec it read (a user's resize in between wins; the next decision reads it):
 Each decision is a run event ``allocated`` (action, workers, cause, reason); a shrink for another run,
 or for the cluster's capacity or a quota, is also ``preempted`` (a suspend's ``preempted`` event is the
 controller's, written when it has committed and given its workers back). Runs that ended leave
-the registry. The registry, the last decision and why each queued run waits are the store document
-``allocator`` of the store the allocator was started with; the quotas are its document ``quotas``
-(``etrain quota``). A restarted allocator (Ray restarts it) reads them back: it decides from the specs
-and statuses, so it stops nothing and places nothing twice.
+the registry. Runs are keyed by run id and store together (:func:`orchestrator.store.cluster_names.cluster_key`):
+two stores' runs of one id are two runs.
+
+The registry, the last decision and why each queued run waits are the store document ``allocator`` of
+the cluster's service store (``etrain service init``, :mod:`orchestrator.service.grants`), or, on a
+cluster without one, of the store the allocator was started with; the quotas are its document
+``quotas`` (``etrain quota``) and the owners' grants its document ``grants``, which bound every run's
+claims at every decision. A restarted allocator (Ray restarts it) reads them back: it decides from the
+specs and statuses, so it stops nothing and places nothing twice.
+
+One run's documents never stop a decision: each run's are read within :data:`READ_BUDGET_S` (on a
+thread of their own), checked (a phase of the enum, sizes within bounds, finite rates and times), and a
+run whose documents are unreadable, invalid or slow is left out of that round, with an ``allocator``
+event on the run (once per reason), a log line and the metric ``etrain_allocator_skipped_runs``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 
 from checkpointing.errors import ConfigError, EtrainError
 
+from ..phase import Phase
 from ..store import liveness
-from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun
+from ..store.cluster_names import cluster_key
+from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun, is_run_id
 from ..store.run_store import RunStore, open_store
 from .demand import demand_of, desired
+from .docs import QUOTAS_DOC, STATE_DOC, dict_field, quotas, read_doc, set_quota, update_doc  # noqa: F401
+from .grants import clamp, grants_of, service_url
 from .metrics import ClusterMetrics
-from .policy import Admit, ClusterView, Plan, Restore, SchedulingPolicy, SetTarget, Suspend, policy_named
+from .policy import MAX_WORKERS, Admit, ClusterView, Plan, Restore, SchedulingPolicy, SetTarget, Suspend, policy_named
 from .rules import default_policy
 
 log = logging.getLogger("etrain")
 
 ALLOCATOR_NAME = "etrain.allocator"
 NAMESPACE = "etrain"
-STATE_DOC = "allocator"
-QUOTAS_DOC = "quotas"
 INTERVAL_S = 2.0
 POLICY_VAR = "ETRAIN_SCHEDULING_POLICY"  # the deployment's scheduling policy (docs/service.md)
 PREEMPTING = {"preempted", "capacity", "quota"}
+READ_BUDGET_S = 10.0  # the most one run's documents may take to read in a decision; slower: skipped this round
 
 
-def read_doc(store: RunStore, name: str) -> tuple[dict, object]:
-    """A store document of the allocator's as a dict ({} when absent or not one) and its version."""
-    raw, version = store.read_versioned(None, name)
-    try:
-        doc = json.loads(raw) if raw else {}
-    except ValueError:
-        doc = {}
-    return (doc if isinstance(doc, dict) else {}), version
-
-
-def update_doc(store: RunStore, name: str, change: Callable[[dict], dict], attempts: int = 10) -> dict:
-    """Apply ``change`` to a store document as a compare-and-swap, again when another writer got in between."""
-    for _ in range(attempts):
-        doc, version = read_doc(store, name)
-        new = change(dict(doc))
-        if store.write_if(None, name, json.dumps(new, sort_keys=True), version):
-            return new
-    raise EtrainError(f"the store's {name!r} document kept changing under {attempts} writes; try again")
-
-
-def quotas(store: RunStore) -> dict[str, int]:
-    teams = read_doc(store, QUOTAS_DOC)[0].get("teams", {})
-    return {str(t): int(n) for t, n in teams.items() if isinstance(n, int) and not isinstance(n, bool) and n >= 0}
-
-
-def set_quota(store: RunStore, team: str, max_workers: int | None) -> dict[str, int]:
-    """Set (or, with None, remove) ``team``'s quota: the most workers its runs may hold together."""
-    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
-        raise ConfigError(f"--max-workers {max_workers} must be an integer >= 0")
-
-    def change(doc: dict) -> dict:
-        teams = dict(doc.get("teams", {}))
-        if max_workers is None:
-            teams.pop(team, None)
+def registry_entries(doc: dict) -> dict[str, tuple[str, str]]:
+    """The registry of an allocator state document: cluster key -> (run id, store URL). Entries that are not
+    one are left out; the form of older allocators (run id -> store URL) is read as well."""
+    out = {}
+    for key, value in dict_field(doc, "runs").items():
+        if isinstance(value, dict):
+            run_id, url = value.get("run_id"), value.get("store")
         else:
-            teams[team] = max_workers
-        return {**doc, "teams": teams}
+            run_id, url = key, value
+        if isinstance(run_id, str) and is_run_id(run_id) and isinstance(url, str) and 0 < len(url) <= 4096:
+            out[cluster_key(run_id, url) if not isinstance(value, dict) else key] = (run_id, url)
+    return out
 
-    return update_doc(store, QUOTAS_DOC, change)["teams"]
+
+class SkipRun(Exception):
+    """A run left out of this decision: ``kind`` (unreadable, invalid, slow) and why."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind = kind
 
 
 class AllocatorCore:
@@ -104,29 +101,56 @@ class AllocatorCore:
     ``opener`` opens a run's store from its URL; ``policy`` decides (the default rules without one)."""
 
     def __init__(self, state: RunStore, capacity: Callable[[float, float], int | tuple[int, int]], *, clock=time.time,
-                 opener: Callable[[str], RunStore] = open_store, policy: SchedulingPolicy | None = None):
+                 opener: Callable[[str], RunStore] = open_store, policy: SchedulingPolicy | None = None,
+                 read_budget_s: float = READ_BUDGET_S):
         self.state = state
         self.policy = policy or default_policy()
         self.capacity = capacity
         self.clock = clock
         self.opener = opener
+        self.read_budget_s = read_budget_s
         self._stores: dict[str, RunStore] = {state.url: state}
         self._sizes: dict[tuple[str, int], tuple] = {}
         self.lock = threading.Lock()
         self.last: dict = {}
         self.metrics = ClusterMetrics()
         self.phases: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}  # cluster key -> why the run was left out of the last decision
+        self.grants = None  # the owners' grants of the service store (None: claims taken as written)
+        # Reads of a run's documents run here, each bounded by read_budget_s: one run's store cannot stall a round.
+        self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="allocator-read")
+        self._pending: dict[str, Future] = {}
 
-    def runs(self) -> dict[str, str]:
-        return dict(read_doc(self.state, STATE_DOC)[0].get("runs", {}))
+    def runs(self) -> dict[str, tuple[str, str]]:
+        """The registered runs: cluster key -> (run id, store URL)."""
+        return registry_entries(read_doc(self.state, STATE_DOC)[0])
 
-    def register(self, run_id: str, store_url: str) -> None:
-        update_doc(self.state, STATE_DOC, lambda d: {**d, "runs": {**d.get("runs", {}), run_id: store_url}})
+    def register(self, run_id: str, store_url: str) -> str:
+        """Register ``run_id`` of ``store_url``; its cluster key (the run id and its store, :func:`cluster_key`)."""
+        key = cluster_key(run_id, store_url)
+
+        def change(d: dict) -> dict:
+            runs = {k: {"run_id": r, "store": u} for k, (r, u) in registry_entries(d).items()}
+            return {**d, "runs": {**runs, key: {"run_id": run_id, "store": store_url}}}
+
+        update_doc(self.state, STATE_DOC, change)
+        return key
+
+    def move_state(self, state: RunStore) -> None:
+        """Keep the state in ``state`` from now on (the cluster's service store was named): the registry moves."""
+        entries = self.runs()
+        for key, (run_id, url) in entries.items():
+            update_doc(state, STATE_DOC, lambda d, k=key, r=run_id, u=url: {
+                **d, "runs": {**{kk: {"run_id": rr, "store": uu} for kk, (rr, uu) in registry_entries(d).items()},
+                              k: {"run_id": r, "store": u}}})
+        log.info("allocator: state moves to the service store %s (%d runs)", state.url, len(entries))
+        self.state = state
+        self._stores[state.url] = state
 
     def _forget(self, gone: set[str]) -> None:
         if gone:
-            update_doc(self.state, STATE_DOC,
-                       lambda d: {**d, "runs": {r: u for r, u in d.get("runs", {}).items() if r not in gone}})
+            update_doc(self.state, STATE_DOC, lambda d: {**d, "runs": {
+                k: {"run_id": r, "store": u} for k, (r, u) in registry_entries(d).items() if k not in gone}})
 
     def _store(self, url: str) -> RunStore:
         if url not in self._stores:
@@ -136,53 +160,113 @@ class AllocatorCore:
     def _shape(self, spec: RunSpec) -> tuple:
         """(valid sizes in [min, max], global batch, total steps, cpus and gpus per worker) of the spec's
         config, parsed once per spec generation."""
-        key = (spec.run_id, spec.generation)
+        key = (spec.run_id, spec.generation, spec.min_workers, spec.max_workers)
         if key not in self._sizes:
             from trainer.config.load import config_from_dict
 
             from ..config import allowed_sizes
 
+            if not 1 <= spec.min_workers <= spec.max_workers <= MAX_WORKERS or not 1 <= spec.workers <= MAX_WORKERS:
+                raise SkipRun("invalid", f"its sizes (workers {spec.workers}, min {spec.min_workers}, max "
+                                         f"{spec.max_workers}) are not 1 <= min <= max <= {MAX_WORKERS}")
             cfg = config_from_dict(spec.config)
+            share = spec.sharing
+            if not (math.isfinite(share.cpus_per_worker) and math.isfinite(share.gpus_per_worker)):
+                raise SkipRun("invalid", "its cpus_per_worker or gpus_per_worker is not finite")
+            if len(self._sizes) > 4096:
+                self._sizes.clear()
             self._sizes[key] = (tuple(allowed_sizes(cfg, spec.min_workers, spec.max_workers)),
-                                cfg.train.global_batch, cfg.train.steps, spec.sharing.cpus_per_worker,
-                                spec.sharing.gpus_per_worker)
+                                cfg.train.global_batch, cfg.train.steps, share.cpus_per_worker, share.gpus_per_worker)
         return self._sizes[key]
+
+    def _read_run(self, key: str, run_id: str, url: str):
+        """One run's demand from its documents, the run's store and spec, its phase, and whether it is gone.
+        Raises SkipRun when its documents cannot be used this round."""
+        st = self._store(url)
+        try:
+            spec = st.get_spec(run_id)
+            # A run whose controller is gone holds nothing: marked INTERRUPTED here if no one did yet.
+            status = liveness.notice(st, run_id, st.get_status(run_id), by="the cluster's allocator")
+            phase = (status or {}).get("phase", "INITIALIZING")
+            if phase not in Phase.__members__:
+                raise SkipRun("invalid", f"its status has phase {str(phase)[:40]!r}, which is no phase")
+            if phase == "INITIALIZING":
+                return None  # neither holding nor queued yet: its gang is asked for (QUEUED in 2 s if not granted)
+            events = st.events(run_id)
+            sizes, batch, steps, cpw, gpw = self._shape(spec)
+            d = demand_of(spec, status, st.get_history(run_id), events, sizes=sizes, global_batch=batch,
+                          total_steps=steps)
+            if d is None:
+                return "gone"
+            d, cut = clamp(replace(d, run_id=key, shown=run_id), spec.owner, self.grants)
+        except (UnknownRun, FileNotFoundError):
+            return "gone"  # deleted: nothing to allocate
+        except SkipRun:
+            raise
+        except (StoreUnavailable, TimeoutError) as e:
+            raise SkipRun("unreadable", str(e)) from None
+        except (ConfigError, EtrainError, ValueError, TypeError, OverflowError, RecursionError) as e:
+            raise SkipRun("invalid", str(e)) from None
+        return d, st, spec, phase, cut, cpw, gpw
 
     def gather(self) -> tuple[list, dict[str, tuple[RunStore, RunSpec]], set[str], dict]:
         demands, specs, gone = [], {}, set()
         self.phases = {}
+        skipped: dict[str, str] = {}
         per_worker = {"cpus": 0.0, "gpus": 0.0}
-        for run_id, url in sorted(self.runs().items()):
+        entries = sorted(self.runs().items())
+        for key, (run_id, url) in entries:  # a read still stuck from an earlier round is not started again
+            if key not in self._pending or self._pending[key].done():
+                self._pending[key] = self._readers.submit(self._read_run, key, run_id, url)
+        deadline = time.monotonic() + self.read_budget_s
+        for key, (run_id, url) in entries:
             try:
-                st = self._store(url)
-                spec = st.get_spec(run_id)
-                # A run whose controller is gone holds nothing: marked INTERRUPTED here if no one did yet.
-                status = liveness.notice(st, run_id, st.get_status(run_id), by="the cluster's allocator")
-                if (status or {}).get("phase", "INITIALIZING") == "INITIALIZING":
-                    continue  # neither holding nor queued yet: its gang is asked for (QUEUED in 2 s if not granted)
-                events = st.events(run_id)
-                sizes, batch, steps, cpw, gpw = self._shape(spec)
-                d = demand_of(spec, status, st.get_history(run_id), events, sizes=sizes, global_batch=batch,
-                              total_steps=steps)
-            except (UnknownRun, ConfigError, FileNotFoundError):
-                gone.add(run_id)  # deleted, or a spec this version cannot read: nothing to allocate
+                got = self._pending[key].result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                got = SkipRun("slow", f"its documents took over {self.read_budget_s:g} s to read")
+            except SkipRun as e:
+                got = e
+            except Exception as e:  # whatever one run's documents do, the others are decided on
+                got = SkipRun("invalid", f"{type(e).__name__}: {e}")
+            if isinstance(got, SkipRun):
+                skipped[key] = str(got)[:500]
+                self.metrics.skip(got.kind)
+                if self.skipped.get(key) != skipped[key]:  # said once per new reason, not every round
+                    log.warning("allocator: run %r (%s) left out of this decision: %s", run_id, url, skipped[key])
+                    self._event(url, run_id, {"kind": "allocator", "action": "skipped", "reason": skipped[key]})
                 continue
-            except (StoreUnavailable, EtrainError) as e:
-                log.warning("allocator: run %r skipped this round: %s", run_id, e)
+            if got is None:
                 continue
-            if d is None:
-                gone.add(run_id)
+            if got == "gone":
+                gone.add(key)
                 continue
+            d, st, spec, phase, cut, cpw, gpw = got
+            if cut and cut != self.skipped.get(f"{key}#cut"):
+                self._event(url, run_id, {"kind": "allocator", "action": "granted", "reason": cut})
+            if cut:
+                skipped[f"{key}#cut"] = cut
             demands.append(d)
-            specs[run_id] = (st, spec)
-            self.phases[run_id] = (status or {}).get("phase", "INITIALIZING")
+            specs[key] = (st, spec)
+            self.phases[key] = phase
             per_worker["cpus"] = max(per_worker["cpus"], cpw)
             per_worker["gpus"] = max(per_worker["gpus"], gpw)
+        self.skipped = skipped
+        self._pending = {k: f for k, f in self._pending.items() if not f.done()}  # the stuck ones only
         return demands, specs, gone, per_worker
+
+    def _event(self, url: str, run_id: str, event: dict) -> None:
+        try:
+            self._store(url).add_event(run_id, event)
+        except Exception as e:  # a store that refuses the event refuses nothing else of the allocator
+            log.info("allocator: event on run %r not written: %s", run_id, e)
 
     def tick(self) -> Plan:
         with self.lock:
             started = time.perf_counter()
+            try:
+                self.grants = grants_of(self.state)
+            except Exception as e:  # the service store away: the grants of the last round stand
+                log.warning("allocator: the grants could not be read (%s); the last ones apply", e)
             demands, specs, gone, pw = self.gather()
             self._forget(gone)
             cap = self.capacity(pw["cpus"] or 1.0, pw["gpus"])
@@ -196,7 +280,7 @@ class AllocatorCore:
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
                          "priorities": {d.run_id: d.priority for d in demands},
-                         "applied": applied}
+                         "skipped": {k: v for k, v in self.skipped.items() if "#" not in k}, "applied": applied}
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
 
@@ -258,35 +342,50 @@ def ray_capacity(cpus_per_worker: float, gpus_per_worker: float,
 
 class Allocator:
     """The Ray actor (``ensure_allocator``): an :class:`AllocatorCore` on the live cluster, ticking on a
-    thread of its own."""
+    thread of its own. Its state is the cluster's service store once one is named (``etrain service init``,
+    looked up at every decision), else the store of the run that started it."""
 
     def __init__(self, state_url: str, interval_s: float = INTERVAL_S):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-allocator %(levelname)s %(message)s")
         policy = policy_named(os.environ.get(POLICY_VAR) or "default")  # the cluster's environment names it
         log.info("allocator: scheduling policy %r", policy.name)
-        self.core = AllocatorCore(open_store(state_url), ray_capacity, policy=policy)
+        self.core = AllocatorCore(open_store(service_url() or state_url), ray_capacity, policy=policy)
         self.interval_s = interval_s
-        self.state_url = state_url
         self.endpoint = start_endpoint(self.core.metrics)
         threading.Thread(target=self._loop, name="allocator", daemon=True).start()
+
+    @property
+    def state_url(self) -> str:
+        return self.core.state.url
+
+    def _follow_service(self) -> None:
+        """Move the state to the cluster's service store when one was named since."""
+        url = service_url()
+        if url and url != self.core.state.url:
+            with self.core.lock:
+                self.core.move_state(open_store(url))
 
     def _loop(self) -> None:
         while True:
             try:
+                self._follow_service()
                 self.core.tick()
             except Exception as e:  # an outage of the state store, a bug: log it and decide again later
                 log.warning("allocator: decision failed: %s", e)
             time.sleep(self.interval_s)
 
     def register(self, run_id: str, store_url: str) -> str:
+        self._follow_service()
         self.core.register(run_id, store_url)
         return self.state_url
 
     def state(self) -> dict:
-        return {"state_url": self.state_url, "runs": self.core.runs(), **self.core.last,
-                "metrics_url": self.endpoint.url if self.endpoint else None}
+        return {"state_url": self.state_url, "runs": {k: {"run_id": r, "store": u}
+                                                      for k, (r, u) in self.core.runs().items()},
+                **self.core.last, "metrics_url": self.endpoint.url if self.endpoint else None}
 
     def tick(self) -> dict:
+        self._follow_service()
         plan = self.core.tick()
         return {"targets": plan.targets, "waiting": plan.waiting}
 
@@ -330,7 +429,7 @@ def register(spec: RunSpec, store_url: str, timeout_s: float = 30.0) -> str | No
     import ray
 
     try:
-        handle = ensure_allocator(store_url)
+        handle = ensure_allocator(service_url() or store_url)
         return ray.get(handle.register.remote(spec.run_id, store_url), timeout=timeout_s)
     except Exception as e:
         log.warning("run %r: the cluster's allocator is not reachable (%s); the run is sized by its own spec",

@@ -11,12 +11,13 @@ and calls this; the tests call it on documents they write.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from ..store.documents import HistoryRow, RunSpec
 from ..phase import Phase
-from .policy import RunDemand
+from ..store.documents import HistoryRow, RunSpec
+from .policy import MAX_WORKERS, RunDemand
 
 # Phases in which a run holds, or waits for, workers of the cluster.
 ACTIVE = frozenset({"INITIALIZING", "QUEUED", "SCHEDULING", "RUNNING", "RECOVERING", "RESIZING", "SUSPENDING",
@@ -62,10 +63,12 @@ def demand_of(spec: RunSpec, status: dict | None, history: Iterable[HistoryRow],
 def _queued_since(spec: RunSpec, events: Iterable[dict]) -> float:
     """When the run last joined the queue: its newest ``queued`` or ``preempted`` (suspend) event, else
     its creation. First come first served within a priority."""
-    since = spec.created_unix
+    since = spec.created_unix if math.isfinite(spec.created_unix) else 0.0
     for e in events:
         if e.get("kind") == "queued" or (e.get("kind") == "preempted" and e.get("action") == "suspend"):
-            since = max(since, float(e.get("time", since)))
+            t = e.get("time", since)
+            if isinstance(t, (int, float)) and math.isfinite(t):
+                since = max(since, float(t))
     return since
 
 
@@ -74,14 +77,17 @@ def throughput(rows: Sequence[HistoryRow], global_batch: int) -> dict[int, float
     step time there (a fixed global batch: every size trains the same samples per step)."""
     by_size: dict[int, list[float]] = {}
     for r in rows:
-        if r.world_size > 0 and r.step_s > 0:
+        if isinstance(r.world_size, int) and 0 < r.world_size <= MAX_WORKERS and math.isfinite(r.step_s) \
+                and r.step_s > 0:
             by_size.setdefault(r.world_size, []).append(r.step_s)
     batch = global_batch if global_batch > 0 else 1
-    return {n: batch / statistics.median(ts) for n, ts in by_size.items() if len(ts) >= 3}
+    rates = {n: batch / statistics.median(ts) for n, ts in by_size.items() if len(ts) >= 3}
+    return {n: r for n, r in rates.items() if math.isfinite(r)}
 
 
 def resize_cost(events: Iterable[dict]) -> float:
     """The run's measured cost of one resize: the median ``resize_s`` of its ``resized`` events."""
     costs = [float(e["resize_s"]) for e in events
-             if e.get("kind") == "resized" and isinstance(e.get("resize_s"), (int, float)) and e["resize_s"] >= 0]
+             if e.get("kind") == "resized" and isinstance(e.get("resize_s"), (int, float))
+             and not isinstance(e["resize_s"], bool) and math.isfinite(e["resize_s"]) and e["resize_s"] >= 0]
     return statistics.median(costs) if costs else DEFAULT_RESIZE_COST_S

@@ -33,6 +33,12 @@ class ClusterMetrics:
         self.decision_sum = 0.0
         self.decision_count = 0
         self.decision_last = 0.0
+        self.skipped: dict[str, int] = {}
+
+    def skip(self, kind: str) -> None:
+        """A run left out of a decision: its documents ``unreadable``, ``invalid`` or ``slow`` to read."""
+        with self._lock:
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
 
     def observe(self, demands: list[RunDemand], plan: Plan, phases: dict[str, str], applied: list[dict],
                 seconds: float, capacity: int, now: float) -> None:
@@ -42,7 +48,7 @@ class ClusterMetrics:
             for phase in phases.values():
                 self.phases[phase] = self.phases.get(phase, 0) + 1
             self.waiting = len(plan.waiting)
-            self.runs = {d.run_id: {"allocated": plan.targets.get(d.run_id, 0), "requested": d.max_workers,
+            self.runs = {d.run_id: {"name": d.name, "allocated": plan.targets.get(d.run_id, 0), "requested": d.max_workers,
                                     "minimum": d.min_workers, "priority": d.priority, "team": d.team,
                                     "queue_wait": max(0.0, now - d.queued_since) if d.run_id in plan.waiting
                                     else 0.0} for d in demands}
@@ -70,8 +76,8 @@ class ClusterMetrics:
                                 "(max_workers)"),
                                ("etrain_cluster_queue_wait_seconds", "queue_wait", "how long the run has waited in "
                                 "the queue (0 once admitted)")):
-            yield _gauge(name, doc, [([rid, r["team"], str(r["priority"])], r[key]) for rid, r in self.runs.items()],
-                         ["run_id", "team", "priority"])
+            yield _gauge(name, doc, [([r["name"], r["team"], str(r["priority"]), rid], r[key])
+                                     for rid, r in self.runs.items()], ["run_id", "team", "priority", "run_key"])
         c = CounterMetricFamily("etrain_cluster_preemptions", "workers taken from runs: shrinks and suspends, by "
                                 "cause (preempted: for another run; capacity; quota)", labels=["action", "cause"])
         for (action, cause), n in self.preemptions.items():
@@ -81,6 +87,11 @@ class ClusterMetrics:
                                 labels=["action"])
         for action, n in self.decisions.items():
             c.add_metric([action], n)
+        yield c
+        c = CounterMetricFamily("etrain_allocator_skipped_runs", "runs left out of a decision, by why: their "
+                                "documents unreadable, invalid, or slow to read", labels=["reason"])
+        for kind, n in self.skipped.items():
+            c.add_metric([kind], n)
         yield c
         yield SummaryMetricFamily("etrain_allocator_decision_seconds", "time of one allocator decision: gather, "
                                   "decide, write", count_value=self.decision_count, sum_value=self.decision_sum)

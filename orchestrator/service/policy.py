@@ -50,6 +50,17 @@ class RunDemand:
     target: int = 0
     requeue: bool = False
     shrunk_for_capacity: bool = False
+    # The run's own id when ``run_id`` is the allocator's cluster key (a run id and its store): reasons show it.
+    shown: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.shown or self.run_id
+
+    def __post_init__(self):
+        problem = demand_problem(self)
+        if problem:
+            raise ValueError(f"run {self.run_id!r}: {problem}")
 
     def valid(self) -> tuple[int, ...]:
         s = self.sizes or tuple(range(self.min_workers, self.max_workers + 1))
@@ -82,6 +93,36 @@ class RunDemand:
     def seconds_left(self, n: int) -> float:
         r = self.rate(n)
         return math.inf if r <= 0 else self.remaining / r
+
+
+MAX_WORKERS = 1_000_000  # the most workers one run may name (elastic.max_workers' bound)
+
+
+def _finite(x: object, low: float = 0.0) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
+
+
+def _count(x: object, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= MAX_WORKERS
+
+
+def demand_problem(d: RunDemand) -> str | None:
+    """What makes ``d`` no demand a policy can decide on (a count out of bounds, a rate or time that is not a
+    finite number >= 0), or None. A NaN rate never compares equal: the growth rule would never end."""
+    for name in ("min_workers", "max_workers", "allocated", "requested", "target"):
+        if not _count(getattr(d, name)):
+            return f"{name}={getattr(d, name)!r} is not an integer in [0, {MAX_WORKERS}]"
+    if not all(_count(n, 1) for n in d.sizes):
+        return f"sizes hold {next(n for n in d.sizes if not _count(n, 1))!r}, not a size in [1, {MAX_WORKERS}]"
+    if not isinstance(d.priority, int) or isinstance(d.priority, bool) or abs(d.priority) > MAX_WORKERS:
+        return f"priority={d.priority!r} is not an integer in [-{MAX_WORKERS}, {MAX_WORKERS}]"
+    if not all(_count(n, 1) and _finite(v) for n, v in d.throughput.items()):
+        return "its throughput holds a size or rate that is not finite and >= 0"
+    if not (_finite(d.remaining) or d.remaining == math.inf):
+        return f"remaining={d.remaining!r} is not a number >= 0 (or inf: unknown)"
+    if not _finite(d.resize_cost_s) or not _finite(d.queued_since, -math.inf):
+        return "its resize cost or queue time is not a finite number"
+    return None
 
 
 @dataclass(frozen=True)
@@ -213,6 +254,12 @@ class RulePolicy:
 
     def decide(self, runs: Iterable[RunDemand], cluster: ClusterView, now: float) -> Plan:
         runs = list(runs)
+        for r in runs:  # a value made without __post_init__ (or changed since) is refused all the same
+            problem = demand_problem(r)
+            if problem:
+                raise ValueError(f"run {r.run_id!r}: {problem}")
+        if len({r.run_id for r in runs}) != len(runs):
+            raise ValueError("two demands share a run id: key runs by store and run id (cluster_key)")
         st = Targets(runs, cluster)
         waiting: dict[str, str] = {}
         for rule in self.rules:

@@ -125,7 +125,7 @@ def _admit_pass(st: Targets, waiting: dict[str, str]) -> bool:
                 waiting[r.run_id] = (f"needs {need} workers together: {max(0, st.free())} free"
                                      + (f", {reclaimable} reclaimable from preemptible runs" if reclaimable else ""))
                 continue
-            left = _give_back(st, lenders, lower, missing, "preempted", f"preempted by run {r.run_id!r} (priority "
+            left = _give_back(st, lenders, lower, missing, "preempted", f"preempted by run {r.name!r} (priority "
                               f"{r.priority})")
             assert left <= 0, (r.run_id, left)  # reclaimable covered it
         # A run suspended earlier in this decision and let back in smaller keeps the cause it was cut for.

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from orchestrator.store.cluster_names import cluster_key
 from orchestrator.store.documents import HistoryRow, RunSpec
 from orchestrator.service.allocator import STATE_DOC, AllocatorCore, read_doc, set_quota
 from orchestrator.service.demand import demand_of, resize_cost, throughput
@@ -19,6 +20,11 @@ from trainer.config.load import load_raw
 
 BASE = ["data.max_bytes=200000", "data.seq_len=16", "train.global_batch=12", "train.micro_batch=1",
         "train.steps=1000"]
+
+
+def key(store, run_id: str) -> str:
+    """The allocator's name for ``run_id`` of ``store``: its run id and its store."""
+    return cluster_key(run_id, store.url)
 
 
 def make_run(store, run_id: str, *, workers: int, min_workers: int, max_workers: int, phase: str = "RUNNING",
@@ -84,7 +90,7 @@ def test_suspends_the_lowest_priority_run_whole_when_shrinking_is_not_enough(sto
     core.tick()
     low = store.get_spec("low")
     assert not low.requeue and low.target == 2
-    assert "high" not in core.runs(), "an ended run leaves the registry"
+    assert key(store, "high") not in core.runs(), "an ended run leaves the registry"
 
 
 def a_running_and_b_queued_above_it(store) -> None:
@@ -100,13 +106,13 @@ def test_a_restarted_allocator_reads_its_state_back_and_changes_nothing(store):
     events = {r: len(store.events(r)) for r in ("a", "b")}
     specs = {r: store.get_spec(r) for r in ("a", "b")}
     again = AllocatorCore(open_store(store.url), capacity=lambda cpw, gpw: 3)  # no register calls
-    assert again.runs() == {"a": store.url, "b": store.url}
+    assert again.runs() == {key(store, "a"): ("a", store.url), key(store, "b"): ("b", store.url)}
     plan = again.tick()
-    assert plan.targets == {"a": 1, "b": 2}
+    assert plan.targets == {key(store, "a"): 1, key(store, "b"): 2}
     assert {r: len(store.events(r)) for r in ("a", "b")} == events, "a restart decided again"
     assert {r: store.get_spec(r).generation for r in ("a", "b")} == {r: s.generation for r, s in specs.items()}
     doc = read_doc(store, STATE_DOC)[0]
-    assert doc["targets"] == {"a": 1, "b": 2} and doc["capacity"] == 3
+    assert doc["targets"] == {key(store, "a"): 1, key(store, "b"): 2} and doc["capacity"] == 3
 
 
 def test_a_team_over_its_quota_gives_back_first(store):
@@ -124,7 +130,7 @@ def test_a_waiting_run_says_why(store):
     make_run(store, "next", workers=2, min_workers=2, max_workers=2, phase="QUEUED", world=0)
     core = allocator(store, capacity=3)
     core.tick()
-    why = read_doc(store, STATE_DOC)[0]["waiting"]["next"]
+    why = read_doc(store, STATE_DOC)[0]["waiting"][key(store, "next")]
     assert "needs 2 workers together" in why and "0 free" in why
     assert store.get_spec("next").target == 0
 
@@ -214,8 +220,8 @@ def test_the_cluster_metrics_show_the_decision(store):
     assert samples[("etrain_cluster_capacity_workers", ())] == 3
     assert samples[("etrain_cluster_runs", (("phase", "QUEUED"),))] == 1
     assert samples[("etrain_cluster_runs", (("phase", "RUNNING"),))] == 1
-    assert samples[("etrain_cluster_allocated_workers", (("priority", "0"), ("run_id", "a"), ("team", "default")))] == 1
-    assert samples[("etrain_cluster_allocated_workers", (("priority", "10"), ("run_id", "b"), ("team", "default")))] == 2
+    assert samples[("etrain_cluster_allocated_workers", (("priority", "0"), ("run_id", "a"), ("run_key", key(store, "a")), ("team", "default")))] == 1
+    assert samples[("etrain_cluster_allocated_workers", (("priority", "10"), ("run_id", "b"), ("run_key", key(store, "b")), ("team", "default")))] == 2
     assert samples[("etrain_cluster_preemptions_total", (("action", "shrink"), ("cause", "preempted")))] == 1
     assert samples[("etrain_cluster_decisions_total", (("action", "admit"),))] == 1
     assert samples[("etrain_allocator_decision_seconds_count", ())] == 1
@@ -247,7 +253,7 @@ def test_a_run_still_initializing_is_neither_holding_nor_queued(store):
     core = allocator(store, capacity=3)
     core.tick()
     assert store.get_spec("a").target == 0 and not kinds(store, "a", "preempted")
-    assert core.runs()["new"] == store.url, "an initializing run stays registered"
+    assert core.runs()[key(store, "new")] == ("new", store.url), "an initializing run stays registered"
 
 
 def test_a_lost_node_alone_writes_no_target(store):
@@ -331,7 +337,7 @@ def test_another_policy_through_the_seam_admits_in_order_and_preempts_nobody(sto
     core.tick()
     a, b = store.get_spec("a"), store.get_spec("b")
     assert (a.target, b.target) == (0, 0) and not kinds(store, "a", "preempted"), "nobody gives back"
-    assert "first come, first served" in core.last["waiting"]["b"]
+    assert "first come, first served" in core.last["waiting"][key(store, "b")]
     lease = store.acquire("a", "ctl-a")
     store.put_status("a", {"run_id": "a", "phase": "FINISHED", "step": 1000}, lease)
     store.release(lease)

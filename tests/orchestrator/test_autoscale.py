@@ -16,7 +16,9 @@ class Board:
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
 
-    def set(self, run_id, bundles):
+    def set(self, key, bundles):
+        run_id, digest = key.rsplit(".", 1)  # the run's cluster key: its run id and its store
+        assert len(digest) == 8
         self.calls.append((run_id, len(bundles)))
         return bundles
 

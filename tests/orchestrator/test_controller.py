@@ -912,6 +912,21 @@ def test_requeue_commits_gives_everything_back_and_continues_when_cleared(rig):
     assert r.ctl.failures.records == [] and r.events("admitted")
 
 
+def test_a_requeued_run_past_its_queue_timeout_ends_suspended_and_resumable(rig):
+    """A run the allocator requeued waited in QUEUED for ever: queue_timeout_s bounds that wait too."""
+    r = rig(workers=2, steps=STEPS, opts=options(queue_timeout_s=5.0))
+    r.drive_to_step(7)
+    r.store.update_spec(RUN, expected=r.ctl.spec.generation, requeue=True)  # as the allocator writes it
+    r.drive(lambda r: r.ctl.state.name == "QUEUED")
+    at = r.ctl.last_completed_step()
+    r.drive(limit=500)
+    assert r.ctl.state.name == "SUSPENDED", (r.ctl.state.name, r.ctl.state.reason)
+    assert "elastic.queue_timeout_s=5" in r.ctl.state.reason and "etrain resume" in r.ctl.state.reason
+    (ev,) = r.events("suspended")
+    assert ev["cause"] == "queue_timeout" and ev["checkpoint_committed"] and ev["step"] == at
+    assert r.group.storage.latest() == at and r.group.workers == {} and r.ctl.failures.records == []
+
+
 def test_a_group_that_cannot_form_in_scheduling_gives_back_and_waits_queued_not_failed(rig):
     fault = Fault(rank=1, step=7, kind="die", lose_capacity=True)  # its gang bundle's slot goes with it
     r = rig(workers=2, min_workers=2, capacity=2, steps=200, faults=[fault], opts=options(start_timeout_s=5.0))
