@@ -5,8 +5,11 @@ protocol and hands it the requests whose making differs from one protocol to ano
 
 * ``put_one`` / ``put_many``: write objects (``exclusive``: never replace one; FileExistsError);
 * ``get_one`` / ``get_many``: read objects whole (a missing one: FileNotFoundError);
+* ``get_bounded`` / ``get_many_bounded``: read small documents, each refused unread
+  (:class:`DocumentRefused`) when it is over its cap or, on a local disk, not a regular file;
 * ``ls``: list a directory's entries; ``abort_stale_uploads``: clean up after failed uploads;
-* compare-and-swap of one small document: ``read_versioned`` (its bytes and a version), ``write_if``
+* compare-and-swap of one small document: ``read_versioned`` (its bytes and a version; with a
+  ``limit``, bounded as ``get_bounded`` is), ``write_if``
   (write only if the stored version is still the one read; False, writing nothing, if another writer
   got there first), ``write`` (replace it whole: a reader sees the old or the new one, never half);
 * ``local_path``: the file behind a key on this machine's disks, or None where objects are not files.
@@ -33,7 +36,7 @@ from typing import ClassVar, Protocol
 
 import fsspec
 
-from ..errors import UnsafePathError
+from ..errors import StorageError, UnsafePathError
 from ..manifest import Checksum
 from .faults import NO_FAULT, Fault, StorageFaults
 from .retry import RetryPolicy
@@ -46,6 +49,16 @@ SLICE = 4 * MiB
 Buffer = bytes | bytearray | memoryview
 # A local object being written, beside its final name; never listed.
 PARTIAL_PREFIX = ".etrain-partial-"
+
+
+class DocumentRefused(StorageError):
+    """A bounded read refused a document unread: over its cap, or (local disks) not a regular file."""
+
+
+def over_cap(rel: str, limit: int) -> DocumentRefused:
+    """The refusal of ``rel`` for being bigger than ``limit`` bytes."""
+    cap = f"{limit / MiB:g} MiB" if limit >= MiB else f"{limit} bytes"
+    return DocumentRefused(f"{rel} is bigger than its cap of {cap}; refused unread")
 
 
 class Body:
@@ -151,6 +164,28 @@ class Backend(ABC):
         futures = {rel: self.threads().submit(self.get_one, rel) for rel in rels}
         return {rel: f.result() for rel, f in futures.items()}
 
+    def get_bounded(self, rel: str, limit: int) -> bytes:
+        """Read one document of at most ``limit`` bytes, retried; DocumentRefused (unread, or read no further
+        than ``limit + 1`` bytes) when it is bigger. Missing: FileNotFoundError."""
+        path = self.path(rel)
+
+        def attempt():
+            self.fault("get", rel)
+            with self.fs.open(path, "rb") as f:
+                if (getattr(f, "size", None) or 0) > limit:
+                    raise over_cap(rel, limit)
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise over_cap(rel, limit)
+            return data
+
+        return self.io.retry.call(attempt, what=f"reading {rel}")
+
+    def get_many_bounded(self, rels: list[str], limit: int) -> dict[str, bytes]:
+        """:meth:`get_bounded` of several documents, concurrently; the first failure is raised."""
+        futures = {rel: self.threads().submit(self.get_bounded, rel, limit) for rel in rels}
+        return {rel: f.result() for rel, f in futures.items()}
+
     def ls(self, path: str) -> list[dict]:
         """fsspec's entries of the directory ``path`` (FileNotFoundError when there is none), never cached."""
         return self.fs.ls(path, detail=True, refresh=True)
@@ -160,8 +195,9 @@ class Backend(ABC):
         return 0
 
     @abstractmethod
-    def read_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
-        """The document at ``rel`` and its version, or (None, None) when there is none."""
+    def read_versioned(self, rel: str, limit: int | None = None) -> tuple[bytes | None, str | None]:
+        """The document at ``rel`` and its version, or (None, None) when there is none; with ``limit``,
+        DocumentRefused when it is bigger than that (:meth:`get_bounded`)."""
 
     @abstractmethod
     def write_if(self, rel: str, data: bytes, version: str | None) -> bool:

@@ -4,8 +4,10 @@
     storage.put_many([("a/b.bin", data), ...])      # concurrent, multipart for big objects
     crc = storage.put_parts("a/c.bin", [view, ...])  # one object from several buffers; its crc32c
     blobs = storage.get_many(["a/b.bin"])           # concurrent, ranged for big objects
+    doc = storage.get_bounded("r1/control/status.json", 1 << 20)  # DocumentRefused when over 1 MiB
+    docs = storage.get_last_bounded("r1/control/events", ".json", count=1000, limit=1 << 20, total=64 << 20)
     storage.list_dir("a")                           # {name: size or None for a directory}
-    data, version = storage.read_versioned("r1/control/spec.json")  # (None, None) when it is absent
+    data, version = storage.read_versioned("r1/control/spec.json", limit=16 << 20)  # (None, None): absent
     ok = storage.write_if("r1/control/spec.json", new, version)     # False: another writer got there first
     path = storage.local_path("a/b.bin")            # a file on this machine, or None (not a local disk)
 
@@ -26,7 +28,15 @@ Compare-and-swap of one small document (what the run store's storage backend
 writes its spec and an interrupted run's status with, so that two writers never
 lose each other's change): :meth:`Storage.read_versioned`, :meth:`Storage.write_if`
 and :meth:`Storage.write`. Atomic on S3 (``If-Match`` on the ETag) and on a local
-disk (a lock file beside the document); best effort elsewhere.
+disk (a lock beside the document that its holder keeps while it lives,
+:mod:`checkpointing.storage.doc_lock`); best effort elsewhere.
+
+Reads of documents whose writer may not be trusted (the run store's) are bounded:
+:meth:`Storage.get_bounded`, :meth:`Storage.get_many_bounded` and ``read_versioned(rel, limit=...)``
+refuse a document over the caller's cap unread (:class:`~checkpointing.storage.backend.DocumentRefused`,
+naming it and the cap), and on a local disk anything that is not a regular file (a symbolic link, a
+FIFO, a device) without opening it for reading or waiting on it. Checkpoint shards, which may be
+gigabytes, are read with :meth:`Storage.get` and :meth:`Storage.get_many`, without a cap.
 
 What differs by protocol is a backend's (:mod:`checkpointing.storage.backend`, the
 interface; :mod:`~checkpointing.storage.local`, :mod:`~checkpointing.storage.s3`,
@@ -43,12 +53,15 @@ from collections.abc import Iterable
 
 from ..errors import StorageError
 from ..names import check_url, redact
-from .backend import PARTIAL_PREFIX, Backend, Body, Buffer, MiB, confine
+from .backend import PARTIAL_PREFIX, Backend, Body, Buffer, DocumentRefused, MiB, confine
+from .doc_lock import LockHeld
 from .faults import StorageFaults
 from .generic import FsspecBackend
 from .local import LocalBackend
 from .retry import RetryPolicy
 from .s3 import S3Backend
+
+__all__ = ["BACKENDS", "DocumentRefused", "LockHeld", "Storage"]  # the errors of bounded reads and of local CAS
 
 # The backend of each URL protocol; any other protocol is fsspec's (FsspecBackend).
 BACKENDS: dict[str, type[Backend]] = {p: cls for cls in (LocalBackend, S3Backend) for p in cls.protocols}
@@ -131,17 +144,40 @@ class Storage:
         rels = list(dict.fromkeys(rels))
         return self.backend.get_many(rels) if rels else {}
 
+    def get_bounded(self, rel: str, limit: int) -> bytes:
+        """Read one document of at most ``limit`` bytes; DocumentRefused, naming it and the cap, when it is
+        bigger or (on a local disk) not a regular file, without reading it. A missing one: FileNotFoundError."""
+        return self.backend.get_bounded(confine(rel), limit)
+
+    def get_many_bounded(self, rels: Iterable[str], limit: int) -> dict[str, bytes]:
+        """:meth:`get_bounded` of several documents, each of at most ``limit`` bytes, concurrently."""
+        rels = [confine(r) for r in dict.fromkeys(rels)]
+        return self.backend.get_many_bounded(rels, limit) if rels else {}
+
+    def get_last_bounded(self, rel: str, suffix: str, *, count: int, limit: int, total: int) -> dict[str, bytes]:
+        """The last ``count`` files of the directory ``rel`` by name, of those whose names end with ``suffix``
+        (``rel/name`` -> bytes, in name order): each read with :meth:`get_bounded` (``limit``), and only as
+        many of the last as their listed sizes (each counted at most ``limit``) keep within ``total`` bytes."""
+        listed = sorted((n, size) for n, size in self.list_dir(rel).items() if n.endswith(suffix) and size is not None)
+        kept, used = [], 0
+        for name, size in reversed(listed):
+            used += min(size, limit)
+            if len(kept) == count or used > total:
+                break
+            kept.append(f"{rel}/{name}")
+        return self.get_many_bounded(reversed(kept), limit)
+
     # --- compare-and-swap of one document -----------------------------------------
 
-    def read_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
+    def read_versioned(self, rel: str, *, limit: int | None = None) -> tuple[bytes | None, str | None]:
         """The document at ``rel`` and its version (S3: its ETag; elsewhere a sha256 of its bytes), or
-        (None, None) when there is none."""
-        return self.backend.read_versioned(confine(rel))
+        (None, None) when there is none. ``limit``: bounded as :meth:`get_bounded` is."""
+        return self.backend.read_versioned(confine(rel), limit)
 
     def write_if(self, rel: str, data: bytes, version: str | None) -> bool:
         """Write ``data`` at ``rel`` only if the stored version is still ``version`` (None: only if there is
         none); False, writing nothing, if another writer changed it. A local writer waits for another's lock
-        a few seconds, then TimeoutError (:mod:`checkpointing.storage.local`)."""
+        a few seconds, then LockHeld, a TimeoutError naming the lock (:mod:`checkpointing.storage.local`)."""
         return self.backend.write_if(confine(rel), data, version)
 
     def write(self, rel: str, data: bytes) -> None:

@@ -41,6 +41,7 @@ class StorageFaults:
     error_rate: float = 0.0  # chance a request raises a transient error
     delay_s: float = 0.0  # added to every matching request
     truncate_rate: float = 0.0  # chance a write stores only half its bytes
+    # also "cas": a local compare-and-swap writer held between its compare and its write, lock in hand
     ops: tuple[str, ...] = ("put", "get", "list", "delete")
     path_contains: str = ""  # only requests whose path contains this
     fail_after: int = -1  # >= 0: every request after this many fails

@@ -34,9 +34,9 @@ class FsspecBackend(Backend):
 
         return self.io.retry.call(attempt, what=f"reading {rel}")
 
-    def read_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
+    def read_versioned(self, rel: str, limit: int | None = None) -> tuple[bytes | None, str | None]:
         try:
-            data = self.get_many([rel])[rel]
+            data = self.get_one(rel) if limit is None else self.get_bounded(rel, limit)
         except FileNotFoundError:
             return None, None
         return data, digest(data)

@@ -21,7 +21,7 @@ import time
 from fsspec.asyn import sync as fsspec_sync
 
 from ..errors import StorageError
-from .backend import Backend, Body, Settings
+from .backend import Backend, Body, Settings, over_cap
 from .retry import describe
 
 log = logging.getLogger("etrain")
@@ -204,6 +204,35 @@ class S3Backend(Backend):
         ranges = [f"bytes={s}-{min(s + part_size, size) - 1}" for s in range(0, size, part_size)]
         return b"".join(await asyncio.gather(*[get_range(r) for r in ranges]))
 
+    def get_bounded(self, rel: str, limit: int) -> bytes:
+        return self.get_many_bounded([rel], limit)[rel]
+
+    def get_many_bounded(self, rels: list[str], limit: int) -> dict[str, bytes]:
+        return self._run(self._get_many_bounded, rels, limit)
+
+    async def _get_many_bounded(self, rels: list[str], limit: int) -> dict[str, bytes]:
+        sem = asyncio.Semaphore(self.io.concurrency)
+        s3 = await self._client()
+
+        async def one(rel: str) -> bytes:
+            bucket, key = self._bucket_key(rel)
+
+            async def attempt():
+                await self.afault("get", rel)
+                try:
+                    resp = await s3.get_object(Bucket=bucket, Key=key)
+                except Exception as e:
+                    if _is_not_found(e):
+                        raise FileNotFoundError(rel) from None
+                    raise
+                return await _read_capped(resp, rel, limit)
+
+            async with sem:
+                return await self.io.retry.acall(attempt, what=f"reading {rel}")
+
+        out = await asyncio.gather(*[one(rel) for rel in rels])
+        return dict(zip(rels, out))
+
     # --- uploads left behind ---------------------------------------------------------------------
 
     def abort_stale_uploads(self, rel: str, older_than_s: float) -> int:
@@ -225,10 +254,10 @@ class S3Backend(Backend):
 
     # --- compare-and-swap: the server's conditional writes on the ETag ---------------------------
 
-    def read_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
-        return self._run(self._read_versioned, rel)
+    def read_versioned(self, rel: str, limit: int | None = None) -> tuple[bytes | None, str | None]:
+        return self._run(self._read_versioned, rel, limit)
 
-    async def _read_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
+    async def _read_versioned(self, rel: str, limit: int | None) -> tuple[bytes | None, str | None]:
         s3 = await self.fs.set_session()
         bucket, key = self._bucket_key(rel)
         try:
@@ -237,6 +266,8 @@ class S3Backend(Backend):
             if _code(e) in _NOT_FOUND:
                 return None, None
             raise
+        if limit is not None:
+            return await _read_capped(resp, rel, limit), resp["ETag"]
         body = resp["Body"]
         try:
             return await body.read(), resp["ETag"]
@@ -258,3 +289,18 @@ class S3Backend(Backend):
             if _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404"):
                 return False
             raise
+
+
+async def _read_capped(resp: dict, rel: str, limit: int) -> bytes:
+    """The body of a GetObject response of at most ``limit`` bytes: one the response says is bigger is
+    refused unread, and no more than ``limit + 1`` bytes are ever read."""
+    body = resp["Body"]
+    try:
+        if (resp.get("ContentLength") or 0) > limit:
+            raise over_cap(rel, limit)
+        data = await body.read(limit + 1)
+    finally:
+        body.close()
+    if len(data) > limit:
+        raise over_cap(rel, limit)
+    return data
