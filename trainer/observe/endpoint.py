@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import uuid
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -55,17 +56,26 @@ class MetricsEndpoint:
             self.file_sd_path = self._register(file_sd_dir or default_file_sd_dir())
 
     def _register(self, directory: str) -> str | None:
-        """``<dir>/<run_id>-<pid>.json`` in Prometheus file_sd format; written whole, then moved into
+        """``<dir>/<run_id>-<pid>.json`` in Prometheus file_sd format; written whole to a temporary file
+        (made exclusively under a random name, never through a link planted there), then moved into
         place so that Prometheus never reads half a file."""
+        tmp = None
         try:
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"{self.metrics.run_id}-{os.getpid()}.json")
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
+            name = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            tmp = name  # ours: removed if anything fails
+            with os.fdopen(fd, "w") as f:
                 json.dump([{"targets": [self.target], "labels": {"etrain_run": self.metrics.run_id}}], f)
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # a link at ``path`` itself is replaced, not followed
             return path
         except OSError as e:
+            if tmp is not None:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
             log.warning("metrics: could not write the Prometheus target file in %s: %s", directory, e)
             return None
 

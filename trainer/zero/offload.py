@@ -21,6 +21,7 @@ left behind are removed when the next one starts in that directory.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -72,10 +73,13 @@ def offload_preflight(cfg: RunConfig, world_size: int, rank: int) -> None:
     where = rank_dir(cfg, rank)
     key = f"parallel.offload_dir={cfg.parallel.offload_dir!r}"
     try:
-        os.makedirs(where, exist_ok=True)
+        make_rank_dir(cfg, rank)
         probe = os.path.join(where, f".probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"\0")
+        fd = _open_new(probe, key)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"{key} is not writable ({where}: {e.strerror or e}); point it at a local directory "
@@ -88,6 +92,41 @@ def offload_preflight(cfg: RunConfig, world_size: int, rank: int) -> None:
             f"{key} has {free / 2**20:.1f} MiB free, and the optimizer state offloaded there needs "
             f"{need / 2**20:.1f} MiB ({local_ranks} rank(s) of {state_bytes(cfg, world_size, rank) / 2**20:.1f} MiB); "
             "point it at a disk with that much room, or shard the state over more ranks (parallel.zero_stage >= 1)")
+
+
+def _open_new(path: str, key: str) -> int:
+    """A new file at ``path`` to write, made exclusively and never through a link (a name planted in a shared
+    offload_dir, a symbolic link to another's file, is refused: ConfigError naming it)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        what = "a symbolic link" if os.path.islink(path) else "there already"
+        raise ConfigError(f"{key}: {path} is {what}, not made by this run; refused (nothing is written through "
+                          "a name someone else made: remove it, or point parallel.offload_dir at a directory "
+                          "of your own)") from None
+
+
+def make_rank_dir(cfg: RunConfig, rank: int) -> str:
+    """:func:`rank_dir`, made if missing, each of ``<offload_dir>/<run_id>`` and its ``rank<k>`` entered without
+    following a link: in a shared offload_dir another user could point one at someone else's files
+    (ConfigError naming it). The offload_dir itself may be a link (the user's own choice)."""
+    where = rank_dir(cfg, rank)
+    run = os.path.dirname(where)
+    os.makedirs(os.path.dirname(run), exist_ok=True)
+    for path in (run, where):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except OSError as e:
+            if not os.path.islink(path) and e.errno != errno.ENOTDIR:
+                raise
+            what = "a symbolic link" if os.path.islink(path) else "not a directory"
+            raise ConfigError(f"parallel.offload_dir={cfg.parallel.offload_dir!r}: {path} is {what}; refused (remove "
+                              "it, or point parallel.offload_dir at a directory of your own)") from None
+    return where
 
 
 def _remove_stale(where: str) -> None:
@@ -138,8 +177,7 @@ class NvmeAdamState:
         numel = unit_numel(cfg.parallel.offload_buffer_mb)
         self.capacity = numel // self.regions  # parameter elements per unit: exp_avg, exp_avg_sq[, master]
         self.units, self.pieces = self._plan(cfg)
-        where = rank_dir(cfg, rank)
-        os.makedirs(where, exist_ok=True)
+        where = make_rank_dir(cfg, rank)
         _remove_stale(where)
         self.file = StateFile(os.path.join(where, f"adam-{os.getpid()}-{next(_SEQ)}.f32"), self.regions * self.total)
         for p, chunk in self.targets.items():  # the masters' first values: their parameters, in fp32
