@@ -231,7 +231,10 @@ class RunStore(ABC):
 
 
 class StorageRunStore(RunStore):
-    """JSON documents under ``<root>/<run_id>/control/`` on any fsspec URL. One controller per run."""
+    """JSON documents under ``<root>/<run_id>/control/`` on any fsspec URL, read bounded. One controller per run."""
+
+    SPEC_CAP, HISTORY_CAP, DOC_CAP = 16 << 20, 64 << 20, 1 << 20  # bytes: a spec or the store's own, a history, other
+    MAX_EVENTS, EVENTS_BYTES = 1000, 64 << 20  # events() reads the newest, this many bytes in all (docs/security.md)
 
     def __init__(self, url: str):
         self.url = url
@@ -247,16 +250,23 @@ class StorageRunStore(RunStore):
         return redact(self.storage.join(self._rel(run_id, name)))
 
     def _guard(self, fn):
+        from checkpointing.storage.base import DocumentRefused, LockHeld
         try:
             return fn()
         except FileNotFoundError:
             return None
+        except (DocumentRefused, LockHeld) as e:  # a link, a FIFO, over its cap; another writer is in (reachable)
+            raise (CorruptRunStore if isinstance(e, DocumentRefused) else StoreUnavailable)(
+                f"run store {redact(self.url)}: {e}") from None
         except (EtrainError, TimeoutError) as e:
             raise StoreUnavailable(f"run store {redact(self.url)} is unreachable: {e}") from None
 
+    def _cap(self, run_id: str | None, name: str) -> int:
+        return {"spec": self.SPEC_CAP, "history": self.HISTORY_CAP}.get(name, self.DOC_CAP if run_id else self.SPEC_CAP)
+
     def _read(self, run_id, name):
         rel = self._rel(run_id, name)  # outside _guard: a bad run id is a ConfigError, not an outage
-        data = self._guard(lambda: self.storage.get(rel))
+        data = self._guard(lambda: self.storage.get_bounded(rel, self._cap(run_id, name)))
         return data.decode(errors="replace") if data is not None else None
 
     def _write(self, run_id, name, value):
@@ -264,8 +274,8 @@ class StorageRunStore(RunStore):
         self._guard(lambda: self.storage.write(rel, value.encode()))  # readers never see half of it
 
     def read_versioned(self, run_id, name):
-        rel = self._rel(run_id, name)
-        data, version = self._guard(lambda: self.storage.read_versioned(rel)) or (None, None)
+        rel, limit = self._rel(run_id, name), self._cap(run_id, name)
+        data, version = self._guard(lambda: self.storage.read_versioned(rel, limit=limit)) or (None, None)
         return (data.decode(errors="replace") if data is not None else None), version
 
     def write_if(self, run_id, name, value, version):
@@ -280,16 +290,15 @@ class StorageRunStore(RunStore):
         self._write(run_id, "status", json.dumps({**status, "updated_unix": time.time()}, sort_keys=True))
 
     def events(self, run_id):
-        events = f"{RunRoot(run_id).control}/events"
-        names = self._guard(lambda: self.storage.list_dir(events)) or {}
-        paths = [f"{events}/{n}" for n in sorted(names) if n.endswith(".json")]  # not a write's temporary file
-        blobs = self._guard(lambda: self.storage.get_many(paths)) or {}
-        return [load_doc(blobs[p], redact(self.storage.join(p)), event_problem) for p in paths if p in blobs]
+        events = f"{RunRoot(run_id).control}/events"  # named by the time written; not a write's temporary file
+        blobs = self._guard(lambda: self.storage.get_last_bounded(events, ".json", count=self.MAX_EVENTS,
+                                                                   limit=self.DOC_CAP, total=self.EVENTS_BYTES))
+        return [load_doc(b, redact(self.storage.join(p)), event_problem) for p, b in (blobs or {}).items()]
 
     def list_runs(self):
         names = self._guard(lambda: self.storage.list_dir("")) or {}
-        return sorted(n for n, size in names.items()
-                      if size is None and is_run_id(n) and self._read(n, "spec") is not None)
+        return sorted(n for n, size in names.items() if size is None and is_run_id(n)  # with a spec, even one refused
+                      and "spec.json" in (self._guard(lambda n=n: self.storage.list_dir(RunRoot(n).control)) or {}))
 
     def _leader(self, run_id) -> dict | None:
         raw = self._read(run_id, "leader")
@@ -325,7 +334,7 @@ class StorageRunStore(RunStore):
         rel = RunRoot(run_id).fence
         # A local file being rewritten reads empty or half written for a moment: read again.
         for attempt in range(20):
-            data = self._guard(lambda: self.storage.get(rel))
+            data = self._guard(lambda: self.storage.get_bounded(rel, self.DOC_CAP))
             if data is None:
                 return 0
             try:
