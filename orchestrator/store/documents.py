@@ -14,18 +14,24 @@ shape etrain writes before use, and anything else raises
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Any, NamedTuple
 
 from checkpointing.errors import ConfigError, EtrainError
-from checkpointing.names import validate_run_id
+from checkpointing.names import redact, validate_run_id
 
 from ..config import Sharing, sharing_from_raw
+from ..phase import Phase
+
+PHASES = tuple(p.value for p in Phase)
 
 
 class CorruptRunStore(EtrainError):
@@ -46,6 +52,23 @@ class SpecConflict(RunConflict):
 
 class StoreUnavailable(EtrainError):
     """The run store cannot be reached right now."""
+
+
+class StoreNotWritable(EtrainError):
+    """This user may read the run store but not write it (a read-only disk, a directory of another user)."""
+
+
+@contextmanager
+def writing(store) -> Iterator[None]:
+    """Writes to ``store`` inside; one that the operating system refuses (no permission, a read-only file
+    system) raises StoreNotWritable naming the store, not an OSError."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise StoreNotWritable(f"the run store {redact(store.url)} is not writable by this user ({e.strerror}: "
+                               f"{e.filename or 'a document'}); ask its owner, or use a store you may write") from None
 
 
 # --- document shapes ---------------------------------------------------------------
@@ -101,14 +124,75 @@ def _spec_problem(doc: Any) -> str | None:
     return problem
 
 
+# What a status (and an event) may hold in the fields etrain reads back and shows: counts are integers
+# >= 0, times and figures finite numbers (an integer beyond 2**63 is not one), ``phase`` a Phase.
+_COUNT, _FINITE, _TIME, _SIGNED = "count", "finite", "time", "signed"
+MAX_INT = 2**63
+STATUS_FIELDS: dict[str, Any] = {
+    "run_id": (str,), "phase": (str,), "reason": (str,), "metrics_url": (str,), "team": (str,), "owner": (str,),
+    "queue_reason": (str,), "controller_id": (str,), "memory_tier": (dict,), "requeue": (bool,),
+    "preemptible": (bool,), "priority": _SIGNED, "loss": _FINITE, "eval_loss": _FINITE, "goodput": _FINITE,
+    "tokens_per_s": _FINITE, "updated_unix": _TIME, "queued_unix": _TIME, "queue_wait_s": _TIME,
+    **{k: _COUNT for k in ("step", "total_steps", "world_size", "epoch", "latest_checkpoint", "recoveries",
+                           "steps_lost", "min_workers", "max_workers", "target", "failures", "resizes")}}
+
+
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a JSON number a float holds: not a bool, not nan or inf, an integer below 2**63."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return -MAX_INT < value < MAX_INT if isinstance(value, int) else math.isfinite(value)
+
+
+def _field_problem(key: str, value: Any, kind: Any) -> str | None:
+    if isinstance(kind, tuple):
+        ok = _is(value, kind)
+        expected = " or ".join(_TYPE_NAMES[t] for t in kind)
+    elif isinstance(kind, re.Pattern):
+        ok = isinstance(value, str) and bool(kind.fullmatch(value))
+        expected = "a valid name"
+    else:
+        ok = finite(value) and (kind != _SIGNED or isinstance(value, int)) and \
+            (kind not in (_COUNT, _TIME) or value >= 0) and (kind != _COUNT or isinstance(value, int))
+        expected = {_COUNT: "an integer >= 0", _SIGNED: "an integer", _FINITE: "a finite number",
+                    _TIME: "a finite number >= 0"}[kind]
+    return None if ok else f"has {key}={json.dumps(value)[:40]}, not {expected}"
+
+
 def status_problem(doc: Any) -> str | None:
-    return _object_problem(doc, {"run_id": (str,), "phase": (str,), "reason": (str,), "step": (int,),
-                                 "total_steps": (int,), "world_size": (int,), "epoch": (int,),
-                                 "loss": _NUMBER, "updated_unix": _NUMBER, "metrics_url": (str,)}, none_ok=True)
+    """What is wrong with ``doc`` as a run's status (any field may be null), or None."""
+    if not isinstance(doc, dict):
+        return f"is not a JSON object (it holds {json.dumps(doc)[:40]})"
+    for key, kind in STATUS_FIELDS.items():
+        found = _field_problem(key, doc[key], kind) if doc.get(key) is not None else None
+        if found:
+            return found
+    if doc.get("phase") is not None and doc["phase"] not in PHASES:
+        return f"has phase={json.dumps(doc['phase'])[:40]}, not one of {', '.join(PHASES)}"
+    return None
 
 
 def event_problem(doc: Any) -> str | None:
-    return _object_problem(doc, {"kind": (str,), "time": _NUMBER})
+    return _object_problem(doc, {"kind": (str,)}) or (
+        _field_problem("time", doc["time"], _TIME) if "time" in doc else None)
+
+
+# A team's name, as [elastic] team takes it (orchestrator.config.Sharing).
+TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# The fields of the cluster allocator's state document (orchestrator.service.allocator) that `etrain queue`
+# and `etrain quota` show: maps from a run to why it waits, its team, the workers it is to hold.
+ALLOCATOR_MAPS = {"waiting": (str,), "teams": TEAM_NAME, "targets": _COUNT}
+
+
+def maps_problem(doc: Any, maps: dict[str, Any]) -> str | None:
+    """What is wrong with ``doc`` as a JSON object whose fields ``maps`` are objects of values of one kind, or None."""
+    found = _object_problem(doc, {key: (dict,) for key in maps})
+    for key, kind in maps.items() if found is None else ():
+        for name, value in doc.get(key, {}).items():
+            found = _field_problem(f"{key}[{json.dumps(name)[:40]}]", value, kind)
+            if found:
+                return found
+    return found
 
 
 def history_problem(doc: Any) -> str | None:
@@ -131,8 +215,8 @@ def load_doc(raw: str | bytes, where: str, problem: Callable[[Any], str | None])
     valid JSON or ``problem(doc)`` finds something wrong with its shape."""
     try:
         doc = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CorruptRunStore(f"{where} is not valid JSON: {e}; repair or delete it") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested past Python's limit
+        raise CorruptRunStore(f"{where} is not valid JSON: {str(e)[:200]}; repair or delete it") from None
     found = problem(doc)
     if found:
         raise CorruptRunStore(f"{where} {found}; repair or delete it")
@@ -200,7 +284,7 @@ class RunSpec:
         known = {f.name for f in fields(cls)}
         spec = cls(**{k: v for k, v in d.items() if k in known})
         try:
-            spec.sharing  # parsed and kept: a spec whose claims do not parse is not one
+            spec.sharing  # noqa: B018  (parsed and kept: a spec whose claims do not parse is not one)
         except ConfigError as e:
             raise CorruptRunStore(f"{where} has a config whose {e}; repair or delete it") from None
         return spec

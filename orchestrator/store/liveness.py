@@ -14,7 +14,9 @@ notices first writes phase INTERRUPTED over it, with an ``interrupted`` event (`
   (written more than :data:`STALE_S` ago) while no controller holds the run's lease (:func:`notice`).
 
 The write is a compare-and-swap on the status read, so a controller that took the run over meanwhile is
-never overwritten. A run marked INTERRUPTED is resumable from its last committed checkpoint.
+never overwritten. A command of a user who may read the store but not write it shows the run INTERRUPTED
+without marking it (the write refused is logged at debug level, never raised). A run marked INTERRUPTED is
+resumable from its last committed checkpoint.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import json
 import logging
 import time
 
-from .documents import Lease, StoreUnavailable, load_doc, status_problem
 from ..phase import Phase
+from .documents import Lease, StoreNotWritable, StoreUnavailable, load_doc, status_problem, writing
 
 log = logging.getLogger("etrain")
 
@@ -52,7 +54,7 @@ def notice(store, run_id: str, status: dict | None, by: str) -> dict | None:
               f"it from its last checkpoint (step {status.get('latest_checkpoint')})")
     try:
         marked = mark(store, run_id, reason, by=by)
-    except StoreUnavailable as e:  # read-only access, or the store went away: shown, not written
+    except (StoreUnavailable, StoreNotWritable) as e:  # read-only, or the store went away: shown, not written
         log.debug("interrupted run %s not marked: %s", run_id, e)
         marked = None
     return marked or {**status, "phase": Phase.INTERRUPTED.value, "reason": reason}
@@ -72,11 +74,12 @@ def mark(store, run_id: str, reason: str, *, by: str, controller: str | None = N
     if controller is not None and status.get("controller_id") != controller:
         return None
     new = {**status, "phase": Phase.INTERRUPTED.value, "reason": reason, "updated_unix": time.time()}
-    if not store.write_if(run_id, "status", json.dumps(new, sort_keys=True), version):
-        return None
-    if controller is not None:
-        store.release(Lease(run_id, controller, 0.0))  # a resume need not wait for the dead lease to lapse
-    store.add_event(run_id, {"kind": "interrupted", "step": status.get("step"), "phase_before": phase.value,
-                             "latest_checkpoint": status.get("latest_checkpoint"),
-                             "controller_id": status.get("controller_id"), "noticed_by": by, "reason": reason})
+    with writing(store):  # a store this user may only read: StoreNotWritable, naming it
+        if not store.write_if(run_id, "status", json.dumps(new, sort_keys=True), version):
+            return None
+        if controller is not None:
+            store.release(Lease(run_id, controller, 0.0))  # a resume need not wait for the dead lease to lapse
+        store.add_event(run_id, {"kind": "interrupted", "step": status.get("step"), "phase_before": phase.value,
+                                 "latest_checkpoint": status.get("latest_checkpoint"),
+                                 "controller_id": status.get("controller_id"), "noticed_by": by, "reason": reason})
     return new

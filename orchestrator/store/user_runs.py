@@ -10,7 +10,8 @@
 
 One small JSON file per run, ``<runs_dir>/<run_id>.json``, written whole and
 moved into place (two runs started at once never lose each other's entry),
-readable by its user only (mode 0600, in a directory of mode 0700): it holds
+readable by its user only (mode 0600, in a directory of mode 0700, tightened
+to 0700 when it was made wider before): it holds
 the run's token, which authorizes control commands (:mod:`orchestrator.service.auth`).
 ``etrain status RUN`` and the other control commands look here only when
 neither ``--store`` nor ``$ETRAIN_STORE`` names a store; an entry read back
@@ -21,7 +22,10 @@ The registry is a convenience: failing to write it only logs a warning.
 from its own store (several stores are read at once), beside the runs of
 ``./runs``: a store that cannot be reached shows its runs as ``unreachable``
 with the reason, a run its store no longer holds as ``missing``, a run whose
-status document is not etrain's as ``unreadable``; none of them stops the list.
+documents are not etrain's as ``unreadable`` (that run alone: the others of
+its store are read as usual); none of them stops the list. A store this user
+may read but not write is shown as it is (a run found interrupted is shown
+so, not marked: :mod:`orchestrator.store.liveness`).
 
 ``etrain run --detach`` runs the same ``etrain run`` as a process of its own
 session, its output in ``<home>/logs/<run_id>.log`` and its pid beside it
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -40,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import check_url, etrain_home, redact, validate_run_id
+
+from .documents import CorruptRunStore, StoreUnavailable, UnknownRun
 
 log = logging.getLogger("etrain")
 
@@ -58,7 +65,7 @@ def record(run_id: str, store_url: str, *, token: str | None = None) -> str | No
     path = _path(run_id)
     doc = {"run_id": run_id, "store": store_url, "updated_unix": time.time(), **({"token": token} if token else {})}
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        _private_dir(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is the owner's alone
         with os.fdopen(fd, "w") as f:
@@ -71,6 +78,13 @@ def record(run_id: str, store_url: str, *, token: str | None = None) -> str | No
                     "; the run's token is lost: only an admin token ($ETRAIN_ADMIN_TOKEN) controls it" if token
                     else "")
         return None
+
+
+def _private_dir(path: str) -> None:
+    """``path`` made if missing, and readable by this user only (mode 0700) if it was made wider before."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+        os.chmod(path, 0o700)
 
 
 def entry(run_id: str) -> dict | None:
@@ -134,26 +148,13 @@ def statuses(stores: list[str], registered: bool = True, strict: bool = False) -
 
 
 def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]:
-    from .liveness import notice
-    from ..phase import Phase
-    from .run_store import CorruptRunStore, StoreUnavailable, UnknownRun, open_store
+    from .run_store import open_store
 
     where, rows = redact(url), []
     try:
         store = open_store(check_url(url, f"the run registry's store {redact(url)}"))
         for run_id in sorted(store.list_runs() if run_ids is None else set(run_ids)):
-            row = {"run_id": run_id, "store": where}
-            try:
-                store.get_spec(run_id)
-                status = notice(store, run_id, store.get_status(run_id), by="etrain status")  # controller gone?
-                rows.append({**(status or {"phase": Phase.PENDING}), **row})
-            except UnknownRun:
-                rows.append({**row, "phase": MISSING, "reason": f"{where} no longer holds it (the run registry "
-                                                               f"entry {runs_dir()}/{run_id}.json names it)"})
-            except CorruptRunStore as e:
-                if strict:
-                    raise
-                rows.append({**row, "phase": UNREADABLE, "reason": str(e)})
+            rows.append({**_run_row(store, run_id, where), "run_id": run_id, "store": where})
     except (StoreUnavailable, EtrainError, OSError, ValueError, ImportError) as e:  # whatever stops this store
         if strict:
             raise
@@ -162,6 +163,26 @@ def _store_rows(url: str, run_ids: list[str] | None, strict: bool) -> list[dict]
         rows += [{"run_id": r, "store": where, "phase": UNREACHABLE, "reason": reason}
                  for r in sorted(set(run_ids or ["-"]) - done)]
     return rows
+
+
+def _run_row(store, run_id: str, where: str) -> dict:
+    """One run's status row; a run whose documents are not etrain's is a row of its own (:data:`UNREADABLE`,
+    with the reason), never an error that hides the other runs of its store. StoreUnavailable: the store."""
+    from ..phase import Phase
+    from .liveness import notice
+
+    try:
+        store.get_spec(run_id)
+        status = notice(store, run_id, store.get_status(run_id), by="etrain status")  # controller gone?
+        return status or {"phase": Phase.PENDING}
+    except UnknownRun:
+        return {"phase": MISSING, "reason": f"{where} no longer holds it (the run registry entry "
+                                            f"{runs_dir()}/{run_id}.json names it)"}
+    except StoreUnavailable:
+        raise
+    except (EtrainError, OSError, ValueError, TypeError, OverflowError, RecursionError) as e:
+        return {"phase": UNREADABLE, "reason": str(e) if isinstance(e, CorruptRunStore) else
+                f"run {run_id!r} of {where} cannot be read: {type(e).__name__}: {e}"}
 
 
 def log_path(run_id: str) -> str:
@@ -214,7 +235,7 @@ def print_log(run_id: str, follow: bool = False, out=None, poll_s: float = 0.5) 
     """Print the detached run's log (False when there is none); with ``follow``, until its driver ends."""
     out = out or sys.stdout
     try:
-        f = open(log_path(run_id))
+        f = open(log_path(run_id))  # noqa: SIM115  (closed by the `with f` below)
     except OSError:
         return False
     with f:
