@@ -69,8 +69,8 @@ def submit(config: Config, workers: int | None = None, address: str | None = Non
     and return at once; the run goes on in the background of this process (``etrain run`` without the wait).
     ``store``: the run store URL (default: beside the checkpoints). The returned :class:`Run` carries the
     run's token (``run.token``; this user's run registry keeps it too), which its control methods need."""
-    from orchestrator.service.auth import mint
     from orchestrator.driver.run import prepare_run_doc
+    from orchestrator.service.auth import mint
 
     doc = config_document(config, overrides)
     token = mint()
@@ -121,8 +121,11 @@ class Run:
 
     def _change(self, changes) -> None:
         from orchestrator.service.auth import change_run
+        from orchestrator.store.documents import writing
 
-        change_run(self._store(), self.run_id, changes, self.token)
+        store = self._store()
+        with writing(store):  # a store this user may only read: StoreNotWritable, naming it
+            change_run(store, self.run_id, changes, self.token)
 
     def suspend(self) -> None:
         """Checkpoint and stop at the next step boundary; :meth:`resume` continues it on any valid size."""
@@ -133,18 +136,12 @@ class Run:
         self._change({"stop": True})
 
     def resize(self, workers: int) -> None:
-        """Change the run's size at its next step boundary (a size its layout allows)."""
-        from orchestrator.config import allowed_sizes
-        from orchestrator.driver.run import parse_spec
+        """Change the run's size at its next step boundary (a size its layout allows; ConfigError otherwise).
+        As ``etrain resize`` does (:func:`orchestrator.service.resize.resize_run`): the size asked for overrides
+        the cluster allocator's target, and a run the allocator requeued joins the queue again at that size."""
+        from orchestrator.service.resize import resize_run
 
-        def resize(spec) -> dict:
-            allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
-            if workers not in allowed:
-                raise ConfigError(f"workers={workers} is not a valid size for run {self.run_id!r}; valid sizes in "
-                                  f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-            return {"workers": workers}
-
-        self._change(resize)
+        resize_run(self._store(), self.run_id, workers, self.token)
 
     def resume(self, workers: int | None = None) -> Run:
         """Continue a suspended or interrupted run (waits for the current one to end first)."""
