@@ -8,7 +8,10 @@ resize, top, plot, chaos and data (``orchestrator.cli.main`` parses the command 
 
 They find the store the way every command does (:func:`store_url`: ``--store``, ``$ETRAIN_STORE``,
 the run registry, ``file://$PWD/runs``), write desired state there and, unless ``--no-wait``, wait
-for the controller to reach it.
+for the controller to reach it. Suspend, stop, resize and chaos need the run's token
+(:mod:`orchestrator.service.auth`); on a store this user may read but not write they exit 2 naming it.
+Stored text is shown through :func:`orchestrator.driver.progress.printable` (no escape sequence of a
+stored reason or event reaches the terminal).
 """
 
 from __future__ import annotations
@@ -74,8 +77,10 @@ def cmd_logs(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """A run's status, or the runs of the store(s). A run whose documents are not etrain's is a row of its own
+    (``unreadable``), its reason on stderr and exit 2; the runs beside it are shown as usual."""
+    from ..driver.progress import listing_console, printable, status_table, tier_status_line
     from ..store import user_runs as registry
-    from ..driver.progress import listing_console, status_table, tier_status_line
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
     if args.run:
@@ -90,24 +95,40 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(rows[0] if args.run else rows, indent=2, sort_keys=True))
     elif not rows:
-        print(f"no runs in {redact(store_url(args))}" + ("" if explicit else
-                                                          f" or in the run registry {registry.runs_dir()}"))
+        print(printable(f"no runs in {redact(store_url(args))}" + ("" if explicit else
+                                                                    f" or in the run registry {registry.runs_dir()}")))
     else:
         listing_console().print(status_table(rows))
         if args.run and rows[0].get("reason"):
-            print(f"reason: {rows[0]['reason']}")
+            print(f"reason: {printable(rows[0]['reason'], multiline=True)}")
         if args.run and tier_status_line(rows[0]):
             print(tier_status_line(rows[0]))
         for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
-                                           if r.get("phase") in registry.NOT_A_STATUS):
-            print(f"{store}: {reason}")
-    return 0
+                                           if r.get("phase") in (registry.UNREACHABLE, registry.MISSING)):
+            print(printable(f"{store}: {reason}"))
+    return unreadable_runs(rows)
+
+
+def unreadable_runs(rows: list[dict]) -> int:
+    """Each run of ``rows`` whose documents are not etrain's, with why, on stderr; EXIT_USAGE if there is one."""
+    from ..driver.progress import printable
+    from ..store import user_runs as registry
+
+    bad = [r for r in rows if r.get("phase") == registry.UNREADABLE]
+    for r in bad:
+        print(printable(f"etrain: run {r['run_id']!r} of {r.get('store')} is unreadable: {r.get('reason')}"),
+              file=sys.stderr)
+    return EXIT_USAGE if bad else 0
 
 
 def cmd_chaos(args) -> int:
+    """``etrain chaos``: faults into a run need its token, or the store's admin token, as a resize does."""
     from ..chaos.cli import main as chaos_main
+    from ..service.auth import authorize
 
-    return chaos_main(args, open_store_of(args))
+    store = open_store_of(args)
+    authorize(store, store.get_spec(args.run), args.token)  # UnknownRun names the fix; NotAuthorized says whose
+    return chaos_main(args, store)
 
 
 def cmd_top(args) -> int:
@@ -129,9 +150,16 @@ def cmd_events(args) -> int:
         print(json.dumps(events, indent=2, sort_keys=True))
         return 0
     for e in events:
-        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        print(f"{when}  {event_line(e)}")
+        print(f"{clock_time(e.get('time'))}  {event_line(e)}")  # event_line: printable
     return 0
+
+
+def clock_time(unix) -> str:
+    """``HH:MM:SS`` of a stored time, ``--:--:--`` for one that is not a time (orchestrator.store.documents)."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(unix or 0))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "--:--:--"
 
 
 def live_status(store, run_id: str, command: str) -> dict:
@@ -181,31 +209,22 @@ def cmd_stop(args) -> int:
 def _request(args, field: str, what: str, verb: str) -> int:
     """Set the spec's ``field`` (authorized, compare-and-swap) and, unless --no-wait, wait for a terminal phase."""
     from ..service.auth import change_run
+    from ..store.documents import writing
 
     store = open_store_of(args)
     live_status(store, args.run, args.command)
-    change_run(store, args.run, {field: True}, args.token)
+    with writing(store):  # a store this user may only read: StoreNotWritable, naming it (exit 2)
+        change_run(store, args.run, {field: True}, args.token)
     print(f"etrain: {what} of run {args.run!r} requested; it {verb} at the next step boundary")
     return 0 if args.no_wait else wait_phase(store, args.run, tuple(TERMINAL), args.timeout)
 
 
 def cmd_resize(args) -> int:
-    from ..service.auth import change_run
-    from ..config import allowed_sizes
-    from ..driver.run import parse_spec
-    from ..store.run_store import RunConflict
+    from ..service.resize import resize_run
 
     store = open_store_of(args)
     st = live_status(store, args.run, args.command)
-
-    def resize(spec) -> dict:  # decided on the spec read; read and decided again if it changed meanwhile
-        allowed = allowed_sizes(parse_spec(spec)[0], spec.min_workers, spec.max_workers)
-        if args.workers not in allowed:
-            raise RunConflict(f"--workers {args.workers} is not a valid size for run {args.run!r}; valid sizes in "
-                              f"[min {spec.min_workers}, max {spec.max_workers}]: {allowed}")
-        return {"workers": args.workers, "target": 0}  # the user's size overrides the allocator's, in one CAS write
-
-    change_run(store, args.run, resize, args.token)
+    resize_run(store, args.run, args.workers, args.token, field="--workers")  # clears the allocator's target
     print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
           "boundary; `etrain events` shows when it did")
     return 0

@@ -1,11 +1,15 @@
-"""``etrain queue [--json]``: the runs that are QUEUED or admitted, with their share of the cluster.
+"""``etrain queue [--json]``: the runs that are QUEUED or admitted, with their share of the cluster; and
+``etrain quota``'s check of the cluster's documents before it lists or sets quotas.
 
     etrain queue                 # a table: run, phase, priority, team, owner, min..max, allocated, target, waiting
     etrain queue --json          # the same rows as JSON, with why each queued run waits
+    COMMANDS["quota"] = quota_checked(cmd_quota)   # etrain quota, once the allocator's document is etrain's
 
 It lists the runs ``etrain status`` lists (the store of ``--store`` or
 ``$ETRAIN_STORE``, else ``./runs`` and every store of the run registry), keeping
 those in phases QUEUED to FINISHING (:mod:`orchestrator.service.queueing`).
+A run whose documents are not etrain's is left out and named on stderr; every
+stored text is shown through :func:`orchestrator.driver.progress.printable`.
 """
 
 from __future__ import annotations
@@ -14,57 +18,91 @@ import json
 import os
 import time
 
+from checkpointing.errors import EtrainError
 from checkpointing.names import redact
 
-from .control import store_url
 from ..service.queueing import queue_rows
+from ..store.cluster_names import cluster_key
+from .control import store_url
 
 
 def cmd_queue(args) -> int:
     from rich.table import Table
 
+    from ..driver.progress import cell, listing_console, printable
     from ..store import user_runs as registry
-    from ..driver.progress import listing_console
+    from .control import unreadable_runs
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
-    rows = queue_rows(registry.statuses([store_url(args)], registered=not explicit, strict=explicit), time.time())
+    statuses = registry.statuses([store_url(args)], registered=not explicit, strict=explicit)
+    rows = queue_rows(statuses, time.time())
     add_allocator_reasons(rows)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
-        return 0
-    if not rows:
-        print(f"no queued or admitted runs in {redact(store_url(args))}"
-              + ("" if explicit else f" or in the run registry {registry.runs_dir()}"))
-        return 0
-    t = Table("run", "phase", "priority", "team", "owner", "min..max", "allocated", "target", "waiting", "store")
-    for r in rows:
-        t.add_row(str(r["run_id"]), str(r["phase"]), str(r["priority"]), str(r["team"]), r["owner"] or "-",
-                  f"{r['min_workers']}..{r['max_workers']}", str(r["allocated"]), str(r["target"] or "-"),
-                  f"{r['waiting_s']:.0f} s", str(r["store"] or "-"))
-    listing_console().print(t)
-    for r in rows:
-        if r["waits_for"]:
-            print(f"{r['run_id']} waits for {r['waits_for']}")
+    elif not rows:
+        print(printable(f"no queued or admitted runs in {redact(store_url(args))}"
+                        + ("" if explicit else f" or in the run registry {registry.runs_dir()}")))
+    else:
+        t = Table("run", "phase", "priority", "team", "owner", "min..max", "allocated", "target", "waiting", "store")
+        for r in rows:
+            t.add_row(cell(r["run_id"]), cell(r["phase"]), cell(r["priority"]), cell(r["team"]),
+                      cell(r["owner"] or "-"), cell(f"{r['min_workers']}..{r['max_workers']}"), cell(r["allocated"]),
+                      cell(r["target"] or "-"), f"{r['waiting_s']:.0f} s", cell(r["store"] or "-"))
+        listing_console().print(t)
+        for r in rows:
+            if r["waits_for"]:
+                print(printable(f"{r['run_id']} waits for {r['waits_for']}"))
+    unreadable_runs(statuses)  # named on stderr; the queue of the others stands
     return 0
 
 
 def add_allocator_reasons(rows: list[dict]) -> None:
     """Where the cluster's allocator keeps its state in a listed store, a queued run's row also says why the
-    allocator does not admit it yet (``allocator``), beside why its gang waits (docs/service.md)."""
-    from ..service.allocator import STATE_DOC, read_doc
-    from ..store.run_store import open_store
-
+    allocator does not admit it yet (``allocator``), beside why its gang waits (docs/service.md). A state
+    document that is not etrain's (:data:`orchestrator.store.documents.ALLOCATOR_MAPS`) is passed over."""
     docs: dict = {}
     for r in rows:
         url = r.get("store")
         if not url or r["phase"] != "QUEUED":
             continue
         if url not in docs:
-            try:
-                docs[url] = read_doc(open_store(url), STATE_DOC)[0].get("waiting") or {}
-            except Exception:  # unreachable, or not etrain's: the gang's reason stands alone
-                docs[url] = {}
-        why = docs[url].get(r["run_id"])
+            docs[url] = allocator_waiting(url)
+        why = docs[url].get(cluster_key(r["run_id"], url)) or docs[url].get(r["run_id"])  # keyed by id and store
         if why:
             r["allocator"] = why
             r["waits_for"] = f"{r['waits_for']}; the allocator: {why}" if r["waits_for"] else f"the allocator: {why}"
+
+
+def allocator_waiting(url: str) -> dict[str, str]:
+    """Why the allocator of the store at ``url`` keeps each queued run waiting; {} when it keeps no state there,
+    the store is not reached, or its state is not etrain's (the gang's reason then stands alone)."""
+    from ..service.allocator import STATE_DOC
+    from ..store.documents import ALLOCATOR_MAPS, StoreUnavailable, load_doc, maps_problem
+    from ..store.run_store import open_store
+
+    try:
+        raw, _ = open_store(url).read_versioned(None, STATE_DOC)
+        doc = load_doc(raw, STATE_DOC, lambda d: maps_problem(d, {"waiting": ALLOCATOR_MAPS["waiting"]})) if raw else {}
+    except (StoreUnavailable, EtrainError, OSError, ValueError):
+        return {}
+    return doc.get("waiting") or {}
+
+
+def quota_checked(cmd_quota):
+    """``etrain quota`` (``cmd_quota``, :mod:`orchestrator.cli.service`), once the fields of the allocator's state
+    document it shows (what each team holds) are etrain's: CorruptRunStore naming the document otherwise (exit 2).
+    On a store this user may only read, a change is refused naming the store (StoreNotWritable, exit 2)."""
+    def checked(args) -> int:
+        from ..service.allocator import STATE_DOC
+        from ..store.documents import ALLOCATOR_MAPS, load_doc, maps_problem, writing
+        from .control import open_store_of
+
+        store = open_store_of(args)
+        raw, _ = store.read_versioned(None, STATE_DOC)
+        if raw:
+            held = {key: ALLOCATOR_MAPS[key] for key in ("targets", "teams")}
+            load_doc(raw, f"the {STATE_DOC!r} document of {redact(store.url)}", lambda d: maps_problem(d, held))
+        with writing(store):
+            return cmd_quota(args)
+
+    return checked

@@ -3,8 +3,14 @@
     etrain top RUN [--store URL] [--interval 2] [--once] [--url http://host:port/metrics]
 
 The endpoint's address comes from the run's status in the run store
-(``metrics_url``) unless ``--url`` names it. Rates (bytes/s, calls/s, mean
-latency) are the change between two scrapes ``--interval`` seconds apart.
+(``metrics_url``) unless ``--url`` names it; either must be an ``http://`` or
+``https://`` URL (anything else, ``file://`` among them, is refused naming
+where it came from, and a redirect elsewhere is not followed). A scrape waits
+at most 5 s and reads at most :data:`MAX_SCRAPE_BYTES` (8 MiB); a bigger answer,
+or one that is not Prometheus text, counts as no answer. Labels and names
+from the endpoint are shown as text (never rich markup, no control character).
+Rates (bytes/s, calls/s, mean latency) are the change between two scrapes
+``--interval`` seconds apart.
 ``--once`` prints one frame and exits: 0 when the endpoint answered, 1 when
 it did not (a run that ended no longer serves one; ``etrain status`` has its
 final figures).
@@ -12,28 +18,67 @@ final figures).
 
 from __future__ import annotations
 
+import http.client
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
+from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
+from ..driver.progress import cell, printable
+
 Samples = dict[tuple[str, tuple], float]
+MAX_SCRAPE_BYTES = 8 * 2**20  # a run's endpoint serves a few hundred KiB at most
+# What a scrape that failed raises: no answer, an HTTP error, an answer too big or not Prometheus text.
+SCRAPE_ERRORS = (OSError, ValueError, http.client.HTTPException)
+
+
+def metrics_endpoint(url: str, where: str) -> str:
+    """``url`` if it is an http(s) URL with a host; ConfigError naming ``where`` (the status field or the flag)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}={printable(redact(url))[:200]!r} is not an http:// or https:// URL; etrain top "
+                          "reads a run's Prometheus endpoint over HTTP only")
+    return url
+
+
+class _SameScheme(urllib.request.HTTPRedirectHandler):
+    """Redirects followed only to another http(s) URL."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urlsplit(newurl).scheme not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, f"redirect to a URL that is not http(s): {msg}", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameScheme)
 
 
 def scrape(url: str, timeout: float = 5.0) -> Samples:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        text = r.read().decode()
+    """The samples of the endpoint at ``url``: one GET of at most :data:`MAX_SCRAPE_BYTES`, within ``timeout``
+    seconds a read; one of :data:`SCRAPE_ERRORS` when it does not answer so."""
+    with _OPENER.open(url, timeout=timeout) as r:
+        body = r.read(MAX_SCRAPE_BYTES + 1)
+    if len(body) > MAX_SCRAPE_BYTES:
+        raise ValueError(f"its answer is over {MAX_SCRAPE_BYTES // 2**20} MiB, more than a metrics endpoint serves")
     out: Samples = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(body.decode()):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def _number_first(value: str) -> tuple:
+    """A sort key of a label that is a number (a rank, a layer) in the endpoint's own samples, or not."""
+    return (0, int(value), "") if value.isdigit() else (1, 0, value)
 
 
 def _get(s: Samples, name: str, **labels) -> float | None:
@@ -74,9 +119,9 @@ def _fmt(v: float | None, spec: str = ".4g") -> str:
 def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = None) -> Group:
     """One frame: the run, communication, memory, checkpoints, recovery."""
     st = status or {}
-    phase = next((dict(ls)["phase"] for (n, ls), v in cur.items() if n == "etrain_phase" and v == 1), "?")
+    phase = next((dict(ls).get("phase", "?") for (n, ls), v in cur.items() if n == "etrain_phase" and v == 1), "?")
     run_id = next((dict(ls).get("run_id") for (n, ls) in cur if n == "etrain_step"), st.get("run_id", "?"))
-    head = Table(title=f"etrain top: {run_id}", show_header=True, expand=False)
+    head = Table(title=cell(f"etrain top: {run_id}"), show_header=True, expand=False)
     for col in ("phase", "step", "world", "epoch", "loss", "tokens/s", "lr", "grad norm", "step s (mean)",
                 "goodput", "MFU"):
         head.add_column(col, justify="right")
@@ -88,7 +133,7 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
             steps_rate = (a - b) / (ca - cb)
     total = st.get("total_steps")
     step = _get(cur, "etrain_step")
-    head.add_row(phase, f"{_fmt(step, '.0f')}" + (f"/{total}" if total else ""),
+    head.add_row(cell(phase), f"{_fmt(step, '.0f')}" + (f"/{total}" if total else ""),
                  _fmt(_get(cur, "etrain_world_size"), ".0f"),
                  _fmt(_get(cur, "etrain_epoch"), ".0f"), _fmt(_get(cur, "etrain_loss")),
                  _si(_get(cur, "etrain_tokens_per_second")), _fmt(_get(cur, "etrain_learning_rate"), ".2e"),
@@ -113,11 +158,13 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
     p_secs = _by(prev, "etrain_comm_seconds_sum", "kind", "axis") if prev else {}
     p_cnt = _by(prev, "etrain_comm_seconds_count", "kind", "axis") if prev else {}
     for key in sorted(calls):
-        rate = lambda d, p: (d[key] - p.get(key, 0.0)) / dt if prev and dt > 0 else None  # noqa: E731
+        def rate(d, p, key=key):
+            return (d[key] - p.get(key, 0.0)) / dt if prev and dt > 0 else None
+
         dn = cnt[key] - p_cnt.get(key, 0.0) if prev else 0
         lat = (secs[key] - p_secs.get(key, 0.0)) / dn if dn > 0 else (secs[key] / cnt[key] if cnt[key] else None)
         bw = bw_sum[key] / bw_n[key] if bw_n.get(key) else None
-        comm.add_row(key[0], key[1], _fmt(rate(calls, p_calls), ".1f"), _si(rate(nbytes, p_bytes), "B/s"),
+        comm.add_row(cell(key[0]), cell(key[1]), _fmt(rate(calls, p_calls), ".1f"), _si(rate(nbytes, p_bytes), "B/s"),
                      _si(bw, "B/s"), _si(lat, "s"), _si(nbytes[key], "B"))
 
     mem_rows = _by(cur, "etrain_memory_bytes", "rank", "kind")
@@ -125,9 +172,9 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
     mem = Table(title="memory per rank (MiB)", expand=False)
     mem.add_column("rank", justify="right")
     for k in kinds:
-        mem.add_column(k, justify="right")
-    for rank in sorted({r for r, _ in mem_rows}, key=lambda r: int(r)):
-        mem.add_row(rank, *[_mib(mem_rows.get((rank, k))) for k in kinds])
+        mem.add_column(cell(k), justify="right")
+    for rank in sorted({r for r, _ in mem_rows}, key=_number_first):
+        mem.add_row(cell(rank), *[_mib(mem_rows.get((rank, k))) for k in kinds])
 
     ck = Table(title="checkpoints and recovery", expand=False)
     for col in ("last commit", "age s", "throughput", "saves", "save failures", "blocking s (mean)", "failures",
@@ -145,7 +192,7 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
                _fmt(_get(cur, "etrain_checkpoint_saves_total"), ".0f"),
                _fmt(_get(cur, "etrain_checkpoint_failures_total"), ".0f"),
                _fmt(mean("etrain_checkpoint_blocking_seconds"), ".3f"),
-               ", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(failures.items())) or "0",
+               cell(", ".join(f"{k[0]} {v:.0f}" for k, v in sorted(failures.items())) or "0"),
                _fmt(_get(cur, "etrain_recoveries_total"), ".0f"), _fmt(mean("etrain_time_to_recover_seconds"), ".2f"),
                _fmt(mean("etrain_time_to_detect_seconds"), ".2f"), _fmt(_get(cur, "etrain_steps_lost_total"), ".0f"))
     experts = _experts(cur)
@@ -164,47 +211,54 @@ def _experts(cur: Samples) -> Table | None:
                     f"dropped {dropped})", expand=False)
     for col in ("layer", "busiest expert", "slots", "idlest expert", "slots", "max / mean"):
         t.add_column(col, justify="right")
-    for layer in sorted({lay for lay, _ in per}, key=int):
+    for layer in sorted({lay for lay, _ in per}, key=_number_first):
         mine = {e: v for (lay, e), v in per.items() if lay == layer}
         hi, lo = max(mine, key=mine.get), min(mine, key=mine.get)
         mean = sum(mine.values()) / len(mine)
-        t.add_row(layer, hi, f"{mine[hi]:.0f}", lo, f"{mine[lo]:.0f}", _fmt(mine[hi] / mean if mean else None, ".2f"))
+        t.add_row(cell(layer), cell(hi), f"{mine[hi]:.0f}", cell(lo), f"{mine[lo]:.0f}",
+                  _fmt(mine[hi] / mean if mean else None, ".2f"))
     return t
 
 
 def endpoint_of(run: str, store) -> tuple[str | None, dict | None]:
+    """The run's metrics endpoint (its status' ``metrics_url``, checked: :func:`metrics_endpoint`) and status."""
     store.get_spec(run)  # UnknownRun names the fix
     st = store.get_status(run)
-    return (st or {}).get("metrics_url"), st
+    url = (st or {}).get("metrics_url")
+    return (metrics_endpoint(url, f"the status of run {run!r}: metrics_url") if url else None), st
 
 
 def main(args, store) -> int:
-    url, status = (args.url, None) if args.url else endpoint_of(args.run, store)
+    url, status = (metrics_endpoint(args.url, "--url"), None) if args.url else endpoint_of(args.run, store)
     console = Console()
     if not console.is_terminal:  # a pipe or a log: keep every column whole
         console = Console(width=200)
+
+    def say(text: str) -> None:
+        console.print(printable(text), markup=False, highlight=False)
+
     if not url:
-        console.print(f"etrain: run {args.run!r} has no metrics endpoint (phase {(status or {}).get('phase', '?')}; "
-                      "metrics.enabled may be off, or it has not started yet)")
+        say(f"etrain: run {args.run!r} has no metrics endpoint (phase {(status or {}).get('phase', '?')}; "
+            "metrics.enabled may be off, or it has not started yet)")
         return 1
     try:
         prev, t_prev = scrape(url), time.monotonic()
-    except OSError as e:
-        console.print(f"etrain: the endpoint {redact(url)} does not answer ({e}); a run that ended serves none: "
-                      f"`etrain status {args.run or ''}` has its final figures")
+        if args.once:
+            time.sleep(args.interval)
+            cur = scrape(url)
+            console.print(render(cur, prev, time.monotonic() - t_prev, status))
+            return 0
+    except SCRAPE_ERRORS as e:
+        say(f"etrain: the endpoint {redact(url)} does not answer ({e}); a run that ended serves none: "
+            f"`etrain status {args.run or ''}` has its final figures")
         return 1
-    if args.once:
-        time.sleep(args.interval)
-        cur = scrape(url)
-        console.print(render(cur, prev, time.monotonic() - t_prev, status))
-        return 0
     with Live(render(prev, None, 0.0, status), console=console, refresh_per_second=2, screen=False) as live:
         while True:
             time.sleep(args.interval)
             try:
                 cur, now = scrape(url), time.monotonic()
-            except OSError:
-                console.print(f"the endpoint {redact(url)} stopped answering: the run ended or its controller moved")
+            except SCRAPE_ERRORS:
+                say(f"the endpoint {redact(url)} stopped answering: the run ended or its controller moved")
                 return 0
             live.update(render(cur, prev, now - t_prev, status))
             prev, t_prev = cur, now

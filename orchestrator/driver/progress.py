@@ -8,10 +8,17 @@ On a terminal the bar shows step, loss, eval loss, tokens/s, world size, phase, 
 line every few seconds instead, with steps/s and the ETA. Events the user wants to see (failures,
 recoveries, resizes, evaluations: ``[eval] step 40 eval loss 4.1230``, the memory tier turning off or
 falling back to the checkpoint) are lines of their own in both.
+
+Text read back from a run store (reasons, events, team names, owners) is shown through :func:`printable`
+(or, in a table, :func:`cell`): control characters and escape sequences are written out as ``\\x1b``,
+never sent to the terminal, and rich markup in it is shown as it is, never interpreted.
+
+    print(printable(status["reason"], multiline=True))     # table.add_row(cell(row["team"]), ...)
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 from rich.console import Console
@@ -24,9 +31,41 @@ from trainer.cli import clock, human
 from trainer.observe.trackers import TrackerNotice
 
 from ..phase import TERMINAL, Phase
+from ..store.documents import finite
 
 # A run in these phases has no time left to show: it is ending (stopping, suspending) or has ended.
 ENDING = TERMINAL | {Phase.FINISHING, Phase.SUSPENDING}
+
+
+# What a terminal would act on rather than show: C0 and C1 controls (ESC among them), DEL, Unicode's line and
+# paragraph separators and bidirectional overrides, and lone surrogates (which no terminal encoding takes).
+_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_CONTROL = re.compile(f"[\x00-\x1f{_OTHER}]")
+_CONTROL_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_OTHER}]")
+
+
+def printable(value, multiline: bool = False) -> str:
+    """``value`` as text to show: its control characters written out (``\\x1b``, ``\\u202e``); newlines
+    kept with ``multiline``."""
+    text = value if isinstance(value, str) else str(value)
+    pattern = _CONTROL_BUT_NEWLINE if multiline else _CONTROL
+    return pattern.sub(_written_out, text)
+
+
+def _written_out(m: re.Match) -> str:
+    code = ord(m[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def cell(value, limit: int = 120) -> Text:
+    """A table cell holding stored text: :func:`printable`, at most ``limit`` characters, never rich markup."""
+    text = printable(value)
+    return Text(text if len(text) <= limit else text[:limit - 1] + "…")
+
+
+def fixed(value, spec: str) -> str:
+    """A finite number formatted by ``spec``; anything else as it is (``-`` for None)."""
+    return "-" if value is None else format(value, spec) if finite(value) else printable(value)
 
 
 class _Eta(TimeRemainingColumn):
@@ -68,7 +107,8 @@ def from_tier(e: dict) -> str:
 def tier_event_line(e: dict) -> str:
     """A ``memory_tier`` event (docs/operations.md#recovery-tiers) as a line."""
     action, step = e.get("action"), e.get("step")
-    if action in ("off", "refused") and isinstance(e.get("bytes"), int) and isinstance(e.get("budget_bytes"), int):
+    sizes = all(isinstance(e.get(k), int) and finite(e[k]) for k in ("bytes", "budget_bytes"))
+    if action in ("off", "refused") and sizes:
         over = (f"rank {e.get('rank')} would hold {human_bytes(e['bytes'])}, over its budget of "
                 f"{human_bytes(e['budget_bytes'])} ([recovery] memory_budget_bytes)")
         if action == "off":
@@ -80,7 +120,8 @@ def tier_event_line(e: dict) -> str:
 
 
 def tier_status_line(status: dict) -> str | None:
-    """``etrain status RUN``'s line on the memory tier (the status' ``memory_tier``); None when it has none."""
+    """``etrain status RUN``'s line on the memory tier (the status' ``memory_tier``), :func:`printable`; None
+    when it has none."""
     t = status.get("memory_tier")
     if not isinstance(t, dict):
         return None
@@ -90,7 +131,7 @@ def tier_status_line(status: dict) -> str | None:
             else f"memory tier: on, budget {t.get('describe')}")
     if t.get("fallbacks"):
         line += f"; {t['fallbacks']} restore(s) from the checkpoint instead (last: {t.get('last_fallback')})"
-    return line
+    return printable(line)
 
 
 def describe_event(e: dict) -> str | None:
@@ -107,7 +148,7 @@ def describe_event(e: dict) -> str | None:
     if k == "resized":
         return (f"[resized] {e.get('from_workers')} -> {e.get('to_workers')} workers at step {e.get('step')} "
                 f"in {e.get('resize_s')} s{from_tier(e)} ({e.get('reason')})")
-    if k == "eval" and isinstance(e.get("loss"), (int, float)):
+    if k == "eval" and finite(e.get("loss")):
         return f"[eval] step {e.get('step')} eval loss {e['loss']:.4f}"
     if k == "checkpoint_failed":
         return f"[checkpoint] step {e.get('step')} failed: {e.get('error')}"
@@ -119,7 +160,7 @@ def describe_event(e: dict) -> str | None:
         fields = {f: e[f] for f in TrackerNotice.__dataclass_fields__ if f in e}
         try:
             return f"[tracker] {TrackerNotice(**fields).text()}"
-        except (TypeError, ValueError):  # a field of the wrong type: the plain event line
+        except (TypeError, ValueError, OverflowError):  # a field of the wrong type: the plain event line
             return None
     if k == "metrics":
         where = f" (Prometheus target file {e['file_sd']})" if e.get("file_sd") else ""
@@ -137,9 +178,9 @@ def short_ids(v):
 
 
 def event_line(e: dict) -> str:
-    """Any event as one line: :func:`describe_event`'s, else its fields (node ids shortened)."""
-    return describe_event(e) or f"[{e.get('kind')}] " + ", ".join(
-        f"{k}={short_ids(v)}" for k, v in sorted(e.items()) if k not in ("kind", "time"))
+    """Any event as one line: :func:`describe_event`'s, else its fields (node ids shortened); :func:`printable`."""
+    return printable(describe_event(e) or f"[{e.get('kind')}] " + ", ".join(
+        f"{k}={short_ids(v)}" for k, v in sorted(e.items()) if k not in ("kind", "time")))
 
 
 class Follower:
@@ -172,7 +213,7 @@ class Follower:
         for e in events:
             line = describe_event(e)
             if line:
-                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+                self.console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
         if not snap:
             return
         info = info_line(snap)
@@ -186,7 +227,8 @@ class Follower:
             self._rate_from = (now, step)
         if snap.get("phase") != self._last_phase or now - self._last_line >= self.every_s:
             self._last_phase, self._last_line = snap.get("phase"), now
-            self.console.print(f"{self.run_id} step {step}/{snap.get('total_steps')}  {info}{self._eta(now, snap)}",
+            self.console.print(printable(f"{self.run_id} step {step}/{snap.get('total_steps')}  {info}"
+                                         f"{self._eta(now, snap)}"),
                                markup=False, highlight=False, soft_wrap=True)  # a log line is never wrapped
 
     def _eta(self, now: float, snap: dict) -> str:
@@ -212,17 +254,18 @@ def info_line(snap: dict) -> str:
 
 
 def status_table(rows: list[dict]) -> Table:
-    """``etrain status``: a row per run; a ``store`` column when the rows name their store (the list of runs)."""
+    """``etrain status``: a row per run; a ``store`` column when the rows name their store (the list of runs).
+    Every stored text is a :func:`cell`."""
     stores = any("store" in s for s in rows)
     t = Table("run", "phase", "step", "world", "loss", "eval loss", "checkpoint", "recoveries", "steps lost", "goodput",
               "updated", *(["store"] if stores else []))
     for s in rows:
-        age = time.time() - s["updated_unix"] if s.get("updated_unix") else None
-        t.add_row(s.get("run_id", "?"), s.get("phase", "?"), f"{s.get('step', '-')}/{s.get('total_steps', '-')}",
-                  str(s.get("world_size", "-")), f"{s['loss']:.4f}" if s.get("loss") is not None else "-",
-                  f"{s['eval_loss']:.4f}" if s.get("eval_loss") is not None else "-",
-                  str(s.get("latest_checkpoint") if s.get("latest_checkpoint") is not None else "-"),
-                  str(s.get("recoveries", 0)), str(s.get("steps_lost", 0)),
-                  f"{s['goodput']:.2f}" if s.get("goodput") is not None else "-",
-                  f"{age:.0f} s ago" if age is not None else "-", *([s.get("store", "-")] if stores else []))
+        updated = s.get("updated_unix")
+        age = time.time() - updated if finite(updated) and updated else None
+        t.add_row(cell(s.get("run_id", "?")), cell(s.get("phase", "?")),
+                  cell(f"{s.get('step', '-')}/{s.get('total_steps', '-')}"), cell(s.get("world_size", "-")),
+                  fixed(s.get("loss"), ".4f"), fixed(s.get("eval_loss"), ".4f"),
+                  cell(s.get("latest_checkpoint") if s.get("latest_checkpoint") is not None else "-"),
+                  cell(s.get("recoveries", 0)), cell(s.get("steps_lost", 0)), fixed(s.get("goodput"), ".2f"),
+                  f"{age:.0f} s ago" if age is not None else "-", *([cell(s.get("store", "-"))] if stores else []))
     return t
