@@ -10,7 +10,7 @@
     etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_token)
     etrain quota [TEAM] [--max-workers N | --remove] [--json]   (teams' quotas on a shared cluster; setting: admin)
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
-    etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png]   (faults into a live run, then the oracle)
+    etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png] [--token TOKEN]   (faults, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
     etrain train CONFIG.toml              (one rank of a run under torchrun; same as python -m trainer)
     etrain plan CONFIG.toml [--workers 8..64] [--device h100|a100|cpu|custom] [--json] [--explain] [--calibrate]
@@ -67,7 +67,7 @@ from .control import (
     looked_where,
     store_url,
 )
-from .queue import cmd_queue
+from .queue import cmd_queue, quota_checked
 from .service import add_quota_parser, cmd_quota
 
 
@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as one JSON line too")
     p.add_argument("--address", help="the run's Ray cluster (default $RAY_ADDRESS, else the local one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the run at most")
+    _add_token(p)  # faults into a run are a control action: its token or the admin token
     _add_store(p)
 
     p = sub.add_parser("data", help="prepare a run's token caches ahead of time, on one machine")
@@ -271,16 +272,20 @@ def main(argv: list[str] | None = None) -> int:
                      "examples/tiny.toml")
     from checkpointing.cli import quiet_when_pipe_closes
 
+    from ..driver.progress import printable
     from ..store.run_store import UnknownRun
 
     try:
         return quiet_when_pipe_closes(COMMANDS[args.command], args)  # `etrain status | head -1`: no traceback
     except UnknownRun as e:
-        print(redact_text(f"etrain: {e}\n  {looked_where(args)}"), file=sys.stderr)
+        print(printable(redact_text(f"etrain: {e}\n  {looked_where(args)}"), multiline=True), file=sys.stderr)
         return EXIT_USAGE
-    except EtrainError as e:
-        print(redact_text(f"etrain: {e}"), file=sys.stderr)  # a URL given on the command line keeps its secrets
+    except EtrainError as e:  # a URL given on the command line keeps its secrets; stored text its escapes
+        print(printable(redact_text(f"etrain: {e}"), multiline=True), file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a file this user may not read or write, a disk that is full: said, not a traceback
+        print(printable(redact_text(f"etrain: {e}"), multiline=True), file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("etrain: interrupted; the run's controller stops with this process "
               "(`etrain resume RUN` continues it from its last checkpoint)", file=sys.stderr)
@@ -411,7 +416,7 @@ def cmd_resume(args) -> int:
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
             "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit,
-            "quota": cmd_quota, "queue": cmd_queue}
+            "quota": quota_checked(cmd_quota), "queue": cmd_queue}
 
 
 if __name__ == "__main__":
