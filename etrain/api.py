@@ -69,10 +69,12 @@ def submit(config: Config, workers: int | None = None, address: str | None = Non
     and return at once; the run goes on in the background of this process (``etrain run`` without the wait).
     ``store``: the run store URL (default: beside the checkpoints). The returned :class:`Run` carries the
     run's token (``run.token``; this user's run registry keeps it too), which its control methods need."""
-    from orchestrator.driver.run import prepare_run_doc
+    from orchestrator.driver.run import connect, prepare_run_doc
     from orchestrator.service.auth import mint
 
     doc = config_document(config, overrides)
+    if address or os.environ.get("RAY_ADDRESS"):  # joined first: the cluster's grants are checked before recording
+        connect(address, 0)
     token = mint()
     spec, st = prepare_run_doc(doc, workers=workers, min_workers=min_workers, max_workers=max_workers,
                                run_id=run_id, store=store, token=token)

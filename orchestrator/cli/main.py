@@ -7,8 +7,10 @@
     etrain status [RUN] [--json]          etrain events RUN [--json]
     etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
     etrain resize RUN --workers N         etrain stop RUN         (these four: [--token TOKEN])
-    etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_token)
+    etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_tokens/)
     etrain quota [TEAM] [--max-workers N | --remove] [--json]   (teams' quotas on a shared cluster; setting: admin)
+    etrain service {init,show} [--store URL] [--address GCS]    (a shared cluster's service store)
+    etrain grant OWNER [--max-priority N] [--teams a,b] [--nonpreemptible] [--revoke] | --list   (admin)
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png] [--token TOKEN]   (faults, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
@@ -67,8 +69,8 @@ from .control import (
     looked_where,
     store_url,
 )
-from .queue import cmd_queue, quota_checked
-from .service import add_quota_parser, cmd_quota
+from .queue import cmd_queue
+from .service import add_service_parsers, cmd_grant, cmd_quota, cmd_service
 
 
 def _run_id(field: str):
@@ -176,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(p)
 
     p = sub.add_parser("admin-token", help="make the run store's admin token (it may control every run there) and "
-                                           "keep it in ~/.etrain/admin_token; replacing one needs the current one")
+                                           "keep it in ~/.etrain/admin_tokens/; replacing one needs the current one")
     _add_store(p)
 
     p = sub.add_parser("top", help="a live view of a run's metrics: loss, throughput, communication, memory, "
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token(p)
     _add_store(p)
 
-    add_quota_parser(sub, _add_store, _add_token)
+    add_service_parsers(sub, _add_store, _add_token)
 
     p = sub.add_parser("plot", help="draw a run, live or finished: loss, eval loss, throughput and world size over "
                                     "steps and time, every failure, recovery, resize, suspend and resume marked")
@@ -304,10 +306,12 @@ def _elastic_range(raw: dict) -> tuple[int, int]:
 
 
 def cmd_run(args) -> int:
-    from ..driver.run import launch, prepare_run
+    from ..driver.run import connect, launch, prepare_run
 
     if args.detach:
         return _detach(args)
+    if args.address or os.environ.get("RAY_ADDRESS"):  # joined first: the cluster's grants are checked before the
+        connect(args.address, 0)                        # run is recorded (a local Ray is started by launch)
     spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
                               max_workers=args.max_workers, run_id=args.run_id, store=args.store,
                               token_hash=args.token_hash, owner=args.owner)
@@ -398,7 +402,7 @@ def cmd_resume(args) -> int:
         store = open_store(url)
         liveness.notice(store, args.run, store.get_status(args.run), by="etrain resume")
         # Authorized here; the new job gets a one-use grant to resume it (never the run's token).
-        grant = auth.mint()
+        grant = auth.mint_grant()  # one use, within its hour
         auth.change_run(store, args.run, lambda spec: store.check_resumable(args.run) or
                         {"resume_grant": auth.digest(grant)}, args.token)
         entry = ["-m", "orchestrator", "resume", args.run, "--store", url, "--no-progress"]
@@ -416,7 +420,7 @@ def cmd_resume(args) -> int:
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
             "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit,
-            "quota": quota_checked(cmd_quota), "queue": cmd_queue}
+            "quota": cmd_quota, "queue": cmd_queue, "service": cmd_service, "grant": cmd_grant}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
-"""``etrain queue [--json]``: the runs that are QUEUED or admitted, with their share of the cluster; and
-``etrain quota``'s check of the cluster's documents before it lists or sets quotas.
+"""``etrain queue [--json]``: the runs that are QUEUED or admitted, with their share of the cluster.
 
     etrain queue                 # a table: run, phase, priority, team, owner, min..max, allocated, target, waiting
     etrain queue --json          # the same rows as JSON, with why each queued run waits
-    COMMANDS["quota"] = quota_checked(cmd_quota)   # etrain quota, once the allocator's document is etrain's
 
 It lists the runs ``etrain status`` lists (the store of ``--store`` or
 ``$ETRAIN_STORE``, else ``./runs`` and every store of the run registry), keeping
@@ -87,22 +85,3 @@ def allocator_waiting(url: str) -> dict[str, str]:
         return {}
     return doc.get("waiting") or {}
 
-
-def quota_checked(cmd_quota):
-    """``etrain quota`` (``cmd_quota``, :mod:`orchestrator.cli.service`), once the fields of the allocator's state
-    document it shows (what each team holds) are etrain's: CorruptRunStore naming the document otherwise (exit 2).
-    On a store this user may only read, a change is refused naming the store (StoreNotWritable, exit 2)."""
-    def checked(args) -> int:
-        from ..service.allocator import STATE_DOC
-        from ..store.documents import ALLOCATOR_MAPS, load_doc, maps_problem, writing
-        from .control import open_store_of
-
-        store = open_store_of(args)
-        raw, _ = store.read_versioned(None, STATE_DOC)
-        if raw:
-            held = {key: ALLOCATOR_MAPS[key] for key in ("targets", "teams")}
-            load_doc(raw, f"the {STATE_DOC!r} document of {redact(store.url)}", lambda d: maps_problem(d, held))
-        with writing(store):
-            return cmd_quota(args)
-
-    return checked

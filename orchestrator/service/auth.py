@@ -148,7 +148,7 @@ def admin_hash(store) -> str | None:
 def _admin_doc_hash(raw: str | None) -> str | None:
     try:
         doc = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     value = doc.get("token_hash") if isinstance(doc, dict) else None
     return value if isinstance(value, str) and HASH_PATTERN.fullmatch(value) else None

@@ -31,7 +31,7 @@ def read_doc(store, name: str) -> tuple[dict, object]:
     raw, version = store.read_versioned(None, name)
     try:
         doc = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
         doc = {}
     return (doc if isinstance(doc, dict) else {}), version
 

@@ -35,7 +35,8 @@ def test_auto_ep_serves_every_size_a_fixed_ep_refuses():
     assert allowed_sizes(fixed, 1, 4) == [2, 4]
     assert allowed_sizes(auto, 1, 4) == [1, 2, 3, 4]
     assert check_sizes(auto, ElasticConfig(workers=3, min_workers=3, max_workers=3)) == [3]
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2 \(or parallel\.ep=0 to choose it at each size\)"):
+    with pytest.raises(ConfigError, match=r"at size 3, parallel\.ep=2 is carved from dp_shard=3 .* or "
+                                          r"parallel\.ep=0 \(the largest that fits each size\)"):
         check_sizes(fixed, ElasticConfig(workers=3, min_workers=3, max_workers=3))
     with pytest.raises(ConfigError, match=r"parallel\.ep=2 is carved from dp_shard=3 .* or parallel\.ep=0"):
         ParallelDims.from_config(fixed, 3)
