@@ -26,6 +26,7 @@ from checkpointing.errors import ConfigError
 from checkpointing.names import check_url, etrain_home, redact
 
 from ..driver.progress import printable
+from ..service.docs import check_name
 from ..store.documents import writing
 from .control import store_url
 
@@ -126,9 +127,9 @@ def cmd_service(args: argparse.Namespace) -> int:
                           "(the GCS address) or $RAY_ADDRESS")
     url = check_url(args.store, "--store")
     store = open_store(url)
+    connect(address, 0)  # the cluster first: a store is marked only for a cluster that records it
     with writing(store):
         made = init_service(store)
-    connect(address, 0)
     before = service_url()
     record_service_url(url)
     os.makedirs(etrain_home(), mode=0o700, exist_ok=True)
@@ -145,6 +146,8 @@ def cmd_grant(args: argparse.Namespace) -> int:
     from ..service.auth import authorize_admin
     from ..service.grants import Grant, grants_of, set_grant
 
+    if args.owner is not None:
+        check_name(args.owner, "the owner")
     store = service_store(args, required=True)
     if args.list or not args.owner:
         rows = {o: g.as_doc() for o, g in sorted((grants_of(store) or {}).items())}
@@ -177,6 +180,8 @@ def cmd_quota(args: argparse.Namespace) -> int:
     from ..service.auth import authorize_admin
     from ..service.docs import STATE_DOC, dict_field, quotas, read_doc, set_quota
 
+    if args.team is not None:
+        check_name(args.team, "the team")
     store = service_store(args, required=False)
     if args.max_workers is not None or args.remove:
         if not args.team:

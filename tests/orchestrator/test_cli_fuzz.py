@@ -99,3 +99,55 @@ def test_plot_output_that_cannot_be_written_names_the_flag(world, capsys, tmp_pa
         assert code == 2 and f"-o {out!r}" in err and why in err, err
     assert etrain(["plot", "--log-file", world["log"], "-o", str(tmp_path / "run.svg")]) == 0
     assert (tmp_path / "run.svg").read_bytes().startswith(b"<?xml")
+
+
+def service_invocations(rng: random.Random, svc: str, other: str):
+    """Hostile command lines of the shared cluster's commands: quota, grant, service, queue, resize."""
+    v = lambda: rng.choice(HOSTILE)  # noqa: E731
+    store = rng.choice([["--store", svc], ["--store", other], ["--store", v()], []])
+    return [
+        ["quota", *([v()] if rng.random() < 0.7 else []), *rng.choice([["--max-workers", v()], ["--remove"], []]),
+         *store, *(["--json"] if rng.random() < 0.3 else [])],
+        ["grant", *([v()] if rng.random() < 0.7 else []),
+         *rng.choice([["--max-priority", v()], ["--teams", v()], ["--nonpreemptible"], ["--revoke"], ["--list"]]),
+         *store, *(["--token", v()] if rng.random() < 0.3 else [])],
+        ["service", rng.choice(["show", "init", v()]), *store, *(["--address", v()] if rng.random() < 0.5 else [])],
+        ["queue", *store, *(["--json"] if rng.random() < 0.5 else [])],
+    ]
+
+
+def service_fuzz(tmp_path, capsys, monkeypatch, seed: int, cases: int) -> None:
+    from orchestrator.service.grants import init_service
+
+    monkeypatch.setenv("ETRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    svc, other = f"file://{tmp_path}/service", f"file://{tmp_path}/mine"
+    init_service(open_store(svc))  # its admin token in this ETRAIN_HOME: changes are authorized and go through
+    (tmp_path / "home" / "service_store").write_text(svc + "\n")
+    rng = random.Random(seed)
+    seen = 0
+    while seen < cases:
+        for argv in service_invocations(rng, svc, other):
+            seen += 1
+            try:
+                code = etrain(argv)
+            except SystemExit as e:  # argparse's usage errors: exit 2 with its message
+                code = e.code
+            out = capsys.readouterr()
+            assert code in (0, 1, 2), (argv, code, out.err[-2000:])
+            assert "Traceback" not in out.err and "\x1b" not in out.out + out.err, (argv, out.err[-2000:])
+            assert SECRET not in out.out + out.err, (argv, out.err[-2000:])
+            if code == 2:  # a refusal names what it refuses: a flag, an argument, or the store
+                named = [a for a in argv if a.startswith("--")] + ["argument", "store", "team", "owner", "grant"]
+                assert any(n in out.err for n in named), (argv, out.err[-2000:])
+    assert json.loads(open_store(svc).read_versioned(None, "quotas")[0] or "{}") is not None
+
+
+def test_hostile_service_command_lines_exit_cleanly(tmp_path, capsys, monkeypatch):
+    service_fuzz(tmp_path, capsys, monkeypatch, seed=39, cases=30)
+
+
+@pytest.mark.slow
+def test_two_hundred_hostile_service_command_lines_exit_cleanly(tmp_path, capsys, monkeypatch):
+    service_fuzz(tmp_path, capsys, monkeypatch, seed=3939, cases=200)

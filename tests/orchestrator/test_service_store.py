@@ -67,3 +67,16 @@ def test_service_init_grants_and_a_run_refused_before_it_starts(service, tmp_pat
         "max_priority": 5, "teams": ["vision"], "nonpreemptible": False}
     spec, _ = prepare_run_doc(raw, run_id="granted", store=runs, owner="ana")
     assert spec.sharing.priority == 5 and open_store(runs).list_runs() == ["granted"]
+
+
+@pytest.mark.ray
+def test_two_stores_runs_of_one_id_run_side_by_side(ray_cluster, tmp_path):
+    """The allocator's registry, the autoscaler's demand and the controller actor's name were keyed by run id
+    alone: a second tenant's `twin` replaced the first's (its controller's name was taken)."""
+    from tests.cluster import start_run
+
+    a, store_a = start_run(f"file://{tmp_path}/ana", "train.steps=6", workers=1, max_workers=1, run_id="twin")
+    b, store_b = start_run(f"file://{tmp_path}/bo", "train.steps=6", workers=1, max_workers=1, run_id="twin")
+    final_a, final_b = a.join(300), b.join(300)
+    assert final_a["phase"] == final_b["phase"] == "FINISHED", (final_a, final_b)
+    assert store_a.get_status("twin")["step"] == store_b.get_status("twin")["step"] == 6
