@@ -62,6 +62,19 @@ def invocations(rng: random.Random, w: dict):
     ]
 
 
+def invoke(argv: list[str], capsys):
+    """``etrain ARGV`` in this process: its exit status (0, 1 or 2, never a traceback) and its output, which
+    never holds the credential a command line carried."""
+    try:
+        code = etrain(argv)
+    except SystemExit as e:  # argparse's usage errors: exit 2 with its message
+        code = e.code
+    out = capsys.readouterr()
+    assert code in (0, 1, 2), (argv, code, out.err[-2000:])
+    assert SECRET not in out.out + out.err, (argv, out.err[-2000:])
+    return code, out
+
+
 def test_two_hundred_hostile_command_lines_exit_cleanly(world, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("ETRAIN_STORE", world["root"])
     monkeypatch.chdir(tmp_path)  # a relative -o (run.png) is written here, not into the checkout
@@ -70,13 +83,7 @@ def test_two_hundred_hostile_command_lines_exit_cleanly(world, capsys, monkeypat
     while seen < 240:
         for argv in invocations(rng, world):
             seen += 1
-            try:
-                code = etrain(argv)
-            except SystemExit as e:  # argparse's usage errors: exit 2 with its message
-                code = e.code
-            out = capsys.readouterr()
-            assert code in (0, 1, 2), (argv, code, out.err[-2000:])
-            assert SECRET not in out.out + out.err, (argv, out.err[-2000:])
+            invoke(argv, capsys)
     assert seen >= 200
 
 
@@ -130,14 +137,8 @@ def service_fuzz(tmp_path, capsys, monkeypatch, seed: int, cases: int) -> None:
     while seen < cases:
         for argv in service_invocations(rng, svc, other):
             seen += 1
-            try:
-                code = etrain(argv)
-            except SystemExit as e:  # argparse's usage errors: exit 2 with its message
-                code = e.code
-            out = capsys.readouterr()
-            assert code in (0, 1, 2), (argv, code, out.err[-2000:])
+            code, out = invoke(argv, capsys)
             assert "Traceback" not in out.err and "\x1b" not in out.out + out.err, (argv, out.err[-2000:])
-            assert SECRET not in out.out + out.err, (argv, out.err[-2000:])
             if code == 2:  # a refusal names what it refuses: a flag, an argument, or the store
                 named = [a for a in argv if a.startswith("--")] + ["argument", "store", "team", "owner", "grant"]
                 assert any(n in out.err for n in named), (argv, out.err[-2000:])
