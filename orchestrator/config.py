@@ -32,6 +32,8 @@ from trainer.config.checks import MAX_RANKS
 from trainer.config.load import build_section
 
 # [elastic]'s claims on a shared cluster: what the run spec carries as a Sharing (the rest are sizes and timings).
+# A team's name ([elastic] team, `etrain quota TEAM`, `etrain grant --teams`): 1-63 letters, digits, _ . -
+TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 SHARING_KEYS = ("priority", "preemptible", "team", "queue_timeout_s", "grow_into_idle", "min_node_labels",
                 "elastic_node_labels", "cpus_per_worker", "gpus_per_worker")
 
@@ -132,7 +134,7 @@ class ElasticConfig:
                 raise ConfigError(f"elastic.{name}={getattr(self, name)!r} must be true or false")
         for name in ("min_node_labels", "elastic_node_labels"):
             node_labels(getattr(self, name), f"elastic.{name}")
-        if not isinstance(self.team, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.team):
+        if not isinstance(self.team, str) or not TEAM_NAME.fullmatch(self.team):
             raise ConfigError(f"elastic.team={self.team!r} must be a name of letters, digits, '_', '.' or '-' "
                               "(at most 63, starting with a letter or digit)")
 

@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 from checkpointing.errors import ConfigError, EtrainError
 
+from ..config import TEAM_NAME
+
 STATE_DOC = "allocator"  # the registry of the cluster's runs, the last decision, why queued runs wait
 QUOTAS_DOC = "quotas"
 GRANTS_DOC = "grants"
 SERVICE_DOC = "service"  # present in the cluster's service store (etrain service init)
-# A team or owner name: what [elastic] team accepts (orchestrator.config), and a login's characters.
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}")
+# An owner's name: a login (letters, digits, _ . - and @ of a domain login).
+OWNER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}")
 MAX_WORKERS = 1_000_000  # the most workers a quota may name (as elastic.max_workers)
 
 
@@ -47,10 +49,11 @@ def update_doc(store, name: str, change: Callable[[dict], dict], attempts: int =
 
 
 def check_name(value: str, what: str) -> str:
-    """``value`` if it is a team or owner name; ConfigError naming ``what`` otherwise."""
-    if not isinstance(value, str) or not NAME.fullmatch(value):
-        raise ConfigError(f"{what} {value!r} must be 1-63 letters, digits, '_', '.', '@' or '-', starting with a "
-                          "letter or digit")
+    """``value`` if it is a team's name (``what`` names a team) or an owner's; ConfigError naming ``what``."""
+    team = "team" in what
+    if not isinstance(value, str) or not (TEAM_NAME if team else OWNER_NAME).fullmatch(value):
+        raise ConfigError(f"{what} {value!r} must be 1-63 letters, digits, '_', '.'{'' if team else ', @'} or '-', "
+                          "starting with a letter or digit")
     return value
 
 
@@ -62,7 +65,7 @@ def dict_field(doc: dict, key: str) -> dict:
 def quotas(store) -> dict[str, int]:
     """The teams' quotas: team -> the most workers its runs may hold together (entries that are not one left out)."""
     teams = dict_field(read_doc(store, QUOTAS_DOC)[0], "teams")
-    return {t: n for t, n in teams.items() if isinstance(t, str) and NAME.fullmatch(t) and isinstance(n, int)
+    return {t: n for t, n in teams.items() if isinstance(t, str) and TEAM_NAME.fullmatch(t) and isinstance(n, int)
             and not isinstance(n, bool) and 0 <= n <= MAX_WORKERS}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from checkpointing.errors import ConfigError
 from checkpointing.names import redact
 
-from ..config import Sharing
+from ..config import TEAM_NAME, Sharing
 from . import auth
 from .docs import GRANTS_DOC, SERVICE_DOC, check_name, dict_field, read_doc, update_doc
 from .policy import RunDemand
@@ -62,17 +62,9 @@ class Grant:
         p, teams, nonp = doc.get("max_priority", 0), doc.get("teams", []), doc.get("nonpreemptible", False)
         if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= MAX_PRIORITY or not isinstance(nonp, bool):
             return None
-        if not isinstance(teams, list) or not all(isinstance(t, str) and _is_name(t) for t in teams):
+        if not isinstance(teams, list) or not all(isinstance(t, str) and TEAM_NAME.fullmatch(t) for t in teams):
             return None
         return cls(p, tuple(teams), nonp)
-
-
-def _is_name(value: str) -> bool:
-    try:
-        check_name(value, "")
-        return True
-    except ConfigError:
-        return False
 
 
 NOTHING = Grant()

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from checkpointing.errors import ConfigError, EtrainError
 from checkpointing.names import redact, validate_run_id
 
-from ..config import Sharing, sharing_from_raw
+from ..config import TEAM_NAME, Sharing, sharing_from_raw
 from ..phase import Phase
 
 PHASES = tuple(p.value for p in Phase)
@@ -177,8 +177,6 @@ def event_problem(doc: Any) -> str | None:
         _field_problem("time", doc["time"], _TIME) if "time" in doc else None)
 
 
-# A team's name, as [elastic] team takes it (orchestrator.config.Sharing).
-TEAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # The fields of the cluster allocator's state document (orchestrator.service.allocator) that `etrain queue`
 # and `etrain quota` show: maps from a run to why it waits, its team, the workers it is to hold.
 ALLOCATOR_MAPS = {"waiting": (str,), "teams": TEAM_NAME, "targets": _COUNT}
