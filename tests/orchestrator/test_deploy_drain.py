@@ -89,7 +89,7 @@ def test_the_cluster_launcher_file_turns_on_ray_token_auth_on_every_node():
     starts = [c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 2 and all("RAY_AUTH_MODE=token ray start" in c for c in starts)
     (head,) = [c for c in cfg["head_start_ray_commands"] if "ray start" in c]
-    assert "--dashboard-host=$(hostname -I" in head
+    assert "--dashboard-host=127.0.0.1" in head  # reached through `ray dashboard`'s SSH tunnel, which ends there
     assert "0.0.0.0" not in uncommented("deploy/ray-cluster.yaml")
     assert cfg["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/auth_token"  # Ray's default token path
     assert "echo 'export RAY_AUTH_MODE=token' >> ~/.bashrc" in cfg["setup_commands"]
