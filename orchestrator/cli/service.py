@@ -127,6 +127,13 @@ def cmd_service(args: argparse.Namespace) -> int:
                           "(the GCS address) or $RAY_ADDRESS")
     url = check_url(args.store, "--store")
     store = open_store(url)
+    import ray
+
+    if ray.is_initialized():  # this process joined a cluster before (the Python API): only that one is recorded
+        here = ray.get_runtime_context().gcs_address
+        if address.removeprefix("ray://") != here:
+            raise ConfigError(f"--address {address} is not the cluster this process is connected to ({here}); "
+                              "run etrain service init from a shell")
     connect(address, 0)  # the cluster first: a store is marked only for a cluster that records it
     with writing(store):
         made = init_service(store)

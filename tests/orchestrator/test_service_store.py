@@ -41,6 +41,9 @@ def test_service_init_grants_and_a_run_refused_before_it_starts(service, tmp_pat
     from orchestrator.service.grants import service_url
 
     url, address = service
+    # This process is joined to the session's cluster: another address is refused, never recorded here.
+    assert etrain(["service", "init", "--store", url, "--address", "127.0.0.1:1"]) == 2
+    assert "not the cluster this process is connected to" in capsys.readouterr().err and service_url() is None
     assert etrain(["service", "init", "--store", url, "--address", address]) == 0
     out = capsys.readouterr().out
     assert "is the cluster's service store" in out and "admin token" in out
