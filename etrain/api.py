@@ -73,11 +73,10 @@ def submit(config: Config, workers: int | None = None, address: str | None = Non
     from orchestrator.service.auth import mint
 
     doc = config_document(config, overrides)
-    if address or os.environ.get("RAY_ADDRESS"):  # joined first: the cluster's grants are checked before recording
-        connect(address, 0)
     token = mint()
+    join = (lambda: connect(address, 0)) if address or os.environ.get("RAY_ADDRESS") else None  # grants checked
     spec, st = prepare_run_doc(doc, workers=workers, min_workers=min_workers, max_workers=max_workers,
-                               run_id=run_id, store=store, token=token)
+                               run_id=run_id, store=store, token=token, join=join)
     run = Run(spec.run_id, st.url, address, token=token)
     run._start(spec, st)
     return run

@@ -310,11 +310,12 @@ def cmd_run(args) -> int:
 
     if args.detach:
         return _detach(args)
-    if args.address or os.environ.get("RAY_ADDRESS"):  # joined first: the cluster's grants are checked before the
-        connect(args.address, 0)                        # run is recorded (a local Ray is started by launch)
+    # A cluster to join is joined before the run is recorded, so its grants are checked first (a local Ray is
+    # started by launch: it has no service store).
+    join = (lambda: connect(args.address, 0)) if args.address or os.environ.get("RAY_ADDRESS") else None
     spec, store = prepare_run(args.config, args.set, workers=args.workers, min_workers=args.min_workers,
                               max_workers=args.max_workers, run_id=args.run_id, store=args.store,
-                              token_hash=args.token_hash, owner=args.owner)
+                              token_hash=args.token_hash, owner=args.owner, join=join)
     print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
           f" store {redact(store.url)}", flush=True)
     final = launch(spec, store, address=args.address, progress=not args.no_progress)

@@ -36,6 +36,9 @@ from trainer.config import RunConfig
 from trainer.config.load import config_from_dict, load_raw
 
 from ..service import auth, grants
+# Imported with this module, not when a run launches: a Ray job's driver that joined its cluster (ray.init)
+# may no longer find the job's working directory's modules it had not imported yet.
+from ..service.allocator import register as register_with_allocator
 from ..store import liveness
 from ..store import user_runs as registry
 from ..config import ElasticConfig, check_sizes, elastic_from_raw, recovery_from_raw
@@ -45,6 +48,7 @@ from ..phase import Phase
 from ..controller.run_policy import FailurePolicy
 from ..store.cluster_names import cluster_key
 from ..store.run_store import RunSpec, RunStore, UnknownRun, open_store
+from .progress import Follower
 
 log = logging.getLogger("etrain")
 
@@ -66,23 +70,25 @@ def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, check
 
 def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
                 min_workers: int | None = None, max_workers: int | None = None, run_id: str | None = None,
-                store: str | None = None, token_hash: str | None = None,
-                owner: str | None = None) -> tuple[RunSpec, RunStore]:
+                store: str | None = None, token_hash: str | None = None, owner: str | None = None,
+                join: Callable[[], object] | None = None) -> tuple[RunSpec, RunStore]:
     """Validate everything a run needs (ConfigError on any mistake) and record it in the store."""
     return prepare_run_doc(load_raw(config_path, overrides), workers=workers, min_workers=min_workers,
-                           max_workers=max_workers, run_id=run_id, store=store, token_hash=token_hash, owner=owner)
+                           max_workers=max_workers, run_id=run_id, store=store, token_hash=token_hash, owner=owner,
+                           join=join)
 
 
 def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int | None = None,
                     max_workers: int | None = None, run_id: str | None = None, store: str | None = None,
-                    token: str | None = None, token_hash: str | None = None,
-                    owner: str | None = None) -> tuple[RunSpec, RunStore]:
+                    token: str | None = None, token_hash: str | None = None, owner: str | None = None,
+                    join: Callable[[], object] | None = None) -> tuple[RunSpec, RunStore]:
     """:func:`prepare_run` for a run document already read (the Python API's dicts and RunConfigs).
 
     The run gets an owner (``owner``, else this user) and a token (``token``, else a new one) that this
     user's run registry keeps and whose sha256 the store keeps (:mod:`orchestrator.service.auth`). With
     ``token_hash`` (the job of a run that `etrain submit` started and whose token it kept) only the
-    hash is known here."""
+    hash is known here. ``join``: joins the run's Ray cluster (called once everything else is checked), so
+    that the cluster's grants (:mod:`orchestrator.service.grants`) are checked before the run is recorded."""
     if token_hash is not None and not auth.HASH_PATTERN.fullmatch(token_hash):
         raise ConfigError("--token-hash must be sha256:<64 hex digits> (etrain submit passes it)")
     if run_id is not None:
@@ -106,13 +112,15 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     spec = RunSpec(run_id=cfg.run_id, config=raw, workers=ecfg.workers, min_workers=ecfg.min_workers,
                    max_workers=ecfg.max_workers, owner=owner or auth.current_user(),
                    token_hash=token_hash or auth.digest(token))
-    grants.check_on_cluster(spec.owner, spec.sharing)  # a claim beyond the owner's grant: exit 2 before it starts
     try:
         st.get_spec(cfg.run_id)  # a run the store knows: create_run says how to continue it
     except UnknownRun:
         from trainer.loop import checkpoint_preflight  # torch: only when a run really starts
 
         checkpoint_preflight(cfg, resume=False, fix="they were written by another run of that id")
+    if join is not None:  # the cluster joined last: a job's driver imports nothing of etrain's after ray.init
+        join()
+    grants.check_on_cluster(spec.owner, spec.sharing)  # a claim beyond the owner's grant: exit 2, nothing recorded
     st.create_run(spec)
     if token is None:  # submitted: keep the token `etrain submit` recorded, if this machine shares its registry
         kept = registry.token_of(cfg.run_id)
@@ -265,9 +273,6 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
     this returns then. If the controller dies, or this process kills it (Ctrl-C), the run is marked
     INTERRUPTED (:mod:`orchestrator.store.liveness`) rather than left looking alive."""
     import ray
-
-    from .progress import Follower
-    from ..service.allocator import register as register_with_allocator
 
     cfg, e = parse_spec(spec)
     cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
