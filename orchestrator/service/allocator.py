@@ -51,7 +51,6 @@ from dataclasses import replace
 
 from checkpointing.errors import ConfigError, EtrainError
 
-from ..phase import Phase
 from ..store import liveness
 from ..store.cluster_names import cluster_key
 from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun, is_run_id
@@ -87,6 +86,11 @@ def registry_entries(doc: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
+def registry_doc(entries: dict[str, tuple[str, str]]) -> dict[str, dict]:
+    """:func:`registry_entries` as the state document stores them: cluster key -> {run_id, store}."""
+    return {k: {"run_id": r, "store": u} for k, (r, u) in entries.items()}
+
+
 class SkipRun(Exception):
     """A run left out of this decision: ``kind`` (unreadable, invalid, slow) and why."""
 
@@ -116,6 +120,7 @@ class AllocatorCore:
         self.metrics = ClusterMetrics()
         self.phases: dict[str, str] = {}
         self.skipped: dict[str, str] = {}  # cluster key -> why the run was left out of the last decision
+        self.cuts: dict[str, str] = {}  # cluster key -> what its owner's grant cut of its claims, last decision
         self.grants = None  # the owners' grants of the service store (None: claims taken as written)
         # Reads of a run's documents run here, each bounded by read_budget_s: one run's store cannot stall a round.
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="allocator-read")
@@ -129,28 +134,22 @@ class AllocatorCore:
         """Register ``run_id`` of ``store_url``; its cluster key (the run id and its store, :func:`cluster_key`)."""
         key = cluster_key(run_id, store_url)
 
-        def change(d: dict) -> dict:
-            runs = {k: {"run_id": r, "store": u} for k, (r, u) in registry_entries(d).items()}
-            return {**d, "runs": {**runs, key: {"run_id": run_id, "store": store_url}}}
-
-        update_doc(self.state, STATE_DOC, change)
+        update_doc(self.state, STATE_DOC, lambda d: {
+            **d, "runs": registry_doc({**registry_entries(d), key: (run_id, store_url)})})
         return key
 
     def move_state(self, state: RunStore) -> None:
         """Keep the state in ``state`` from now on (the cluster's service store was named): the registry moves."""
         entries = self.runs()
-        for key, (run_id, url) in entries.items():
-            update_doc(state, STATE_DOC, lambda d, k=key, r=run_id, u=url: {
-                **d, "runs": {**{kk: {"run_id": rr, "store": uu} for kk, (rr, uu) in registry_entries(d).items()},
-                              k: {"run_id": r, "store": u}}})
+        update_doc(state, STATE_DOC, lambda d: {**d, "runs": registry_doc({**registry_entries(d), **entries})})
         log.info("allocator: state moves to the service store %s (%d runs)", state.url, len(entries))
         self.state = state
         self._stores[state.url] = state
 
     def _forget(self, gone: set[str]) -> None:
         if gone:
-            update_doc(self.state, STATE_DOC, lambda d: {**d, "runs": {
-                k: {"run_id": r, "store": u} for k, (r, u) in registry_entries(d).items() if k not in gone}})
+            update_doc(self.state, STATE_DOC, lambda d: {**d, "runs": registry_doc(
+                {k: v for k, v in registry_entries(d).items() if k not in gone})})
 
     def _store(self, url: str) -> RunStore:
         if url not in self._stores:
@@ -187,9 +186,7 @@ class AllocatorCore:
             spec = st.get_spec(run_id)
             # A run whose controller is gone holds nothing: marked INTERRUPTED here if no one did yet.
             status = liveness.notice(st, run_id, st.get_status(run_id), by="the cluster's allocator")
-            phase = (status or {}).get("phase", "INITIALIZING")
-            if phase not in Phase.__members__:
-                raise SkipRun("invalid", f"its status has phase {str(phase)[:40]!r}, which is no phase")
+            phase = (status or {}).get("phase", "INITIALIZING")  # one of Phase: get_status checked it
             if phase == "INITIALIZING":
                 return None  # neither holding nor queued yet: its gang is asked for (QUEUED in 2 s if not granted)
             events = st.events(run_id)
@@ -213,6 +210,7 @@ class AllocatorCore:
         demands, specs, gone = [], {}, set()
         self.phases = {}
         skipped: dict[str, str] = {}
+        cuts: dict[str, str] = {}
         per_worker = {"cpus": 0.0, "gpus": 0.0}
         entries = sorted(self.runs().items())
         for key, (run_id, url) in entries:  # a read still stuck from an earlier round is not started again
@@ -241,16 +239,16 @@ class AllocatorCore:
                 gone.add(key)
                 continue
             d, st, spec, phase, cut, cpw, gpw = got
-            if cut and cut != self.skipped.get(f"{key}#cut"):
-                self._event(url, run_id, {"kind": "allocator", "action": "granted", "reason": cut})
             if cut:
-                skipped[f"{key}#cut"] = cut
+                cuts[key] = cut
+                if cut != self.cuts.get(key):  # said once per change, as a skip is
+                    self._event(url, run_id, {"kind": "allocator", "action": "granted", "reason": cut})
             demands.append(d)
             specs[key] = (st, spec)
             self.phases[key] = phase
             per_worker["cpus"] = max(per_worker["cpus"], cpw)
             per_worker["gpus"] = max(per_worker["gpus"], gpw)
-        self.skipped = skipped
+        self.skipped, self.cuts = skipped, cuts
         self._pending = {k: f for k, f in self._pending.items() if not f.done()}  # the stuck ones only
         return demands, specs, gone, per_worker
 
@@ -280,7 +278,7 @@ class AllocatorCore:
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
                          "priorities": {d.run_id: d.priority for d in demands},
-                         "skipped": {k: v for k, v in self.skipped.items() if "#" not in k}, "applied": applied}
+                         "skipped": self.skipped, "applied": applied}
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
 
@@ -380,9 +378,7 @@ class Allocator:
         return self.state_url
 
     def state(self) -> dict:
-        return {"state_url": self.state_url, "runs": {k: {"run_id": r, "store": u}
-                                                      for k, (r, u) in self.core.runs().items()},
-                **self.core.last, "metrics_url": self.endpoint.url if self.endpoint else None}
+        return {"state_url": self.state_url, "runs": registry_doc(self.core.runs()), **self.core.last, "metrics_url": self.endpoint.url if self.endpoint else None}
 
     def tick(self) -> dict:
         self._follow_service()
