@@ -153,6 +153,23 @@ def _detail(text: str) -> str:
         return text[:200]
 
 
+def _tls_refused(url: str) -> bool:
+    """Whether ``url`` is spoken over TLS and its server answers TCP: a failed connection is then its handshake."""
+    import socket
+    from urllib.parse import urlsplit
+
+    tls = url.startswith("etcds://") or any(os.environ.get(v) for v in (CA, CERT))
+    try:
+        tls = tls or _flag(TLS)
+        parts = urlsplit(url)
+        if not tls or not parts.hostname:
+            return False
+        with socket.create_connection((parts.hostname, parts.port or 2379), timeout=1):
+            return True
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
 def call(url: str, fn):
     """``fn()``, its failures as :class:`StoreUnavailable` saying what to do."""
     import requests
@@ -162,7 +179,8 @@ def call(url: str, fn):
         return fn()
     except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ex.ConnectionFailedError,
             ex.ConnectionTimeoutError) as e:
-        if "SSL" in f"{e} {getattr(e, 'detail_text', '')}":  # etcd3gw keeps requests' text in detail_text
+        # etcd3gw keeps requests' text in detail_text; a plain-HTTP server may just reset the handshake
+        if "SSL" in f"{e} {getattr(e, 'detail_text', '')}" or _tls_refused(url):
             against = f"${CA}" if os.environ.get(CA) else f"the system's trust store (${CA} unset)"
             raise StoreUnavailable(f"etcd at {redact(url)}: the TLS handshake failed (the server's certificate "
                                    f"checked against {against}); set ${CA} to the CA that signed it, check "

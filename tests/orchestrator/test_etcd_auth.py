@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import ssl
+import struct
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -222,3 +225,27 @@ def test_an_etcds_url_talks_https_checked_against_the_systems_trust_store(etcd_t
 def test_an_etcds_url_to_a_plain_http_server_fails_its_handshake(etcd_with_auth, clean_env):
     with pytest.raises(StoreUnavailable, match="TLS handshake failed.*speaks TLS"):
         open_store(etcd_with_auth.replace("etcd://", "etcds://")).list_runs()
+
+
+def test_an_etcds_url_to_a_server_that_resets_the_handshake_names_tls(clean_env):
+    """A plain server may answer a TLS hello with a reset (no SSL text in the error): still the handshake."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # an RST, not a TLS alert
+
+    threading.Thread(target=reset_each, daemon=True).start()
+    try:
+        with pytest.raises(StoreUnavailable, match="TLS handshake failed.*speaks TLS"):
+            open_store(f"etcds://127.0.0.1:{port}/test").list_runs()
+    finally:
+        server.close()
+    with pytest.raises(StoreUnavailable, match="is unreachable"):  # nobody there: not blamed on TLS
+        open_store(f"etcds://127.0.0.1:{port}/test").list_runs()
