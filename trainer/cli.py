@@ -94,22 +94,57 @@ def clock(seconds: float) -> str:
     """A duration: 4.2 s under a minute, else m:ss or h:mm:ss."""
     if seconds < 59.95:
         return f"{max(0.0, seconds):.1f} s"
-    m, sec = divmod(int(round(max(0.0, seconds))), 60)
+    m, sec = divmod(round(max(0.0, seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
-def format_step(s: StepStats, total: int, steps_per_s: float | None = None) -> str:
+class Throughput:
+    """The rates a progress line shows, both over one window: the steps since the line before.
+
+        window = Throughput(tokens_per_step=cfg.train.global_batch * cfg.data.seq_len)
+        window.start(first.step)                        # after the first step: its warm-up is left out
+        steps_per_s, tokens_per_s = window.rates(s.step)   # at each line: since the last line; None, None if no time
+    """
+
+    def __init__(self, tokens_per_step: int, clock: Callable[[], float] = time.monotonic):
+        self.tokens_per_step = tokens_per_step
+        self.clock = clock
+        self._since: tuple[float, int] | None = None
+
+    def start(self, step: int) -> None:
+        self._since = (self.clock(), step)
+
+    def rates(self, step: int) -> tuple[float | None, float | None]:
+        """Steps/s and tokens/s from the last :meth:`rates` (or :meth:`start`) to now, at ``step``; the window
+        then starts again here."""
+        now = self.clock()
+        if self._since is None:
+            self._since = (now, step)
+            return None, None
+        t, s0 = self._since
+        if now <= t or step <= s0:
+            return None, None
+        self._since = (now, step)
+        rate = (step - s0) / (now - t)
+        return rate, rate * self.tokens_per_step
+
+
+def format_step(s: StepStats, total: int, steps_per_s: float | None = None, tokens_per_s: float | None = None) -> str:
     """One progress line: loss, learning rate, throughput in human units, and the time left at
-    ``steps_per_s`` (this step's rate when not given)."""
+    ``steps_per_s``. Tokens/s and steps/s are of one window: ``steps_per_s`` and ``tokens_per_s`` over the
+    same steps (:class:`Throughput`), or, not given, both of this step alone."""
+    if steps_per_s is None or tokens_per_s is None:
+        steps_per_s = tokens_per_s = None
     rate = steps_per_s or (1.0 / s.step_seconds if s.step_seconds > 0 else 0.0)
+    tokens = s.tokens_per_s if tokens_per_s is None else tokens_per_s
     eta = f" | ETA {clock((total - s.step) / rate)}" if rate > 0 and s.step < total else ""
     moe = ""
     if s.aux_loss is not None:  # a Mixture of Experts: its balancing loss (part of the loss), imbalance, drops
         moe = f" (aux {s.aux_loss:.4f}) | imbalance {s.moe_imbalance:.2f}"
         moe += f" | dropped {s.moe_dropped}" if s.moe_dropped else ""
     return (f"step {s.step:>{len(str(total))}}/{total} | loss {s.loss:.4f}{moe} | lr {s.lr:.2e} | "
-            f"{human(s.tokens_per_s, 'tok/s')} | {rate:.2f} steps/s | world {s.world_size}{eta}")
+            f"{human(tokens, 'tok/s')} | {rate:.2f} steps/s | world {s.world_size}{eta}")
 
 
 def describe_corpus(d: dict) -> str:
@@ -322,10 +357,11 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         comm_totals = meter.bytes_since(None)[1]  # the first step's comm_bytes leaves set-up traffic out
         final_save = None
         t0 = time.monotonic()
-        t_first = t0
+        window = Throughput(cfg.train.global_batch * cfg.data.seq_len)
         for s in trainer.run_steps(total, ckpt, stop=undurable, save_when_stopping=False):
             if first is None:
-                first, t_first = s, time.monotonic()  # the rate leaves the first step's warm-up out
+                first = s
+                window.start(s.step)  # the rates leave the first step's warm-up out
             last = s
             if log:
                 # This step's bytes per collective kind, from the comm meter (absent when it is off).
@@ -339,8 +375,9 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
                 say_tracker_notices(trackers.notices())
             if world.is_main and not args.quiet and (s.step == 1 or s.step % cfg.train.log_every == 0
                                                       or s.step == total):
-                rate = (s.step - first.step) / (time.monotonic() - t_first) if s is not first else None
-                print(format_step(s, total, rate), flush=True)
+                # Steps/s and tokens/s of the same window, the steps since the line before (the first: its own).
+                print(format_step(s, total, *(window.rates(s.step) if s is not first else (None, None))),
+                      flush=True)
             if world.is_main and not args.quiet and s.eval_loss is not None:
                 print(f"eval at step {s.step}: loss {s.eval_loss:.4f} ({cfg.eval.batches} batches)", flush=True)
             if first is s and world.is_main and not args.quiet:
