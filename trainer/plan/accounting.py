@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..config import RunConfig
-from ..observe.device_memory import predict, transient_bytes
 from ..models import spec_for
+from ..observe.device_memory import predict, transient_bytes
 from ..parallel.dims import Axis, ParallelDims, config_dp_shard
 from .experts import expert_counts
 from .offload import nvme_memory
@@ -102,9 +102,9 @@ class Layout:
                 "hpz_partition_size": hpz if hpz and self.zero_stage == 3 and self.pp == 1
                 and not self.dims.shard_ranks % hpz else 0}
 
-    def settings(self, cfg: RunConfig, world: int) -> str:
-        """The config fields to set for this layout, as ``--set`` would take them: those that differ from
-        what ``cfg`` asks for at ``world`` (``dp_shard`` left out when the config fills the world with -1)."""
+    def changes(self, cfg: RunConfig, world: int) -> list[tuple[str, str, str]]:
+        """The config fields to set for this layout, ``(section, name, TOML value)``: those that differ from what
+        ``cfg`` asks for at ``world`` (``dp_shard`` left out when the config fills the world with -1)."""
         own = Layout.of(cfg, world)
         out = []
         for f, (section, name) in CONFIG_FIELDS.items():
@@ -113,8 +113,20 @@ class Layout:
                     f == "cp_style" and self.cp == 1):
                 continue
             text = str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else value
-            out.append(f"{section}.{name}={text}")
-        return " ".join(out)
+            out.append((section, name, str(text)))
+        return out
+
+    def settings(self, cfg: RunConfig, world: int) -> str:
+        """:meth:`changes` as ``--set`` would take them: ``parallel.tp=2 train.micro_batch=4``."""
+        return " ".join(f"{section}.{name}={text}" for section, name, text in self.changes(cfg, world))
+
+    def toml(self, cfg: RunConfig, world: int) -> list[str]:
+        """:meth:`changes` as the lines of a run config's TOML, under their section headers."""
+        out: list[str] = []
+        for section in ("parallel", "train"):
+            lines = [f"{name} = {text}" for s, name, text in self.changes(cfg, world) if s == section]
+            out += [f"[{section}]", *lines] if lines else []
+        return out
 
     def describe(self) -> str:
         mesh = f"dp {self.dp_replicate}x{self.dp_shard} tp {self.tp} pp {self.pp}"

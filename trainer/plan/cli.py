@@ -23,6 +23,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 
 from checkpointing.cli_args import ArgumentParser
@@ -189,6 +190,10 @@ def build_plan(cfg, lo: int, hi: int, dev, *, explain_too: bool = False, budget_
                        "losers": [c.to_dict(brief=True) for c in res["losers"]],
                        "config_layout": evaluate(plan_cfg, Layout.of(plan_cfg, world), dev).to_dict()}
         doc["plan"]["zeropp"] = _zeropp_doc(plan_cfg, world, dev)
+        if res["best"]:  # the config lines that select the best layout (none: it is the config's own)
+            layout = res["best"].layout
+            doc["plan"]["select"] = {"set": [f"{s}.{n}={v}" for s, n, v in layout.changes(plan_cfg, world)],
+                                     "toml": layout.toml(plan_cfg, world)}
         if explain_too:
             doc["explain"] = explain(plan_cfg, shape, world, dev)
     elif explain_too:
@@ -249,6 +254,25 @@ def _describe(c: dict) -> str:
             f"{t['exposed_s'] * 1e3:.1f} ms)")
 
 
+# What a layout's description (Layout.describe) says, printed under a plan.
+LEGEND = ("layout: dp RxS = parallel.dp_replicate R x dp_shard S: the batch is split R*S ways; model states are "
+          "replicated R times and sharded over the S ranks (x cp) as the ZeRO stage says (ZeRO-0: not sharded, "
+          "ZeRO-3: parameters too, FSDP), so under ZeRO 1-3 dp 1xS is ZeRO/FSDP, dp Rx1 plain replication (DDP) and "
+          "dp RxS with both > 1 HSDP; tp, pp, cp, ep: the tensor, pipeline, context and expert-parallel degrees; "
+          "ZeRO-N: the stage asked; SP: sequence parallelism; AC: activation checkpointing; mb: micro-batch per rank")
+
+
+def select_lines(select: dict | None) -> list[str]:
+    """How to run the best layout: its ``--set`` flags and the TOML lines that select it, or that the config
+    already does."""
+    if not select:
+        return []
+    if not select["set"]:
+        return ["  select:    the config's own layout (nothing to change)"]
+    return ["  select:    " + " ".join(f"--set {s}" for s in select["set"]), "             or in the config:",
+            *(f"               {line}" for line in select["toml"])]
+
+
 def print_plan(doc: dict) -> None:
     m, d = doc["model"], doc["device"]
     print(f"etrain plan: {m['name']}, {m['params'] / 1e6:,.1f}M parameters (counted from the {m['counted']}), "
@@ -282,6 +306,8 @@ def print_plan(doc: dict) -> None:
                 print(f"             {nvme_line(plan['nvme'])}")
             comm = ", ".join(f"{c['kind']} {c['axis']} {_human_bytes(c['bytes'])} ({c['link']})" for c in b["comm"])
             print(f"             per step: {comm or 'no communication'}")
+            for line in select_lines(plan.get("select")):
+                print(line)
             if plan["runner_up"]:
                 print(f"  runner-up: {_describe(plan['runner_up'])} - {plan['runner_up']['reason']}")
             for c in plan["losers"]:
@@ -295,7 +321,7 @@ def print_plan(doc: dict) -> None:
             print(f"  config:    {_describe(own)}{'' if own['fits'] else ' - DOES NOT FIT'}")
         for name, z in plan.get("zeropp", {}).items():
             mem = f", costs {_gib(z['memory_bytes'])}/rank (secondary shard)" if "memory_bytes" in z else ""
-            signed = lambda n: ("-" if n >= 0 else "+") + _human_bytes(abs(n))  # noqa: E731 (a saving is a minus)
+            signed = lambda n: ("-" if n >= 0 else "+") + _human_bytes(abs(n))
             print(f"  ZeRO++ {name}: {signed(z['shard_axis_bytes_saved'])}/step across the shard group, "
                   f"{signed(z['bytes_saved'])} in all (per rank){mem}")
     if len(doc["sizes"]) > 1 or not doc["sizes"][0]["valid"]:
@@ -319,6 +345,8 @@ def print_plan(doc: dict) -> None:
             ep = f"ep {own['layout']['ep']}, " if show_ep else ""
             print(f"  {s['world']:>5}  {ep}{_gib(own['memory_bytes']['total'])}/rank {fit}, "
                   f"{own['time']['step_s'] * 1e3:.1f} ms{b}")
+    if plan is not None:
+        print("\n" + textwrap.fill(LEGEND, 118, subsequent_indent="  "))
     if doc["resizes"]:
         print("resize cost (bytes moved between ranks): " + ", ".join(
             f"{r['from']}->{r['to']} {_human_bytes(r['bytes'])}" for r in doc["resizes"]))

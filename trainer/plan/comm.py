@@ -50,8 +50,8 @@ stages, ``m`` micro-batches and ``v`` stages per rank, i.e. ``(p - 1) / (v m + p
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..observe.device_memory import local_param_count
 from ..models import spec_for
+from ..observe.device_memory import local_param_count
 from ..parallel.dims import Axis, Mesh, ParallelDims
 from .experts import MOE_AXES, expert_counts, moe_comm
 
@@ -186,8 +186,8 @@ def zeropp_savings(cfg: RunConfig, dims: ParallelDims, rank: int, mixed: bool) -
     import dataclasses
 
     p = cfg.parallel
-    total = lambda c: sum(e["bytes"] for e in c)  # noqa: E731
-    shard = lambda c: sum(e["bytes"] for e in c if e["axis"] in (Axis.DP_SHARD, Mesh.DP_SHARD_CP))  # noqa: E731
+    total = lambda c: sum(e["bytes"] for e in c)
+    shard = lambda c: sum(e["bytes"] for e in c if e["axis"] in (Axis.DP_SHARD, Mesh.DP_SHARD_CP))
     now = step_comm(cfg, dims, rank, mixed)
     out = {}
     for name, key, off in (("qwZ", "quantized_weights", False), ("qgZ", "quantized_gradients", False),

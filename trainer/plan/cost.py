@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..config import RunConfig
-from ..observe.device_memory import local_counts
 from ..models import spec_for
+from ..observe.device_memory import local_counts
 from ..parallel.dims import Axis, ParallelDims
 from .comm import bubble_fraction, step_comm
 
