@@ -141,7 +141,7 @@ def cmd_top(args) -> int:
 
 
 def cmd_events(args) -> int:
-    from ..driver.progress import event_line
+    from ..driver.progress import event_line, printable
 
     store = open_store_of(args)
     store.get_spec(args.run)
@@ -150,8 +150,36 @@ def cmd_events(args) -> int:
         print(json.dumps(events, indent=2, sort_keys=True))
         return 0
     for e in events:
-        print(f"{clock_time(e.get('time'))}  {event_line(e)}")  # event_line: printable
+        line = printable(formed_line(e)) if e.get("kind") == "formed" else event_line(e)  # event_line: printable
+        print(f"{clock_time(e.get('time'))}  {line}")
     return 0
+
+
+def formed_line(e: dict) -> str:
+    """A ``formed`` event as a line of ``etrain events``: the fields that matter, as words, never as Python
+    literals (``--json`` has them all); node ids cut to 8 digits as ``ray status`` shows them.
+
+        [formed] epoch 3: 4 workers at step 120, restored from memory, ep 2, memory tier 1.2 GiB per rank
+        (...), members a1b2c3d4,e5f6a7b8,..., pids 811,812,..., rendezvous 10.0.0.5:29500
+    """
+    from ..driver.progress import from_tier, short_ids
+
+    def listed(v) -> str:
+        return ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
+
+    line = f"[formed] epoch {e.get('epoch', '?')}: {e.get('world_size', '?')} workers at step {e.get('step', '?')}"
+    if e.get("tier") in ("memory", "durable"):  # "none": a run that starts from step 0
+        line += f", restored{from_tier(e)}"
+    if e.get("ep") is not None:
+        line += f", ep {e['ep']}"
+    tier = e.get("memory_tier")
+    if isinstance(tier, dict):
+        line += f", memory tier {tier.get('describe') or tier.get('budget')}"
+    members = e.get("members") or short_ids(e.get("nodes"))
+    for name, v in (("members", members), ("pids", e.get("pids")), ("rendezvous", e.get("rendezvous"))):
+        if v:
+            line += f", {name} {listed(v)}"
+    return line
 
 
 def clock_time(unix) -> str:
