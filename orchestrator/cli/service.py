@@ -5,7 +5,7 @@ claims its admin grants, and the teams' quotas (docs/service.md#a-shared-cluster
     etrain service show                               which store it is, its admin, grants and quotas
     etrain grant OWNER --max-priority 10 --teams vision,nlp --nonpreemptible    (admin token)
     etrain grant OWNER --revoke                       etrain grant --list [--json]
-    etrain quota                                      the quotas, and what each team's runs hold now
+    etrain quota                                      a table: each team's quota, and what its runs hold now
     etrain quota vision --max-workers 16              at most 16 workers for team "vision"'s runs together
     etrain quota vision --remove                      etrain quota --json
 
@@ -22,10 +22,12 @@ import argparse
 import json
 import os
 
+from rich.table import Table
+
 from checkpointing.errors import ConfigError
 from checkpointing.names import check_url, etrain_home, redact
 
-from ..driver.progress import printable
+from ..driver.progress import cell, listing_console, printable
 from ..service.docs import check_name
 from ..store.documents import writing
 from .control import store_url
@@ -164,10 +166,7 @@ def cmd_grant(args: argparse.Namespace) -> int:
             print(printable(f"etrain: no grants in {redact(store.url)}; every run claims the defaults (priority <= 0, "
                             "team default, preemptible); grant more with etrain grant OWNER --max-priority N"))
         else:
-            print(f"{'OWNER':<24} {'MAX_PRIORITY':>12} {'NONPREEMPTIBLE':>14}  TEAMS")
-            for owner, g in rows.items():
-                print(printable(f"{owner:<24} {g['max_priority']:>12} {str(g['nonpreemptible']).lower():>14}  "
-                                f"{','.join(g['teams']) or '-'}"))
+            listing_console().print(grant_table(rows))
         return 0
     if args.revoke and (args.max_priority is not None or args.teams or args.nonpreemptible):
         raise ConfigError("give --revoke alone, or what to grant (--max-priority, --teams, --nonpreemptible)")
@@ -217,8 +216,23 @@ def cmd_quota(args: argparse.Namespace) -> int:
     if not rows:
         print(printable(f"etrain: no quotas in {redact(store.url)}; set one with etrain quota TEAM --max-workers N"))
         return 0
-    print(f"{'TEAM':<20} {'MAX_WORKERS':>11} {'HELD':>5}")
-    for team, r in rows.items():
-        limit = "-" if r["max_workers"] is None else str(r["max_workers"])
-        print(printable(f"{team:<20} {limit:>11} {r['held']:>5}"))
+    listing_console().print(quota_table(rows))
     return 0
+
+
+def quota_table(rows: dict[str, dict]) -> Table:
+    """``etrain quota``: a row per team, as ``etrain status`` and ``etrain queue`` list theirs; the team, stored
+    text, is a :func:`cell`; no quota is ``-``."""
+    t = Table("team", "max workers", "held")
+    for team, r in rows.items():
+        t.add_row(cell(team), "-" if r["max_workers"] is None else cell(r["max_workers"]), cell(r["held"]))
+    return t
+
+
+def grant_table(rows: dict[str, dict]) -> Table:
+    """``etrain grant --list``: a row per owner (stored text as :func:`cell`)."""
+    t = Table("owner", "max priority", "nonpreemptible", "teams")
+    for owner, g in rows.items():
+        t.add_row(cell(owner), cell(g["max_priority"]), str(g["nonpreemptible"]).lower(),
+                  cell(",".join(g["teams"]) or "-"))
+    return t
