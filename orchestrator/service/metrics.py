@@ -5,7 +5,9 @@
     endpoint = MetricsEndpoint(metrics, addr=..., port=0)                     # trainer.observe.endpoint
 
 Served by the allocator actor and registered for Prometheus file_sd discovery like a run's endpoint
-(target label ``etrain_run="allocator"``).
+(target label ``etrain_run="allocator"``, file ``allocator-<pid>.json``). A detached allocator is not closed
+when its Ray is stopped, so its file outlives it: the next endpoint on that machine, a run's or a new
+allocator's, removes it (:func:`trainer.observe.endpoint.sweep_stale_targets`).
 """
 
 from __future__ import annotations

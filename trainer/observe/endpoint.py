@@ -11,6 +11,11 @@ $ETRAIN_HOME, looks); "-" writes no target file. The file name carries the
 serving process's id, so two runs of the same id (two ``python -m trainer``
 runs of the default ``run_id``) never overwrite each other's target. Served by the controller on Ray and by rank 0
 under torchrun (``[metrics]`` in the run config, docs/metrics.md).
+
+A process that ends without :meth:`MetricsEndpoint.close` (killed, or an allocator whose Ray was stopped)
+leaves its file behind; every new endpoint first sweeps the directory of such stale files
+(:func:`sweep_stale_targets`): a file whose process is gone and whose target, an address of this machine,
+no longer answers.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import uuid
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -34,6 +41,89 @@ def default_file_sd_dir() -> str:
     from checkpointing.names import etrain_home
 
     return os.environ.get("ETRAIN_PROMETHEUS_DIR") or os.path.join(etrain_home(), "prometheus")
+
+
+# ``<run_id>-<pid>.json``: the name of a target file and the id of the process that serves its endpoint.
+TARGET_NAME = re.compile(r"(?P<run>.+)-(?P<pid>[0-9]{1,10})\.json")
+_MAX_TARGET_FILE = 64 * 1024
+
+
+def sweep_stale_targets(directory: str) -> list[str]:
+    """Remove the target files in ``directory`` whose endpoint is gone (:func:`stale_target`); the paths
+    removed. Files of other names, and what cannot be read or removed (another user's), are left alone."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = TARGET_NAME.fullmatch(name)
+        path = os.path.join(directory, name)
+        if m and stale_target(path, int(m["pid"])):
+            try:
+                os.remove(path)
+                removed.append(path)
+            except OSError:
+                pass
+    if removed:
+        log.info("metrics: removed %d stale Prometheus target file(s) in %s", len(removed), directory)
+    return removed
+
+
+def stale_target(path: str, pid: int) -> bool:
+    """Whether the target file ``path`` of process ``pid`` is stale: that process is not alive here, and each
+    of its targets is an address of this machine on which nothing listens. A target elsewhere (a shared
+    directory: another node's run) is never judged stale from here, nor is a file that is not a target file."""
+    if pid == os.getpid() or _pid_alive(pid):
+        return False
+    targets = _targets(path)
+    return bool(targets) and all(_local(host) and not _answers(host, port) for host, port in targets)
+
+
+def _pid_alive(pid: int) -> bool:
+    from checkpointing.lock import _pid_alive as alive  # one test of a process's life for the lock and these files
+
+    return pid > 0 and alive(pid)
+
+
+def _targets(path: str) -> list[tuple[str, int]]:
+    """The ``host:port`` targets of a file_sd file (a plain file of at most 64 KiB); [] when it is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return []
+            data = f.read(_MAX_TARGET_FILE + 1)
+        groups = json.loads(data) if len(data) <= _MAX_TARGET_FILE else None
+    except (OSError, ValueError):
+        return []
+    out = []
+    for group in groups if isinstance(groups, list) else []:
+        for target in group.get("targets", []) if isinstance(group, dict) else []:
+            host, _, port = str(target).rpartition(":")
+            if not port.isdigit() or not host:
+                return []
+            out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def _local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine: one a socket here can bind to."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return True
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 class MetricsEndpoint:
@@ -62,6 +152,7 @@ class MetricsEndpoint:
         tmp = None
         try:
             os.makedirs(directory, exist_ok=True)
+            sweep_stale_targets(directory)  # the files of endpoints that ended without removing theirs
             path = os.path.join(directory, f"{self.metrics.run_id}-{os.getpid()}.json")
             name = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
