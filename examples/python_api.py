@@ -1,7 +1,9 @@
 """The Python API end to end, runnable as is: ``.venv/bin/python examples/python_api.py``.
 
 1. trains a small Hugging Face Llama (built from a config written here, nothing downloaded) in this
-   process with a held-out evaluation, and resumes it for two more steps;
+   process with a held-out evaluation, and runs it again with ``resume=True``, as a retried job would: it
+   restores the last checkpoint and has no step left to train (training on past ``train.steps`` would be
+   another config, and the resume would warn that its learning-rate schedule moves);
 2. submits the same model as an elastic run on a local Ray (127.0.0.1), resizes it from 2 workers to 1,
    suspends it, resumes it on 2, and waits for it to finish.
 """
@@ -38,8 +40,8 @@ def main() -> None:
     result = etrain.train(config)
     print(f"trained to step {result.step}: loss {result.first_loss:.3f} -> {result.loss:.3f}, "
           f"eval loss {result.eval_loss:.3f}")
-    result = etrain.train(config, overrides=["train.steps=22"], resume=True, quiet=True)
-    print(f"resumed to step {result.step}")
+    result = etrain.train(config, resume=True, quiet=True)  # the same config: nothing changed, nothing to warn of
+    print(f"resumed at step {result.step}: nothing left to train")
 
     # 2. On Ray: an elastic run that goes on in the background of this process.
     run = etrain.submit({**config, "run_id": "api-example-ray", "train": {**config["train"], "steps": 60}},
