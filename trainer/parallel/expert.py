@@ -30,6 +30,8 @@ parameters keep the stage's treatment and the experts are stepped as ZeRO-3 shar
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,13 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+# torch's FSDP2 warns of every FSDP-wrapped module that returns a view: an in-place op on it would skip the
+# pre-backward hook. The experts' fully_shard (shard_experts) returns one, grouped GEMM's identity with a
+# contiguous gradient (trainer.models.grouped: ``x.view_as(x)`` of a fresh product), and ExpertParallel.run
+# uses it out of place only (index_copy into a new tensor), so the warning does not apply there.
+_VIEW_WARNING = re.escape("FSDP2-wrapped module (") + r"[^)]*" + re.escape(") returned a view tensor.")
+
+
 class ExpertParallel:
     """One rank's place in its ep group: dispatch, local experts, combine (:meth:`run`)."""
 
@@ -79,8 +88,10 @@ class ExpertParallel:
         segments = torch.arange(self.size * self.n_local, device=slots.device)
         key = (segments % self.n_local) * self.size + segments // self.n_local
         order = key.repeat_interleave(recv.flatten()).argsort(stable=True)
-        out = experts(got[order], recv.sum(0).tolist())  # this rank's experts only
-        out = torch.zeros_like(out).index_copy(0, order, out)
+        with warnings.catch_warnings():  # this call's view warning only (_VIEW_WARNING: it does not apply)
+            warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
+            out = experts(got[order], recv.sum(0).tolist())  # this rank's experts only
+        out = torch.zeros_like(out).index_copy(0, order, out)  # out of place: the view is never written
         return AllToAll.apply(out, in_splits, out_splits, self.group)
 
 
