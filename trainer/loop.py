@@ -15,7 +15,9 @@ data-parallel rank takes its contiguous share, split into micro-batches of
 degree) or fed to the pipeline schedule. Per-step randomness (dropout) is
 seeded from (seed, step, sample index) before each micro-batch, never from
 per-rank RNG state, so nothing rank-specific has to be saved. The learning
-rate is a pure function of the step: linear warmup, then cosine decay.
+rate is a pure function of the step (``train.lr_schedule``: linear warmup, then
+cosine, linear, constant or warmup-stable-decay; :meth:`TrainConfig.lr_at`).
+``[profile]`` traces a window of steps on some ranks (:mod:`trainer.observe.profile`).
 """
 
 from __future__ import annotations
@@ -32,19 +34,20 @@ import torch.distributed as dist
 import xxhash
 
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
-from checkpointing.storage.faults import StorageFaults
 from checkpointing.host_copy import fence_writes
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
-from checkpointing.storage.retry import RetryPolicy
 from checkpointing.storage.base import Storage
+from checkpointing.storage.faults import StorageFaults
+from checkpointing.storage.retry import RetryPolicy
 
-from .observe import device_memory as memory
 from .config import RunConfig
 from .data.corpus import Batcher, Corpus, check_vocab, load_splits
-from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
-from .models.spec import fill_local
 from .models.moe import balance_step, load_router_bias, router_bias_state
+from .models.spec import fill_local
+from .observe import device_memory as memory
+from .observe.profile import step_profiler
+from .parallel.dims import Axis, ParallelDims, resolve_device, resolve_precision
 from .parallel.parallelize import build_model_parts
 from .world import World
 from .zero import build_optimizer
@@ -88,14 +91,8 @@ class NonFiniteStep(EtrainError):
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
-    """Learning rate of step ``step`` (0-based): linear warmup, then cosine to ``lr * min_lr_ratio``."""
-    t = cfg.train
-    if t.warmup_steps and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.lr * t.min_lr_ratio
-    return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Learning rate of step ``step`` (0-based) under ``train.lr_schedule`` (:meth:`TrainConfig.lr_at`)."""
+    return cfg.train.lr_at(step)
 
 
 def step_seed(seed: int, step: int, sample_index: int) -> int:
@@ -161,6 +158,9 @@ class Trainer:
         self._draw_pending = self.parts.undrawn is not None
         self._init_from_pending = bool(cfg.model.init_from)
         self.pp_router_bias: dict = {}  # pipelined MoE: every stage's routing biases (balance_step gathers them)
+        if world.is_main and (inert := cfg.train.inert_keys()):
+            log.warning("%s: no effect with train.lr_schedule=%r; remove them or choose the schedule that reads "
+                        "them", ", ".join(inert), cfg.train.lr_schedule)
 
     # --- state the checkpoint carries ----------------------------------------
 
@@ -246,14 +246,8 @@ class Trainer:
                                  ignore=("train.log_every", "train.skip_nonfinite_steps"))
         if changed:
             what = ", ".join(f"{k} {str(old)[:40]} -> {str(new)[:40]}" for k, old, new in changed)
-            lr = {k[6:]: v for k, v, _ in changed if k in ("train.steps", "train.warmup_steps", "train.lr",
-                                                            "train.min_lr_ratio")}
-            if lr:
-                what += f"; the learning-rate schedule moves ({', '.join('train.' + k for k in lr)})"
-                if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lr.values()):
-                    was = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, **lr))
-                    what += f": step {self.step} trains at lr {lr_at(self.cfg, self.step):.4g}, " \
-                            f"not {lr_at(was, self.step):.4g}"
+            what += self.cfg.train.schedule_moves({k[6:]: v for k, v, _ in changed if k.startswith("train.")},
+                                                  self.step)
             log.warning("checkpoint step %d was written with a different config: %s; resuming with the current one",
                         manifest.step, what)
         elif not manifest.config_hash:
@@ -377,16 +371,25 @@ class Trainer:
         commits step ``until`` itself (the controller does under Ray)."""
         interval = self.cfg.checkpoint.interval_steps
         every = self.cfg.eval.every_steps
-        while self.step < until:
-            s = self.train_step(stop=stop)
-            if every and self.val_batcher is not None and (s.step % every == 0 or s.step == until):
-                s = dataclasses.replace(s, eval_loss=self.evaluate())
-            if ckpt is not None and (save_when_stopping or not s.stop) and save_due(
-                    s.step, interval, until, final_by_caller=final_by_caller):
-                self.save_checkpoint(ckpt)
-            yield s
-            if s.stop:
-                return
+        prof = step_profiler(self.cfg, self.world, self.device, done=self.step, until=until)  # None unless [profile]
+        try:
+            while self.step < until:
+                if prof:
+                    prof.before(self.step + 1)
+                s = self.train_step(stop=stop)
+                if prof:
+                    prof.after(s.step)
+                if every and self.val_batcher is not None and (s.step % every == 0 or s.step == until):
+                    s = dataclasses.replace(s, eval_loss=self.evaluate())
+                if ckpt is not None and (save_when_stopping or not s.stop) and save_due(
+                        s.step, interval, until, final_by_caller=final_by_caller):
+                    self.save_checkpoint(ckpt)
+                yield s
+                if s.stop:
+                    return
+        finally:
+            if prof:
+                prof.close()
 
     @torch.no_grad()
     def evaluate(self) -> float:

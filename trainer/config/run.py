@@ -17,6 +17,7 @@ from .data import DataConfig, EvalConfig
 from .model import ModelConfig
 from .observe import LoggingConfig, MetricsConfig
 from .parallel import ParallelConfig, check_ep
+from .profile import ProfileConfig
 from .train import TrainConfig
 
 
@@ -33,6 +34,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         for name in SECTIONS:  # what the loader refuses, refused of sections built in Python too
@@ -109,12 +111,13 @@ class RunConfig:
         d.pop("metrics")
         d.pop("logging")
         d.pop("eval")
+        d.pop("profile")  # what is traced, not what is trained
         d.pop("run_id")
         d["train"].pop("log_every")
         d["train"].pop("skip_nonfinite_steps")  # what a diverged step does, not the training math
         d["data"].pop("cache_dir")  # where the tokens are cached does not change them
         # Fields added after the first format count only when set, so older checkpoints keep their hash.
-        for section, cls in (("model", ModelConfig), ("data", DataConfig)):
+        for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
             defaults = dataclasses.asdict(cls())
             for key in _HASHED_WHEN_SET[section]:
                 if d[section].get(key) == defaults[key]:
@@ -127,6 +130,7 @@ _HASHED_WHEN_SET = {
     "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args",
               "init_from"),
     "data": ("tokenizer", "text_field", "data_files", "factory"),
+    "train": ("lr_schedule", "decay_ratio", "decay_steps", "decay_type"),
 }
 
 SECTIONS: dict[str, type] = {
@@ -138,6 +142,7 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsConfig,
     "logging": LoggingConfig,
     "eval": EvalConfig,
+    "profile": ProfileConfig,
 }
 TOP_LEVEL = {"run_id": str}
 # Sections owned by other components of a run (the orchestrator's [elastic] and [recovery]);
