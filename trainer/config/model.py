@@ -94,6 +94,11 @@ class ModelConfig:
     # Start from these weights (optimizer state fresh): a transformers directory (safetensors) or an etrain
     # checkpoint step URL; any layout. A resumed run keeps its checkpoint's weights.
     init_from: str = ""
+    # Document masking: a sample packs documents back to back, each ended by data.tokenizer's end-of-document
+    # token; with it, attention stays inside each document (causal and same document), found from the token
+    # ids in the model's forward (trainer.models.documents). The built-in decoder and transformers decoders
+    # (sdpa or eager attention) take it; pipeline and context parallelism do not (docs/models-and-data.md).
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         self._check_source()
@@ -130,6 +135,15 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
         self._check_moe()
+        self._check_document_mask()
+
+    def _check_document_mask(self) -> None:
+        """What the section alone says against ``document_mask``; the run's layout and data are checked by the
+        model's spec before any process group (trainer.models.documents.check_document_run)."""
+        if self.document_mask and self.source == "python":
+            raise ConfigError('model.document_mask=true hands the model an attention mask, and a model.source="python" '
+                              "factory's model takes token ids only; set model.document_mask=false (a factory may "
+                              "mask documents itself from the token ids)")
 
     def _check_source(self) -> None:
         """model.source names a registered family; the fields of the built-in ones go with their source."""

@@ -42,6 +42,7 @@ from checkpointing.errors import ConfigError
 
 from ..config import ModelConfig, ParallelConfig, RunConfig
 from .blocks import apply_block_ac, find_blocks, parameters_on_meta, shares_parameters, stage_ranges
+from .documents import masked_layouts
 from .llama_layout import cut_hf_stage, llama_like
 from .refs import resolve_ref
 from .shape import ModelShape
@@ -176,7 +177,7 @@ class UserModelSpec(ModelSpec):
         return self._count()[0]
 
     def allows(self) -> tuple[str, ...]:
-        return self._count()[1]
+        return masked_layouts(self.mcfg, self._count()[1])
 
     def _count(self) -> tuple[ModelShape, tuple[str, ...]]:
         """The model built on the meta device, counted (module docstring), and the layouts it takes."""
@@ -228,6 +229,7 @@ class UserModelSpec(ModelSpec):
     def preflight(self, cfg: RunConfig) -> ModelInfo:
         """Build the model on the meta device and check it against the layout; ConfigError (exit 2) naming the
         field and the fix for anything that cannot train. Runs before any process group starts."""
+        super().preflight(cfg)  # model.document_mask against the run
         mcfg, p = self.mcfg, cfg.parallel
         if mcfg.loss:
             resolve_ref(mcfg.loss, "model.loss")

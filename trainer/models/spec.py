@@ -182,7 +182,15 @@ class ModelSpec(ABC):
 
     def preflight(self, cfg: RunConfig) -> ModelInfo | None:
         """Before any process group: ConfigError (exit 2) for what cannot train; what was learned, if anything."""
+        from .documents import check_document_run
+
+        check_document_run(cfg, self.document_mask_refusal)
         return None
+
+    def document_mask_refusal(self, seq_len: int) -> str | None:
+        """Why the model cannot keep attention inside each document of a packed sample (``model.document_mask``,
+        :meth:`apply_document_mask`) at ``seq_len``; None when it can."""
+        return f"model.source={self.family!r} takes no attention mask from etrain"
 
     # --- building and parallelizing --------------------------------------------------------------
 
@@ -205,6 +213,15 @@ class ModelSpec(ABC):
 
         raise ConfigError(f"parallel.cp > 1 needs a model whose attention etrain can route; model.source="
                           f"{self.family!r} has none: set parallel.cp=1")
+
+    def apply_document_mask(self, module: nn.Module, eos_id: int) -> None:
+        """Keep the stage's attention inside each document of a packed sample, whose documents end with token
+        ``eos_id`` (:mod:`trainer.models.documents`); only for families whose :meth:`document_mask_refusal` is
+        None."""
+        from checkpointing.errors import ConfigError
+
+        raise ConfigError(f"model.document_mask=true: model.source={self.family!r} has no way to hand its model the "
+                          "mask (its spec defines no apply_document_mask); set model.document_mask=false")
 
     @abstractmethod
     def apply_ac(self, stage: Stage, mode: str, every_k: int) -> None:

@@ -11,7 +11,8 @@ The order, and why it matters:
 1. Pipeline cut (:mod:`.pipeline`) first: stages are cut from the full model, keeping parameter
    names (FQNs), so that every later step sees only this rank's stages. Float8 linears
    (:mod:`.float8`, ``mixed_precision="float8"``) replace the plain ones right after, so that every
-   later step wraps the modules that will run.
+   later step wraps the modules that will run. The end-of-document id of ``model.document_mask``
+   (trainer.models.documents) is handed to each stage as it is cut: an attribute its forward reads.
 2. Tensor parallelism (:mod:`.tensor`) next, because it replaces parameters with DTensors sharded
    over the ``tp`` axis, and every later step must see those.
 3. Context parallelism (:mod:`.context`): it routes attention through the cp group (activations are
@@ -48,14 +49,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
 from ..config import RunConfig
+from ..data.sources import resolve_format
+from ..data.tokenize import load_tokenizer
 from ..models import spec_for
+from ..models.documents import document_eos_id
 from ..models.moe import aux_loss, keep_counters, moe_layers
 from .ac import apply_ac
 from .compile import apply_compile, check_compile
 from .context import ContextParallel, apply_cp
-from .float8 import apply_float8, check_float8
 from .dims import Axis, ParallelDims, resolve_precision
 from .expert import apply_ep, expert_meshes, shard_experts
+from .float8 import apply_float8, check_float8
 from .fsdp import fsdp_policies, shard_blocks
 from .pipeline import Pipeline, cut_stage
 from .tensor import apply_tp, grads_as_placed, lm_loss
@@ -193,9 +197,12 @@ def build_model_parts(cfg: RunConfig, dims: ParallelDims, mesh: DeviceMesh | Non
     check_device_features(p, device)
     modules, local, cp, expert_units = [], 0, None, []
     experts_at = expert_meshes(dims, mesh)  # collective: once, whatever this rank's stages hold
+    eos = document_eos_id(cfg, load_tokenizer, resolve_format)  # model.document_mask: the data's end of document
     for s in stage_ids:
         stage = cut_stage(spec, cfg, s, n_stages, dims, device)
         model = stage.module
+        if eos is not None:  # an attribute the forward reads: before anything wraps the model
+            spec.apply_document_mask(model, eos)
         apply_float8(spec, model, p, use_fsdp)
         apply_tp(spec, model, tp_mesh, p)
         local += spec.local_params(model)

@@ -3,6 +3,7 @@
     model = Transformer(cfg.model)             # on any device, meta included
     model.init_weights(seed)                   # deterministic, layout-free (after to_empty on meta)
     logits = model(tokens)                     # (batch, seq, vocab)
+    model.document_eos = eos_id                # model.document_mask: attention inside each document
 
 Parameter names (FQNs) never depend on the parallel layout: blocks live in a
 ``ModuleDict`` keyed "0".."n-1", so a pipeline stage that keeps blocks 4..7
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...config import ModelConfig
 from ..blocks import selective_context
+from ..documents import document_causal_mask
 from ..moe import MoE
 from ..shape import ModelShape, layer_split
 from ..spec import fill_local
@@ -60,7 +62,9 @@ class Attention(nn.Module):
         # of the sequence, and attention over the whole of it goes through the cp group.
         self.cp = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (batch, 1, seq, seq) bool, True where a query may attend a key (a document mask, already
+        causal); None: causal attention over the whole sample (SDPA's ``is_causal``, its fastest kernels)."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
@@ -73,7 +77,10 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -116,16 +123,17 @@ class Block(nn.Module):
         keep = torch.empty((b, s * n, d), dtype=h.dtype, device=h.device).bernoulli_(1 - self.dropout)
         return h * keep[:, rank * s : (rank + 1) * s].div_(1 - self.dropout)
 
-    def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.attention_norm(x), rope))
+    def _forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # The mask is passed even when None: the tensor-parallel plan prepares the attention's three inputs (.tp).
+        x = x + self._dropout(self.attention(self.attention_norm(x), rope, mask))
         return x + self._dropout(self.feed_forward(self.ffn_norm(x)))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
             if self.checkpoint_selective:
-                return checkpoint(self._forward, x, rope, use_reentrant=False, context_fn=selective_context)
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
-        return self._forward(x, rope)
+                return checkpoint(self._forward, x, rope, mask, use_reentrant=False, context_fn=selective_context)
+            return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+        return self._forward(x, rope, mask)
 
 
 class Transformer(nn.Module):
@@ -140,13 +148,18 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
         self.cp = None  # context parallelism (Attention.cp): the rotary table's rows of this rank's positions
+        # model.document_mask: the end-of-document id (DecoderSpec.apply_document_mask); None: causal attention
+        # over the whole sample.
+        self.document_eos: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) in; logits or hidden states out."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         rope = self.rope if self.cp is None else self.rope[self.cp.positions(x.shape[1]).to(self.rope.device)]
+        # Found from the token ids, once for every block (only the first stage has them: no pipeline with a mask).
+        mask = document_causal_mask(x, self.document_eos) if self.document_eos is not None else None
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -18,15 +18,15 @@ import dataclasses
 import torch
 from torch import nn
 
-
 from ...config import ParallelConfig, RunConfig
-from .model import Transformer, cut_stage, initial_weight
+from ..documents import masked_layouts
+from ..moe import MoE, moe_layers
 from ..names.llama import LlamaNames
 from ..names.mixtral import MixtralNames
-from ..moe import MoE, moe_layers
 from ..names.qwen_moe import hf_moe_names
 from ..shape import ModelShape
 from ..spec import ModelSpec, Stage, to_empty, zero_parameters
+from .model import Transformer, cut_stage, initial_weight
 
 
 class DecoderSpec(ModelSpec):
@@ -86,7 +86,15 @@ class DecoderSpec(ModelSpec):
         apply_tp(module, tp_mesh, sequence_parallel=pcfg.sequence_parallel, loss_parallel=pcfg.loss_parallel)
 
     def allows(self) -> tuple[str, ...]:
-        return ("tp", "pp", "sp", "cp")
+        return masked_layouts(self.mcfg, ("tp", "pp", "sp", "cp"))
+
+    def document_mask_refusal(self, seq_len: int) -> str | None:
+        return None
+
+    def apply_document_mask(self, module: nn.Module, eos_id: int) -> None:
+        """Every block's attention causal and within each document: a boolean mask given to SDPA, found from
+        the token ids in the forward (:class:`Transformer`)."""
+        module.document_eos = eos_id
 
     def apply_cp(self, module: nn.Module, cp) -> None:
         """Every block's attention over the cp group; rotary positions the global ones; a Mixture of Experts'

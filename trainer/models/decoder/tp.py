@@ -37,8 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .model import Transformer
 from ..moe import MoE
+from .model import Transformer
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
@@ -75,10 +75,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     # Each region's input enters as one replicated DTensor: in backward the gradients that q, k and v
     # (the gate and up projections) send it are summed locally and reduced once, where plain local
     # inputs would have each all-reduced on its own. Under sequence parallelism that reduction is the
-    # reduce-scatter back to the sequence shard, and the forward an all-gather (the rotary table
-    # passes untouched).
+    # reduce-scatter back to the sequence shard, and the forward an all-gather (the rotary table and the
+    # document mask, over the whole sequence and every head, pass untouched).
     block_plan.update({
-        "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+        "attention": PrepareModuleInput(input_layouts=(between, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
     })
     if sequence_parallel:

@@ -43,8 +43,8 @@ def cp_refusal(model: nn.Module, seq_len: int) -> str | None:
         return f"{name} has no attention layers etrain recognises (with scaling, head_dim and is_causal)"
     if float(getattr(hf, "attention_dropout", 0.0) or 0.0) > 0:
         return f"{name} has attention_dropout={hf.attention_dropout}, which is not split across the cp ranks"
-    window = getattr(hf, "sliding_window", None)
-    if isinstance(window, int) and window < seq_len and getattr(hf, "use_sliding_window", True) is not False:
+    window = short_window(hf, seq_len)
+    if window is not None:
         return f"{name} attends within a sliding window of {window} positions, shorter than data.seq_len={seq_len}"
     for field in ("attn_logit_softcapping", "query_pre_attn_scalar"):
         if getattr(hf, field, None):
@@ -55,6 +55,14 @@ def cp_refusal(model: nn.Module, seq_len: int) -> str | None:
         if abs(float(layer.scaling) - float(layer.head_dim) ** -0.5) > 1e-9:
             return (f"{name}'s {type(layer).__name__} scales scores by {layer.scaling}, not head_dim ** -0.5 = "
                     f"{float(layer.head_dim) ** -0.5}")
+    return None
+
+
+def short_window(hf, seq_len: int) -> int | None:
+    """The sliding window of a transformers config when it is in use and shorter than ``seq_len``, else None."""
+    window = getattr(hf, "sliding_window", None)
+    if isinstance(window, int) and window < seq_len and getattr(hf, "use_sliding_window", True) is not False:
+        return window
     return None
 
 

@@ -24,9 +24,11 @@ from checkpointing.names import redact
 
 from ...config import ModelConfig, RunConfig
 from ..brought import UserModelSpec, hf_max_positions
-from .cp import cp_refusal, global_positions, route_attention
-from .moe import ExpertLayer, count_load, dense_tp_plan, moe_family, moe_forward, router_aux_loss, sparse_blocks
+from ..documents import masked_layouts
 from ..spec import ModelInfo, Stage
+from .cp import cp_refusal, global_positions, route_attention
+from .documents import ATTRIBUTE, attention_mask, document_mask_refusal
+from .moe import ExpertLayer, count_load, dense_tp_plan, moe_family, moe_forward, router_aux_loss, sparse_blocks
 
 
 def load_hf_config(mcfg: ModelConfig):
@@ -37,9 +39,10 @@ def load_hf_config(mcfg: ModelConfig):
     if not os.path.isfile(path):
         raise ConfigError(f"model.hf_config={redact(mcfg.hf_config)!r} does not exist; give a directory holding "
                           "config.json, or the JSON file itself (nothing is downloaded)")
-    from .hf_dir import read_config
+    from .hf_dir import read_config, require_hf
 
     read_config(path, f"model.hf_config={mcfg.hf_config!r}")  # JSON, an object, its sizes integers
+    require_hf('model.source="hf"')
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
@@ -54,7 +57,8 @@ def load_hf_config(mcfg: ModelConfig):
 
 
 def hf_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=inputs, position_ids=global_positions(model, inputs), use_cache=False).logits
+    return model(input_ids=inputs, position_ids=global_positions(model, inputs),
+                 attention_mask=attention_mask(model, inputs), use_cache=False).logits
 
 
 class HFSpec(UserModelSpec):
@@ -64,6 +68,7 @@ class HFSpec(UserModelSpec):
         super().__init__(mcfg)
         self._hf = None
         self._cp_refusals: dict[int, str | None] = {}
+        self._document_refusals: dict[int, str | None] = {}
 
     def cp_refusal(self, seq_len: int) -> str | None:
         """Why this model's attention cannot take context parallelism at ``seq_len`` (:mod:`.hf_cp`), or None."""
@@ -74,7 +79,20 @@ class HFSpec(UserModelSpec):
     def allows(self) -> tuple[str, ...]:
         if self.moe_family():  # a Mixture of Experts: data, expert and tensor parallelism (check_moe)
             return tuple(a for a in super().allows() if a == "tp")
-        return super().allows() + (() if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
+        return super().allows() + masked_layouts(self.mcfg, () if self.cp_refusal(self.mcfg.max_seq_len) else ("cp",))
+
+    def document_mask_refusal(self, seq_len: int) -> str | None:
+        """Why the model cannot take a document mask at ``seq_len`` (:mod:`.documents`), or None."""
+        if seq_len not in self._document_refusals:
+            kind = self.moe_family()
+            self._document_refusals[seq_len] = (
+                f"a {kind} model's balancing loss reads the attention_mask as a padding mask of (batch, seq), "
+                "which a document mask is not" if kind else document_mask_refusal(self.build("meta"), seq_len))
+        return self._document_refusals[seq_len]
+
+    def apply_document_mask(self, module: nn.Module, eos_id: int) -> None:
+        """Its forward (:func:`hf_forward`, the MoE's) hands it a 4D mask of every sample's documents."""
+        setattr(module, ATTRIBUTE, eos_id)
 
     def preflight(self, cfg: RunConfig) -> ModelInfo:
         info = super().preflight(cfg)
@@ -159,9 +177,9 @@ class HFSpec(UserModelSpec):
         return self._hf
 
     def construct(self) -> nn.Module:
+        hf = load_hf_config(self.mcfg)  # first: it checks that transformers is installed
         from transformers import AutoModelForCausalLM
 
-        hf = load_hf_config(self.mcfg)
         try:
             model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds for values it cannot build
