@@ -136,13 +136,15 @@ class Run:
         """End the run at the next step boundary (with a final checkpoint)."""
         self._change({"stop": True})
 
-    def resize(self, workers: int) -> None:
+    def resize(self, workers: int | None = None, *, allow_growth: bool = False) -> None:
         """Change the run's size at its next step boundary (a size its layout allows; ConfigError otherwise).
         As ``etrain resize`` does (:func:`orchestrator.service.resize.resize_run`): the size asked for overrides
-        the cluster allocator's target, and a run the allocator requeued joins the queue again at that size."""
+        the cluster allocator's target, a run the allocator requeued joins the queue again at that size, and
+        the size sticks: the allocator never grows the run above it into idle capacity unless
+        ``allow_growth`` (``run.resize(allow_growth=True)`` alone gives it that room back)."""
         from orchestrator.service.resize import resize_run
 
-        resize_run(self._store(), self.run_id, workers, self.token)
+        resize_run(self._store(), self.run_id, workers, self.token, allow_growth=allow_growth)
 
     def resume(self, workers: int | None = None) -> Run:
         """Continue a suspended or interrupted run (waits for the current one to end first)."""

@@ -252,9 +252,17 @@ def cmd_resize(args) -> int:
 
     store = open_store_of(args)
     st = live_status(store, args.run, args.command)
-    resize_run(store, args.run, args.workers, args.token, field="--workers")  # clears the allocator's target
+    # clears the allocator's target; the size sticks unless --allow-growth
+    spec = resize_run(store, args.run, args.workers, args.token, field="--workers", allow_growth=args.allow_growth)
+    if args.workers is None:
+        print(f"etrain: run {args.run!r} may grow into idle capacity again, up to {spec.max_workers} workers; the "
+              "cluster's allocator decides when")
+        return 0
     print(f"etrain: run {args.run!r} resizes {st.get('world_size')} -> {args.workers} workers at its next step "
-          "boundary; `etrain events` shows when it did")
+          "boundary; `etrain events` shows when it did. " + (
+              f"The cluster's allocator may grow it into idle capacity, up to {spec.max_workers}" if args.allow_growth
+              else "The size sticks: the cluster's allocator grows it no further (--allow-growth gives it room "
+                   f"up to max_workers, {spec.max_workers})"))
     return 0
 
 

@@ -210,7 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("resize", help="change a live run's size at its next step boundary")
     _add_run(p)
-    p.add_argument("--workers", type=int, required=True, help="the new group size (a valid size for the run)")
+    p.add_argument("--workers", type=int, help="the new group size (a valid size for the run; beyond its "
+                   "max_workers raises that): it sticks, the cluster's allocator grows the run no further")
+    p.add_argument("--allow-growth", action="store_true", help="let the cluster's allocator grow the run into "
+                   "idle capacity again, up to max_workers (alone, or with --workers)")
     _add_token(p)
     _add_store(p)
 

@@ -36,6 +36,7 @@ from checkpointing.names import redact
 
 from .drain import DrainCommit, DrainShrink
 from ..workers.hang_probe import HangProbe
+from ..service.demand import size_reason
 from .pending import PendingRecovery, PendingResize
 from ..phase import Phase
 from .run_policy import Fail, FailureRecord, Resize, ScalingStatus
@@ -476,7 +477,7 @@ def check_scaling(c: StateContext) -> State | None:
     if want < current:
         size = c.scaling.target(ScalingStatus(current, want, current, c.valid_sizes))
         if size is not None and size != current:
-            return Resizing(size, f"resize to {want} requested", requested_at)
+            return Resizing(size, f"shrinking {current} -> {size} workers: {size_reason(c.spec)}", requested_at)
         return None
     if want > current:
         now = c.clock()
@@ -492,5 +493,6 @@ def check_scaling(c: StateContext) -> State | None:
         c.boot_done()
         decision = c.scaling.decide(ScalingStatus(current, want, current + len(ready), c.valid_sizes), now)
         if isinstance(decision, Resize) and decision.workers > current:
-            return Resizing(decision.workers, decision.reason, requested_at)
+            return Resizing(decision.workers, f"growing {current} -> {decision.workers} workers: "
+                                              f"{size_reason(c.spec)}", requested_at)
     return None

@@ -46,7 +46,7 @@ from ..controller.controller import ControllerOptions
 from ..controller.actor import ControllerActor
 from ..phase import Phase
 from ..controller.run_policy import FailurePolicy
-from ..store.cluster_names import cluster_key
+from ..store.cluster_names import controller_name
 from ..store.run_store import RunSpec, RunStore, UnknownRun, open_store
 from .progress import Follower
 
@@ -244,12 +244,6 @@ def worker_resources(e: ElasticConfig) -> dict:
     return {"CPU": e.cpus_per_worker, "GPU": gpus}
 
 
-def controller_name(run_id: str, store_url: str) -> str:
-    """The controller actor's name on the cluster: the run id and its store (two stores' runs of one id are
-    two runs)."""
-    return f"etrain-controller-{cluster_key(run_id, store_url)}"
-
-
 def start_controller(spec: RunSpec, store_url: str, cfg: RunConfig, ecfg: ElasticConfig):
     """The run's controller, on this process's node: the driver's (the head node under ``ray job
     submit``), which the job cannot outlive anyway. Never on a worker's node, whose loss it must
@@ -275,7 +269,10 @@ def launch(spec: RunSpec, store: RunStore, *, address: str | None = None, progre
     import ray
 
     cfg, e = parse_spec(spec)
-    cpus = num_cpus or int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
+    # A local Ray holds what the run may grow to, and at least this machine's cores: a user's resize beyond
+    # max_workers (which raises it) finds room, as it would on a cluster with free nodes.
+    need = int((max(spec.max_workers, spec.workers) + e.standby) * e.cpus_per_worker) or 1
+    cpus = num_cpus or max(need, os.cpu_count() or 1)
     local = connect(address, cpus)
     actor, final, snap = None, None, None
     terminated = threading.Event()

@@ -52,7 +52,7 @@ from dataclasses import replace
 from checkpointing.errors import ConfigError, EtrainError
 
 from ..store import liveness
-from ..store.cluster_names import cluster_key
+from ..store.cluster_names import cluster_key, controller_name
 from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun, is_run_id
 from ..store.run_store import RunStore, open_store
 from .demand import demand_of, desired
@@ -106,8 +106,9 @@ class AllocatorCore:
 
     def __init__(self, state: RunStore, capacity: Callable[[float, float], int | tuple[int, int]], *, clock=time.time,
                  opener: Callable[[str], RunStore] = open_store, policy: SchedulingPolicy | None = None,
-                 read_budget_s: float = READ_BUDGET_S):
+                 read_budget_s: float = READ_BUDGET_S, alive: Callable[[str, str], bool] = lambda run_id, url: False):
         self.state = state
+        self.alive = alive  # whether the run's controller is live (a resumed run's status may still say SUSPENDED)
         self.policy = policy or default_policy()
         self.capacity = capacity
         self.clock = clock
@@ -193,8 +194,8 @@ class AllocatorCore:
             sizes, batch, steps, cpw, gpw = self._shape(spec)
             d = demand_of(spec, status, st.get_history(run_id), events, sizes=sizes, global_batch=batch,
                           total_steps=steps)
-            if d is None:
-                return "gone"
+            if d is None:  # ended, suspended or stopping; forgotten only once its controller is gone too
+                return None if self.alive(run_id, url) else "gone"
             d, cut = clamp(replace(d, run_id=key, shown=run_id), spec.owner, self.grants)
         except (UnknownRun, FileNotFoundError):
             return "gone"  # deleted: nothing to allocate
@@ -298,6 +299,8 @@ class AllocatorCore:
             cause = d.cause if isinstance(d, SetTarget) else "admitted"
         if all(getattr(spec, k) == v for k, v in changes.items()):
             return None
+        # Why, kept beside the target for the run's own output (`size_reason`); "" once the target is withdrawn.
+        changes["target_cause"] = f"{cause}: {d.reason}"[:300] if changes.get("target") or changes.get("requeue") else ""
         try:
             store.update_spec(spec.run_id, expected=spec.generation, **changes)
         except (SpecConflict, StoreUnavailable, UnknownRun) as e:  # a user's change got in first: decide again
@@ -338,6 +341,18 @@ def ray_capacity(cpus_per_worker: float, gpus_per_worker: float,
     return total, min(free, total)
 
 
+def controller_alive(run_id: str, store_url: str) -> bool:
+    """Whether the run's controller actor lives on the connected cluster (a run being resumed, or one that
+    has not written its status since its driver registered it)."""
+    import ray
+
+    try:
+        ray.get_actor(controller_name(run_id, store_url), namespace="etrain")
+    except ValueError:
+        return False
+    return True
+
+
 class Allocator:
     """The Ray actor (``ensure_allocator``): an :class:`AllocatorCore` on the live cluster, ticking on a
     thread of its own. Its state is the cluster's service store once one is named (``etrain service init``,
@@ -347,7 +362,8 @@ class Allocator:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s etrain-allocator %(levelname)s %(message)s")
         policy = policy_named(os.environ.get(POLICY_VAR) or "default")  # the cluster's environment names it
         log.info("allocator: scheduling policy %r", policy.name)
-        self.core = AllocatorCore(open_store(service_url() or state_url), ray_capacity, policy=policy)
+        self.core = AllocatorCore(open_store(service_url() or state_url), ray_capacity, policy=policy,
+                                  alive=controller_alive)
         self.interval_s = interval_s
         self.endpoint = start_endpoint(self.core.metrics)
         threading.Thread(target=self._loop, name="allocator", daemon=True).start()

@@ -30,6 +30,13 @@ def desired(spec: RunSpec) -> int:
     return spec.target if spec.target > 0 else spec.workers
 
 
+def size_reason(spec: RunSpec) -> str:
+    """Who decided the size the controller works toward, and why: the allocator (its cause) or the run's user."""
+    if spec.target > 0:
+        return f"the cluster's allocator: {spec.target} workers ({spec.target_cause or 'its decision'})"
+    return f"its user asked for {spec.workers} workers" + (" (pinned)" if spec.pinned else "")
+
+
 def demand_of(spec: RunSpec, status: dict | None, history: Iterable[HistoryRow], events: Iterable[dict], *,
               sizes: Sequence[int] = (), global_batch: int = 0, total_steps: int = 0) -> RunDemand | None:
     """The run's demand, or None when it holds and wants nothing (ended, suspended by its user, stopping).
@@ -44,8 +51,9 @@ def demand_of(spec: RunSpec, status: dict | None, history: Iterable[HistoryRow],
     queued = spec.requeue or (phase == "QUEUED" and spec.target <= 0)
     rows = [HistoryRow.of(r) for r in history]
     step = int((status or {}).get("step") or (rows[-1].step if rows else 0))
-    # [elastic] grow_into_idle = false: idle capacity never takes the run above the size its user asked for.
-    grow_to = spec.max_workers if share.grow_into_idle else max(spec.workers, spec.min_workers)
+    # [elastic] grow_into_idle = false, or a size its user set with `etrain resize` (pinned): idle capacity
+    # never takes the run above the size its user asked for.
+    grow_to = spec.max_workers if share.grow_into_idle and not spec.pinned else max(spec.workers, spec.min_workers)
     remaining = float("inf")
     if global_batch > 0 and total_steps > 0:
         remaining = float(max(0, total_steps - step) * global_batch)

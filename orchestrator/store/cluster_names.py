@@ -20,3 +20,9 @@ def cluster_key(run_id: str, store_url: str) -> str:
     """``run_id`` in ``store_url`` as one name on the cluster."""
     digest = hashlib.sha256(redact(store_url).rstrip("/").encode()).hexdigest()[:8]
     return f"{run_id}.{digest}"
+
+
+def controller_name(run_id: str, store_url: str) -> str:
+    """The controller actor's name on the cluster (namespace ``etrain``): the run id and its store (two stores'
+    runs of one id are two runs)."""
+    return f"etrain-controller-{cluster_key(run_id, store_url)}"

@@ -103,7 +103,7 @@ SPEC_TYPES: dict[str, tuple] = {"run_id": (str,), "config": (dict,), "workers": 
                                 "max_workers": (int,), "suspended": (bool,), "stop": (bool,), "generation": (int,),
                                 "created_unix": _NUMBER, "updated_unix": _NUMBER, "ray_address": (str,),
                                 "owner": (str,), "token_hash": (str,), "resume_grant": (str,), "target": (int,),
-                                "requeue": (bool,)}
+                                "requeue": (bool,), "pinned": (bool,), "target_cause": (str,)}
 
 
 # What the store keeps of a token (orchestrator.service.auth.digest), or "" for none.
@@ -265,6 +265,11 @@ class RunSpec:
     # A user's resize sets ``workers`` and clears ``target``.
     target: int = 0
     requeue: bool = False
+    target_cause: str = ""  # the allocator's why of ``target`` ("preempted: ..."), shown where the size changes
+    # An explicit resize (`etrain resize`, Run.resize) pins the run at its ``workers``: the allocator may still
+    # shrink it (preemption, quotas, capacity) and gives that size back, but never grows it beyond it into idle
+    # capacity until its user allows growth again (`etrain resize RUN --allow-growth`).
+    pinned: bool = False
 
     @cached_property
     def sharing(self) -> Sharing:
