@@ -20,6 +20,7 @@ export (``trainer.export.convert``) renames and converts tensors on the way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -38,6 +39,10 @@ import torch
 from ..dcp.format import chunk_of, item_tensor
 from ..dcp.reader import EtrainReader, item_path
 from ..errors import CheckpointError, ConfigError
+from ..manager import CheckpointManager
+from ..manifest import Manifest, checksum
+from ..names import check_url, redact
+from ..storage.base import MiB, Storage
 from .manifest import (  # noqa: F401 (where the export's manifest is read back; re-exported)
     EXPORT_FORMAT,
     EXPORT_MANIFEST,
@@ -48,10 +53,6 @@ from .manifest import (  # noqa: F401 (where the export's manifest is read back;
     list_exports,
     read_export_manifest,
 )
-from ..manager import CheckpointManager
-from ..manifest import Manifest, checksum
-from ..names import check_url, redact
-from ..storage.base import MiB, Storage
 
 MODEL_PREFIX = "model."
 SHARD_BYTES = 5 * 1024**3  # hf: one model.safetensors up to this size, else shards and an index
@@ -299,8 +300,9 @@ def write_torch(path: str, specs: list[Spec], get: Callable[[str], torch.Tensor]
 
 
 def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
-    """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; make its
-    directory (ConfigError naming OUT when it cannot be made or read)."""
+    """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; make the
+    directory it goes in (ConfigError naming OUT when it cannot be made or written: the export is
+    written beside ``out`` first, then renamed into place)."""
     try:
         if os.path.exists(out):
             busy = os.path.isfile(out) or bool(os.listdir(out))
@@ -308,13 +310,26 @@ def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
                 raise ConfigError(f"{out} exists and is not empty; choose another output or pass --overwrite")
             if directory and os.path.isfile(out):
                 raise ConfigError(f"{out} is a file; the export is a directory")
-        os.makedirs(out if directory else os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        probe = out if directory else os.path.dirname(os.path.abspath(out))
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied", probe)
+            if not directory and os.path.isdir(out):
+                raise ConfigError(f"{out} is a directory; the {out.rsplit('.', 1)[-1]} export is one file")
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", parent)
     except OSError as e:
         raise ConfigError(f"OUT {out}: cannot create or write {e.filename or out} ({e.strerror or e}); "
                           "choose a directory you can write to, or create it first") from None
+
+
+def _listed(directory: str) -> set[str]:
+    """The files an export's manifest in ``directory`` lists (plain names only; none when it is unreadable)."""
+    try:
+        with open(os.path.join(directory, EXPORT_MANIFEST), "rb") as f:
+            doc = json.loads(f.read(16 * MiB))
+        names = {e.get("path") for e in doc["files"] if isinstance(e, dict)}
+        return {n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..", EXPORT_MANIFEST)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 # --- where an export goes, and its commit -----------------------------------------------------
@@ -322,11 +337,16 @@ def prepare_out(out: str, *, directory: bool, overwrite: bool) -> None:
 class Output:
     """Where an export's files go: ``out``, a local path or a storage URL (``file://``, ``s3://``,
     ``gs://``, anything :class:`Storage` opens), a directory (``directory=True``: the hf format) or one
-    file. On a local disk the writers write in place and each finished file is fsync'ed; elsewhere
-    each file is written to a local temporary directory, uploaded through :class:`Storage` (its
-    retries, time bounds, multipart uploads) as soon as it is complete (:meth:`done`), and removed,
-    so the local disk holds one file at a time. Every file's size and crc32c is kept for the
-    manifest that :meth:`commit` writes last."""
+    file. Every file's size and crc32c is kept for the manifest that :meth:`commit` writes last.
+
+    On a local disk the writers write into a temporary directory beside ``out`` (``.NAME.partial-*``),
+    each finished file fsync'ed, and the export is renamed into place only when it is complete
+    (:meth:`publish`, which :meth:`commit` calls): an export that fails leaves nothing at ``out``, and
+    one that replaces an export (``overwrite``) leaves the old one whole. Elsewhere (object stores have
+    no rename) each file is written to a local temporary directory, uploaded through :class:`Storage`
+    (its retries, time bounds, multipart uploads) as soon as it is complete (:meth:`done`), and
+    removed, so the local disk holds one file at a time; the manifest, written last, is the commit,
+    and a failed export removes what it uploaded."""
 
     def __init__(self, out: str, *, directory: bool):
         check_url(out, "OUT")
@@ -342,21 +362,33 @@ class Output:
         self.storage = Storage(where)
         root = self.storage.local_path("")
         self.local = root is not None
-        self.dir = root if root is not None else tempfile.mkdtemp(prefix="etrain-export-")
+        # local: the final path (a directory, or the file); the writers write into self.dir until publish()
+        self.final = None if root is None else (os.path.join(root, self.name) if self.name else root)
+        self.dir = tempfile.mkdtemp(prefix="etrain-export-") if root is None else ""
         self.files: list[dict] = []
+        self.overwrite = False
+        self.published = False
 
     def path(self, name: str) -> str:
         """The local path a writer writes ``name`` to (the output file's own name for one file)."""
         return os.path.join(self.dir, name)
 
     def prepare(self, *, overwrite: bool) -> None:
-        """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; an
-        existing export manifest goes first, so a directory being rewritten reads as incomplete."""
+        """Refuse an output that exists and is not empty (ConfigError) unless ``overwrite``; on a local disk,
+        make the temporary directory beside it; elsewhere, with ``overwrite``, remove an existing export
+        manifest first, so a directory being rewritten reads as incomplete."""
+        self.overwrite = overwrite
         if self.local:
-            prepare_out(self.path(self.name) if self.name else self.dir, directory=self.directory,
-                        overwrite=overwrite)
-            if self.directory and os.path.exists(self.path(EXPORT_MANIFEST)):
-                os.remove(self.path(EXPORT_MANIFEST))
+            prepare_out(self.final, directory=self.directory, overwrite=overwrite)
+            parent, base = os.path.split(self.final.rstrip("/"))
+            try:
+                self.dir = tempfile.mkdtemp(prefix=f".{base}.partial-", dir=parent)
+                mask = os.umask(0o022)
+                os.umask(mask)
+                os.chmod(self.dir, 0o777 & ~mask)  # mkdtemp's 0700 would be the export's mode
+            except OSError as e:
+                raise ConfigError(f"OUT {self.out}: cannot create a directory in {parent} ({e.strerror or e}); "
+                                  "choose a directory you can write to") from None
             return
         present = self.storage.list_dir("")
         busy = bool(present) if self.directory else self.name in present
@@ -390,16 +422,73 @@ class Output:
         self.files.append({"path": name, "size": size, "crc32c": crc})
 
     def commit(self, meta: dict) -> None:
-        """Write ``MANIFEST.json`` (every file with its size and crc32c, and ``meta``), created exclusively."""
+        """Write ``MANIFEST.json`` (every file with its size and crc32c, and ``meta``), created exclusively;
+        on a local disk, then :meth:`publish` the directory."""
         doc = {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "created_unix": time.time(), **meta,
                "files": self.files}
-        self.storage.put(EXPORT_MANIFEST, json.dumps(doc, indent=1).encode(), exclusive=True)
+        blob = json.dumps(doc, indent=1).encode()
+        if not self.local:
+            self.storage.put(EXPORT_MANIFEST, blob, exclusive=True)
+            self.published = True
+            return
+        with open(self.path(EXPORT_MANIFEST), "xb") as f:
+            f.write(blob)
+            os.fsync(f.fileno())
+        self.publish()
+
+    def publish(self) -> None:
+        """Move a complete local export into place: a directory by one rename (FileExistsError when another
+        export took its place meanwhile), or file by file into an existing directory, the old manifest
+        removed first, the new one moved last, and the files the old manifest listed that the new export
+        does not write removed; one file by one rename. Nothing to do elsewhere (uploaded already)."""
+        if not self.local or self.published:
+            self.published = True
+            return
+        final = self.final.rstrip("/")
+        if not self.directory:
+            os.replace(self.path(self.name), final)
+        elif not os.path.isdir(final):
+            try:
+                os.rename(self.dir, final)
+            except OSError as e:
+                if os.path.isdir(final) and os.listdir(final) and not self.overwrite:
+                    raise FileExistsError(17, "another export took its place", final) from e
+                raise
+        else:
+            names = sorted(os.listdir(self.dir), key=lambda n: n == EXPORT_MANIFEST)  # the manifest last
+            if not self.overwrite and os.listdir(final):
+                raise FileExistsError(17, "another export took its place", final)
+            stale = _listed(final) - set(names)
+            if os.path.exists(os.path.join(final, EXPORT_MANIFEST)):
+                os.remove(os.path.join(final, EXPORT_MANIFEST))  # the old commit goes first
+            for name in names:
+                os.replace(os.path.join(self.dir, name), os.path.join(final, name))
+            for name in stale:
+                if os.path.isfile(os.path.join(final, name)):
+                    os.remove(os.path.join(final, name))
+        if os.path.isdir(self.dir):
+            os.rmdir(self.dir)
+        for path in ([final] if self.directory else []) + [os.path.dirname(final)]:  # the renames, durable
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.published = True
 
     @property
     def url(self) -> str:
         return redact(self.storage.join(self.name) if self.name else self.storage.url)
 
     def close(self) -> None:
-        if not self.local:
+        """Remove what an export that did not complete wrote: the temporary directory (local), or the files it
+        uploaded (elsewhere; nothing once its manifest is written)."""
+        if self.local:
+            if not self.published and self.dir:
+                shutil.rmtree(self.dir, ignore_errors=True)
+        else:
             shutil.rmtree(self.dir, ignore_errors=True)
+            for entry in [] if self.published else self.files:  # best effort: without a manifest none is read
+                with contextlib.suppress(Exception):
+                    self.storage.delete_tree(entry["path"])
         self.storage.close()

@@ -203,6 +203,9 @@ def _jsonl_docs(f, path: str, field: str) -> Iterator[str]:
 
 
 def _parquet_docs(f, path: str, field: str) -> Iterator[str]:
+    from ..models.hf.hf_dir import require_hf
+
+    require_hf('data.format="parquet"', "pyarrow")
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(f)
@@ -219,10 +222,11 @@ def _parquet_docs(f, path: str, field: str) -> Iterator[str]:
 
 
 def _hf_docs(cfg: DataConfig, inputs: Inputs, cache_dir: str) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError('data.format="hf" needs the datasets package: pip install \'etrain[hf]\'') from None
+    from ..models.hf.hf_dir import require_hf
+
+    require_hf('data.format="hf"', "datasets")
+    import datasets
+
     try:
         ds = datasets.load_dataset(cfg.source, data_files=[f.path for f in inputs.files], split="train",
                                    streaming=True, cache_dir=os.path.join(cache_dir, "hf-datasets"))

@@ -180,11 +180,14 @@ def files_of_tokenizer(directory: str) -> list[str]:
 
 
 def _from_json(path: str, name: str, fingerprint: str) -> HFTokenizer:
+    from ..models.hf.hf_dir import require_hf
+
+    require_hf(f"data.tokenizer={name!r}", "tokenizers")
     from tokenizers import Tokenizer as RustTokenizer
 
     try:
         tok = RustTokenizer.from_file(path)
-    except Exception as e:  # the Rust side raises a plain Exception on a malformed file
+    except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception on a malformed file
         raise ConfigError(f"data.tokenizer={name!r}: {path} is not a tokenizers JSON file ({e})") from None
     return _nonempty(HFTokenizer(tok, name, fingerprint, _config_eos(os.path.dirname(path) or ".")))
 
@@ -208,13 +211,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     fp = _fingerprint(files)
     if os.path.isfile(os.path.join(spec, "tokenizer.json")):
         return _from_json(os.path.join(spec, "tokenizer.json"), spec, fp)
+    from ..models.hf.hf_dir import require_hf
+
+    require_hf(f"data.tokenizer={spec!r} (no tokenizer.json: read by AutoTokenizer)", "transformers")
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except ImportError:
-        raise ConfigError(f"data.tokenizer={spec!r} has no tokenizer.json and transformers is not installed; "
-                          "pip install 'etrain[hf]' or save the tokenizer as tokenizer.json") from None
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for malformed tokenizer files
         raise ConfigError(f"data.tokenizer={spec!r}: AutoTokenizer cannot load it ({type(e).__name__}: {e}); fix "
                           "or replace its tokenizer files") from None

@@ -13,6 +13,10 @@ names, layouts and ``config.json`` are the model family's (its spec's ``hf_names
 ``config.json``. ``safetensors`` and ``torch`` write the model's own state dict (etrain names). The
 run config comes from the manifest. The same mapping reads a transformers directory back for
 ``model.init_from`` (:class:`WeightSource`).
+
+``hf`` needs the ``[hf]`` extra, checked before anything is written (:func:`require_hf_export`: exit 2,
+``pip install "etrain[hf]"``). On a local disk an export is written beside OUT and renamed into place
+when complete (:class:`checkpointing.export.weights.Output`): a failed one leaves nothing at OUT.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from checkpointing.cli_args import ArgumentParser
 from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
+from checkpointing.export.manifest import CHECKPOINT_KEY, export_dir_state
 from checkpointing.export.weights import (
     EXPORT_MANIFEST,
     ModelSource,
@@ -34,7 +39,6 @@ from checkpointing.export.weights import (
     write_safetensors,
     write_torch,
 )
-from checkpointing.export.manifest import CHECKPOINT_KEY, export_dir_state
 from checkpointing.layout import EXPORTS
 from checkpointing.names import redact
 
@@ -98,6 +102,8 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
         raise ConfigError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     src = ModelSource.open(url)
     try:
+        if fmt == "hf":  # before anything is written
+            require_hf_export(run_config(src))
         specs, get, cfg = plan(src, fmt, DTYPES[dtype])
         target = Output(out, directory=fmt == "hf")
         try:
@@ -108,12 +114,22 @@ def export(url: str, out: str, fmt: str = "hf", dtype: str = "fp32", *, overwrit
                 target.commit({"run_id": src.manifest.run_id, "step": src.step, "source": src.url,
                                "export_format": fmt, "dtype": dtype, CHECKPOINT_KEY: src.manifest.digest})
                 files.append(EXPORT_MANIFEST)
+            target.publish()  # on a local disk: renamed into place, complete (a failure above leaves nothing)
         finally:
             target.close()
     finally:
         src.close()
     return {"source": src.url, "step": src.step, "format": fmt, "dtype": dtype, "tensors": len(specs),
             "bytes": sum(_nbytes(s) for s in specs), "files": files, "url": target.url}
+
+
+def require_hf_export(cfg: dict) -> None:
+    """ConfigError (exit 2) saying ``pip install "etrain[hf]"`` when the packages an hf export of the run
+    ``cfg`` needs do not import: transformers (``config.json``), and tokenizers for a run with a tokenizer."""
+    from ..models.hf.hf_dir import require_hf
+
+    tokenizer = str(cfg.get("data", {}).get("tokenizer", "bytes"))
+    require_hf("etrain ckpt export --format hf", "transformers", *(() if tokenizer == "bytes" else ("tokenizers",)))
 
 
 def _write(src: ModelSource, target: Output, fmt: str, specs, get, cfg: dict, shard_bytes: int | None) -> list[str]:
@@ -200,7 +216,8 @@ def main(argv: list[str]) -> int:
                                 "file://); an hf directory ends with MANIFEST.json, written last")
     ap.add_argument("--format", default="hf", help="hf (default), safetensors or torch")
     ap.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
-    ap.add_argument("--overwrite", action="store_true", help="write into an OUT that exists and is not empty")
+    ap.add_argument("--overwrite", action="store_true", help="replace the export in an OUT that exists and is not empty (the old one stays whole if this "
+                         "one fails)")
     args = ap.parse_args(argv)
     try:
         summary = export(args.url, args.out, args.format, args.dtype, overwrite=args.overwrite)

@@ -23,10 +23,15 @@ names the file and the fix:
 * ``config.json`` is a JSON object of bounded size whose well-known fields have their types
   (sizes positive integers, ``model_type`` a string);
 * a floating tensor holding nan or inf is refused when it is read, naming it.
+
+What needs a package of the ``[hf]`` extra (transformers, tokenizers, datasets, pyarrow, safetensors) checks
+for it first, before anything is written, with :func:`require_hf`: a ConfigError (exit 2) that says
+``pip install "etrain[hf]"``, never an ImportError from deep inside a command.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -51,6 +56,32 @@ CORRUPT = "the file is damaged or not what its name says; download or export it 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "max_position_embeddings", "head_dim", "n_positions", "n_ctx", "n_embd",
           "n_layer", "n_head")
+
+
+HF_EXTRA = 'pip install "etrain[hf]"'
+
+
+def missing_modules(*modules: str) -> list[str]:
+    """The ``modules`` that cannot be imported here (found without importing them: transformers reads
+    ``HF_HUB_OFFLINE`` when it is imported, which its users set first)."""
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require_hf(what: str, *modules: str) -> None:
+    """ConfigError (exit 2) when one of ``modules`` (default: transformers), packages of etrain's ``[hf]``
+    extra, is not installed: ``what`` needs it, and ``pip install "etrain[hf]"`` installs it."""
+    missing = missing_modules(*(modules or ("transformers",)))
+    if missing:
+        raise ConfigError(f"{what} needs {' and '.join(missing)}, of etrain's [hf] extra, which is not installed "
+                          f"here; install it: {HF_EXTRA}")
 
 
 class NonFiniteWeights(ConfigError):
@@ -263,6 +294,8 @@ class Weights:
     def __init__(self, path: str, what: str, files: list[str], index: dict[str, str] | None = None):
         self.path, self.what = path, what
         self.safetensors = files[0].endswith(".safetensors")
+        if self.safetensors:
+            require_hf(what, "safetensors")
         self.entries: dict[str, TensorEntry] = {}
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
         for file in files:
