@@ -30,18 +30,21 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def store_url(args) -> str:
-    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs."""
-    from ..driver.run import store_url_for
+    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs. Without
+    :mod:`orchestrator.driver.run` (its ``store_url_for`` and ``default_root`` say the same), which loads
+    the controller, torch and Ray: a control command needs none of them."""
+    from checkpointing.names import check_url
 
-    if not args.store and not os.environ.get("ETRAIN_STORE") and getattr(args, "run", None):
-        from checkpointing.names import check_url
-
+    for url, source in ((args.store, "--store"), (os.environ.get("ETRAIN_STORE"), "$ETRAIN_STORE")):
+        if url:
+            return check_url(url, source)
+    if getattr(args, "run", None):
         from ..store import user_runs as registry
 
         found = registry.lookup(args.run)
         if found:
             return check_url(found, f"the run registry entry {registry.runs_dir()}/{args.run}.json")
-    return store_url_for(args.store)
+    return f"file://{os.path.abspath('runs')}"
 
 
 def looked_where(args) -> str:

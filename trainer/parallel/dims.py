@@ -37,14 +37,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from checkpointing.errors import ConfigError
 
 from ..config import ParallelConfig, RunConfig, divisors, fmt_list, or_join
 from ..config.parallel import check_cp, check_ep_carved, expert_degree
+
+if TYPE_CHECKING:  # torch is imported where a mesh or a device is made: the size rules (valid_world_sizes, which
+    import torch  # `etrain resize` and the controller's scheduling ask) need none of it
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class Axis(StrEnum):
@@ -345,6 +347,8 @@ class ParallelDims:
             flat = emesh[(EXPERT_SPLIT[0], Axis.CP.value)]._flatten(EXPERT_SHARD_CP)
             if self.dp_replicate == 1:
                 return flat
+            from torch.distributed.device_mesh import DeviceMesh
+
             return DeviceMesh._concatenate([emesh[Axis.DP_REPLICATE.value], flat])
         if self.dp_replicate > 1:
             return emesh[(Axis.DP_REPLICATE.value, EXPERT_SPLIT[0])]
@@ -361,6 +365,8 @@ class ParallelDims:
                       if self.size(a) > 1 or (a == Axis.DP_SHARD and self.dp_replicate > 1))
         if not names:
             return None
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
         for derived, axes in DERIVED.items():  # each derived mesh of two or more live axes, flattened
             live = tuple(a.value for a in axes if self.size(a) > 1)
@@ -473,6 +479,8 @@ def size_rule(cfg: RunConfig) -> str:
 
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
     """Compute dtype: bf16 on GPUs by default, fp32 on CPU by default."""
+    import torch
+
     if pcfg.mixed_precision in ("bf16", "float8"):  # float8: the linears' matmuls only (trainer.parallel.float8)
         return torch.bfloat16
     if pcfg.mixed_precision == "fp32":
@@ -481,6 +489,8 @@ def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype
 
 
 def resolve_device(pcfg: ParallelConfig, local_rank: int) -> torch.device:
+    import torch
+
     want = pcfg.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
