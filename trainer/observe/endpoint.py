@@ -20,6 +20,7 @@ no longer answers.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -81,9 +82,14 @@ def stale_target(path: str, pid: int) -> bool:
 
 
 def _pid_alive(pid: int) -> bool:
-    from checkpointing.lock import _pid_alive as alive  # one test of a process's life for the lock and these files
-
-    return pid > 0 and alive(pid)
+    """Whether process ``pid`` runs on this machine (another user's too: signalling it is refused, not unknown)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    return True
 
 
 def _targets(path: str) -> list[tuple[str, int]]:

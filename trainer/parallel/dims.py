@@ -348,7 +348,6 @@ class ParallelDims:
             if self.dp_replicate == 1:
                 return flat
             from torch.distributed.device_mesh import DeviceMesh
-
             return DeviceMesh._concatenate([emesh[Axis.DP_REPLICATE.value], flat])
         if self.dp_replicate > 1:
             return emesh[(Axis.DP_REPLICATE.value, EXPERT_SPLIT[0])]
@@ -366,7 +365,6 @@ class ParallelDims:
         if not names:
             return None
         from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
         for derived, axes in DERIVED.items():  # each derived mesh of two or more live axes, flattened
             live = tuple(a.value for a in axes if self.size(a) > 1)
@@ -480,7 +478,6 @@ def size_rule(cfg: RunConfig) -> str:
 def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
     """Compute dtype: bf16 on GPUs by default, fp32 on CPU by default."""
     import torch
-
     if pcfg.mixed_precision in ("bf16", "float8"):  # float8: the linears' matmuls only (trainer.parallel.float8)
         return torch.bfloat16
     if pcfg.mixed_precision == "fp32":
@@ -490,7 +487,6 @@ def resolve_precision(pcfg: ParallelConfig, device: torch.device) -> torch.dtype
 
 def resolve_device(pcfg: ParallelConfig, local_rank: int) -> torch.device:
     import torch
-
     want = pcfg.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
