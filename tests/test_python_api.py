@@ -98,13 +98,15 @@ def test_submitted_run_is_resized_suspended_and_resumed_through_the_api(ray_clus
     run.resize(1)
     run._bg.wait(lambda s: s.get("world_size") == 1 and (s.get("step") or 0) >= 8, timeout=120,
                  what="the resize to 1 worker")
-    with pytest.raises(etrain.ConfigError, match="workers=3 is not a valid size"):
-        run.resize(3)
+    with pytest.raises(etrain.ConfigError, match="workers=5 is not a valid size"):
+        run.resize(5)  # 12 samples a step: no split on 5 (a valid size beyond max_workers would raise it)
+    assert [e for e in run.events("allocator") if e["action"] == "registered"], "not the allocator's"
     run.suspend()
     assert run.wait(timeout=120)["phase"] == "SUSPENDED"
     stopped_at = run.status()["step"]
     assert 8 <= stopped_at < 24
     final = run.resume(workers=2).wait(timeout=300)
     assert final["phase"] == "FINISHED" and final["step"] == 24, final
+    assert len([e for e in run.events("allocator") if e["action"] == "registered"]) == 2  # its start and its resume
     assert run.events("resized")
     assert run.status()["eval_loss"] > 0 and run.status()["eval_step"] == 24  # as `etrain status` shows it

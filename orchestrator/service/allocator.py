@@ -137,6 +137,8 @@ class AllocatorCore:
 
         update_doc(self.state, STATE_DOC, lambda d: {
             **d, "runs": registry_doc({**registry_entries(d), key: (run_id, store_url)})})
+        # On the run too: every start and resume of it says that the cluster's allocator sizes it (etrain events).
+        self._event(store_url, run_id, {"kind": "allocator", "action": "registered", "key": key})
         return key
 
     def move_state(self, state: RunStore) -> None:
@@ -300,7 +302,8 @@ class AllocatorCore:
         if all(getattr(spec, k) == v for k, v in changes.items()):
             return None
         # Why, kept beside the target for the run's own output (`size_reason`); "" once the target is withdrawn.
-        changes["target_cause"] = f"{cause}: {d.reason}"[:300] if changes.get("target") or changes.get("requeue") else ""
+        held = changes.get("target") or changes.get("requeue")
+        changes["target_cause"] = f"{cause}: {d.reason}"[:300] if held else ""
         try:
             store.update_spec(spec.run_id, expected=spec.generation, **changes)
         except (SpecConflict, StoreUnavailable, UnknownRun) as e:  # a user's change got in first: decide again

@@ -165,7 +165,7 @@ def test_resize_to_an_invalid_size_names_the_valid_ones(cluster, root, capsys):
     run, _ = start(root, "train.steps=400", max_workers=3)
     run.wait(lambda s: s["phase"] == "RUNNING", what="RUNNING")
     code, _, err = cli(capsys, "resize", run.spec.run_id, "--workers", "5", "--store", root)
-    assert code == 2 and "--workers 5 is not a valid size" in err and "[1, 2, 3]" in err
+    assert code == 2 and "--workers 5 is not a valid size" in err and "[1, 2, 3, 4]" in err  # up to 5: max raised
     # A second `etrain run` of the live run id is refused, naming what to do.
     code, _, err = cli(capsys, "run", "examples/tiny.toml", "--run-id", run.spec.run_id, "--store", root,
                        "--set", f'checkpoint.url="{root}"')
@@ -281,6 +281,8 @@ def test_ray_job_submit_runs_the_training_and_resume_submits_a_new_job(cluster, 
             client.get_job_logs(second)
         assert time.monotonic() < deadline, client.get_job_logs(second)
         time.sleep(0.5)
+    registered = [e for e in store.events(run_id) if e["kind"] == "allocator" and e.get("action") == "registered"]
+    assert len(registered) == 2, "the job's run and its resume (--submit) are each the allocator's"
     code, _, _ = cli(capsys, "stop", run_id, "--store", root, "--timeout", "240")
     assert code == 0
     _wait_job(client, second, JobStatus.SUCCEEDED)

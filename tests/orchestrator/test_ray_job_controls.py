@@ -81,6 +81,11 @@ def wait_for_step(store, client, job: str, run_id: str, step: int, timeout: floa
         time.sleep(0.3)
 
 
+def registrations(store, run_id: str) -> int:
+    """How often the run was registered with the cluster's allocator (an event at every start and resume)."""
+    return sum(1 for e in store.events(run_id) if e["kind"] == "allocator" and e.get("action") == "registered")
+
+
 def samples_committed(root: str, run_id: str) -> int:
     mgr = CheckpointManager(root, run_id)
     return mgr.read_manifest(mgr.latest_committed()).trainer_state["samples_consumed"]
@@ -100,6 +105,7 @@ def test_ray_job_stop_suspends_at_a_committed_step_boundary_and_resume_matches_t
             "--runtime-env-json", grace, "--", *entrypoint(root, run_id))
     store = open_store(root)
     wait_for_step(store, client, run_id, run_id, 6)
+    assert registrations(store, run_id) == 1, "a run started by `ray job submit` is not the allocator's"
     t0, t0_unix = time.monotonic(), time.time()
     ray_cli("job", "stop", "--address", url, run_id)  # waits until the job has stopped
     stop_s = time.monotonic() - t0
@@ -118,6 +124,7 @@ def test_ray_job_stop_suspends_at_a_committed_step_boundary_and_resume_matches_t
     code, out = cli(capsys, "resume", run_id, "--store", root, "--no-progress")
     assert code == 0 and f"run '{run_id}' FINISHED at step {STEPS}/{STEPS}" in out, out[-3000:]
     final = store.get_status(run_id)
+    assert registrations(store, run_id) == 2, "a run resumed by `etrain resume` is not the allocator's"
     assert final["loss"] == pytest.approx(reference["loss"], rel=1e-4)
     assert samples_committed(root, run_id) == samples_committed(reference["root"], "reference") == STEPS * GLOBAL_BATCH
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.cluster import follow, start_run
+from tests.orchestrator.test_ray_job_controls import registrations
 
 
 def decided_after(alloc, since: float, rounds: int = 2, timeout: float = 60.0) -> dict:
@@ -40,6 +41,7 @@ def test_a_resumed_run_stays_the_allocators_and_a_users_shrink_sticks(ray_cluste
     run.wait(lambda s: s["phase"] == "RUNNING" and s["world_size"] == 3, what="the run grown into the idle nodes",
              timeout=120)
     key = cluster_key("reg", store.url)
+    assert registrations(store, "reg") == 1
     assert controller_alive("reg", store.url) and not controller_alive("reg", f"{root}-other")
 
     resize_run(store, "reg", 1)  # `etrain resize reg --workers 1`: the size sticks
@@ -59,5 +61,6 @@ def test_a_resumed_run_stays_the_allocators_and_a_users_shrink_sticks(ray_cluste
     resumed.wait(lambda s: s["phase"] == "RUNNING", what="the resumed run training", timeout=120)
     state = decided_after(find_allocator(), time.time())
     assert key in state["runs"] and state["targets"].get(key) == 1, f"the resumed run is not the allocator's: {state}"
+    assert registrations(store, "reg") == 2
     store.update_spec("reg", stop=True)
     assert resumed.join(300)["phase"] == "FINISHED"

@@ -92,7 +92,7 @@ def _stop(run_id: str, store: str, env: dict) -> None:
 
 def _check_history(store_url: str, run_id: str) -> None:
     """The rows the run's history holds carry each step's tokens/s, and the eval loss on the steps that evaluated:
-    the same loss as the run's eval events."""
+    the same loss as the run's eval events; the run registered with its cluster's allocator."""
     from orchestrator.store.run_store import open_store
 
     store = open_store(store_url)
@@ -101,6 +101,8 @@ def _check_history(store_url: str, run_id: str) -> None:
     assert rows and all(r.tokens_per_s and r.tokens_per_s > 0 for r in rows)
     assert {r.step: r.eval_loss for r in rows if r.eval_loss is not None}.items() >= evals.items() and evals
     assert all((r.eval_loss is not None) == (r.step % 10 == 0) for r in rows[:-1])  # the last: the stop's step
+    # `etrain run` in a terminal of its own (its local Ray): the run was its allocator's
+    assert [e for e in store.events(run_id) if e.get("kind") == "allocator" and e.get("action") == "registered"]
 
 
 def _evals_in(text: str) -> list[int]:

@@ -90,6 +90,8 @@ def test_a_run_whose_controller_lives_is_never_forgotten_whatever_its_status_sti
     live = {"r"}
     core = AllocatorCore(store, capacity=lambda cpw, gpw: 4, alive=lambda run_id, url: run_id in live)
     core.register("r", store.url)
+    (ev,) = [e for e in store.events("r") if e["kind"] == "allocator"]
+    assert ev["action"] == "registered" and ev["key"] == key(store, "r")  # on the run: `etrain events` shows it
     core.tick()
     assert key(store, "r") in core.runs(), "the allocator forgot a run whose controller is live"
     live.clear()  # its controller ended: the run is done with
