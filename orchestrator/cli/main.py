@@ -3,9 +3,9 @@
     etrain run CONFIG.toml [--detach] [--workers N] [--min-workers N] [--max-workers N] [--store URL] [--run-id ID]
                            [--set section.field=value ...] [--address RAY_ADDRESS] [--no-progress]
     etrain submit CONFIG.toml --address http://HEAD:8265 [--store URL] [...]   (as a Ray job; the same options as run)
-    etrain logs RUN [-f]                  (the output of a run started with --detach)
+    etrain logs RUN [-f]                  (the output of a run started or resumed with --detach)
     etrain status [RUN] [--json]          etrain events RUN [--json]
-    etrain suspend RUN                    etrain resume RUN [--workers N] [--submit DASHBOARD_URL]
+    etrain suspend RUN                    etrain resume RUN [--workers N] [--detach | --submit DASHBOARD_URL]
     etrain resize RUN --workers N         etrain stop RUN         (these four: [--token TOKEN])
     etrain admin-token [--store URL]      (the store's admin token, kept in ~/.etrain/admin_tokens/)
     etrain quota [TEAM] [--max-workers N | --remove] [--json]   (teams' quotas on a shared cluster; setting: admin)
@@ -45,6 +45,7 @@ output went away (``etrain status | head -1``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -140,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="run in the background and return once it started; "
                                                          "`etrain logs RUN -f` follows it")
 
-    p = sub.add_parser("logs", help="the output of a run started with etrain run --detach")
+    p = sub.add_parser("logs", help="the output of a run started (or resumed) with etrain run --detach "
+                                    "(etrain resume --detach)")
     _add_run(p, help="run id")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the run's driver ends")
 
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address for a run in the foreground (default $RAY_ADDRESS)")
     p.add_argument("--submit", metavar="DASHBOARD_URL", help="submit it as a new Ray job to this cluster instead")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live bar")
+    p.add_argument("--detach", action="store_true", help="run in the background and return once it resumed; "
+                                                         "`etrain logs RUN -f` follows it")
     _add_token(p)
     _add_store(p)
 
@@ -309,7 +313,7 @@ def _elastic_range(raw: dict) -> tuple[int, int]:
 
 
 def cmd_run(args) -> int:
-    from ..driver.run import connect, launch, prepare_run
+    from ..driver.run import connect, prepare_run
 
     if args.detach:
         return _detach(args)
@@ -321,22 +325,53 @@ def cmd_run(args) -> int:
                               token_hash=args.token_hash, owner=args.owner, join=join)
     print(f"etrain: run {spec.run_id!r} on {spec.workers} workers (min {spec.min_workers}, max {spec.max_workers});"
           f" store {redact(store.url)}", flush=True)
-    final = launch(spec, store, address=args.address, progress=not args.no_progress)
-    return _report(final)
+    return _report(_launch(spec, store, args, by="etrain run"))
+
+
+def _launch(spec, store, args, by: str) -> dict:
+    """``launch`` of a run just recorded (or marked to resume); a start that fails before the run's controller
+    ever ran marks the run FAILED, saying so and that `etrain resume` starts it, instead of leaving it PENDING."""
+    from ..driver.run import launch, mark_start_failed
+
+    try:
+        return launch(spec, store, address=args.address, progress=not args.no_progress)
+    except (Exception, KeyboardInterrupt) as e:
+        why = redact_text(f"{type(e).__name__}: {e}" if not isinstance(e, EtrainError) else str(e))
+        try:
+            marked = mark_start_failed(store, spec.run_id, (why.strip().splitlines() or ["interrupted"])[0][:300],
+                                       by=by)
+        except EtrainError as err:  # the store is away too: the run stays PENDING, and this says so
+            print(f"etrain: run {spec.run_id!r} could not be marked as not started: {err}", file=sys.stderr)
+            marked = None
+        if marked is not None:
+            print(f"etrain: run {spec.run_id!r} did not start, and is recorded as FAILED before its first step; "
+                  f"`etrain resume {spec.run_id}` starts it once the cause below is fixed", file=sys.stderr)
+        raise
 
 
 def _detach(args) -> int:
-    """``etrain run`` in the background (orchestrator.store.user_runs.start_detached), once the config is valid."""
+    """``etrain run`` or ``etrain resume`` in the background (orchestrator.store.user_runs.start_detached), once
+    the command line is valid (a run's config: exit 2 here)."""
     from trainer.config.load import config_from_dict, load_raw
 
     from ..store import user_runs as registry
 
-    run_id = args.run_id or config_from_dict(load_raw(args.config, args.set)).run_id  # ConfigError: exit 2 here
-    argv = [a for a in args.argv if a != "--detach"] + ["--no-progress"]
-    pid, log, code = registry.start_detached(argv, run_id)
+    if args.command == "resume":
+        run_id, what = args.run, "resume"
+    else:
+        run_id, what = args.run_id or config_from_dict(load_raw(args.config, args.set)).run_id, "run"
+    argv, env, rest = [], {}, iter(args.argv)
+    for a in rest:  # a --token travels in the environment: never in `ps` or the log's header
+        if a == "--token":
+            env["ETRAIN_RUN_TOKEN"] = next(rest, "")
+        elif a.startswith("--token="):
+            env["ETRAIN_RUN_TOKEN"] = a.partition("=")[2]
+        elif a != "--detach":
+            argv.append(a)
+    pid, log, code = registry.start_detached([*argv, "--no-progress"], run_id, env=env)
     if code is not None:
         registry.print_log(run_id, out=sys.stderr)
-        print(f"etrain: run {run_id!r} did not start (exit {code}); its log is {log}", file=sys.stderr)
+        print(f"etrain: {what} of run {run_id!r} did not start (exit {code}); its log is {log}", file=sys.stderr)
         return code or EXIT_FAILED
     print(f"etrain: run {run_id!r} runs in the background (pid {pid}, log {log}); `etrain logs {run_id} -f` "
           f"follows it, `etrain status {run_id}` shows where it is, `etrain stop {run_id}` ends it")
@@ -344,42 +379,71 @@ def _detach(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from checkpointing.errors import ConfigError
     from trainer.config.load import config_from_dict, load_raw
 
+    from ..config import elastic_from_raw
+    from ..driver.run import default_root, job_url, store_url_for, submit_job
     from ..service import auth
     from ..store import user_runs as registry
-    from ..config import elastic_from_raw
-    from ..driver.run import default_root, store_url_for, submit_job
 
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigError("etrain submit needs the cluster's dashboard: --address http://HEAD:8265 or $RAY_ADDRESS")
     raw = load_raw(args.config, args.set)
     cfg = config_from_dict(raw)
     run_id = args.run_id or cfg.run_id
-    url = store_url_for(args.store, elastic_from_raw(raw), cfg.checkpoint.url)
-    if url == default_root():
-        raise ConfigError("a submitted run needs a run store that the cluster and this machine both reach: "
-                          "--store etcd://HOST:2379/etrain (or $ETRAIN_STORE, [elastic] store), or a shared "
-                          "checkpoint.url such as s3://bucket/runs; ./runs would be in the job's temporary directory")
     config = os.path.relpath(os.path.abspath(args.config), os.path.abspath(args.working_dir))
     if config.startswith(".."):
         raise ConfigError(f"the config {args.config} is outside --working-dir {args.working_dir}, which is all the "
                           "job gets; move it there or pass a --working-dir that holds it")
+    # Paths of this machine's, made what the job must be given: it runs in a temporary copy of --working-dir.
+    ckpt = cfg.checkpoint.url and job_url(cfg.checkpoint.url, "checkpoint.url", address, need="a checkpoint root")
+    url = job_url(store_url_for(args.store, elastic_from_raw(raw), ckpt), "the run store (--store, $ETRAIN_STORE, "
+                  "[elastic] store or checkpoint.url; else ./runs)", address)
+    if not ckpt:  # the job's default, ./runs, would be in its temporary directory: this directory's, if reached
+        try:
+            ckpt = job_url(default_root(), "checkpoint.url (unset: ./runs)", address, need="a checkpoint root")
+        except ConfigError as e:
+            print(f"etrain: warning: the run's checkpoints will be lost when its job ends: {e}; set "
+                  "checkpoint.url (--set checkpoint.url='\"s3://bucket/runs\"')", file=sys.stderr)
     token = auth.mint()  # kept here, in this user's run registry; the job gets only its hash
     entry = ["-m", "orchestrator", "run", config, "--no-progress", "--store", url, "--run-id", run_id,
              "--owner", auth.current_user(), "--token-hash", auth.digest(token)]
     for flag, v in (("--workers", args.workers), ("--min-workers", args.min_workers),
                     ("--max-workers", args.max_workers)):
         entry += [flag, str(v)] if v is not None else []
-    entry += [a for o in args.set for a in ("--set", o)]
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        raise ConfigError("etrain submit needs the cluster's dashboard: --address http://HEAD:8265 or $RAY_ADDRESS")
+    sets = [*args.set, *_job_data_paths(cfg, args.working_dir)]
+    if ckpt and ckpt != cfg.checkpoint.url:
+        sets.append(f"checkpoint.url={json.dumps(ckpt)}")  # a TOML string; last, so it wins
+    entry += [a for o in sets for a in ("--set", o)]
     job = submit_job(address, entry, working_dir=args.working_dir)
     registry.record(run_id, url, token=token)
-    print(f"etrain: submitted run {run_id!r} as Ray job {job} to {redact(address)}; store {redact(url)}\n"
+    print(f"etrain: submitted run {run_id!r} as Ray job {job} to {redact(address)}; store {redact(url)}"
+          f"{'' if ckpt in (url, '') else f'; checkpoints {redact(ckpt)}'}\n"
           f"  `etrain status {run_id}` shows where it is, `ray job logs {job} --address {redact(address)} -f` "
           "follows its output")
     return 0
+
+
+def _job_data_paths(cfg, working_dir: str) -> list[str]:
+    """``--set`` overrides that give the job the run's relative local data paths relative to its working
+    directory (``working_dir`` uploaded) as this directory names them; ConfigError for one outside it."""
+    from ..driver.run import job_relative
+
+    d, sets = cfg.data, []
+    fields = [("eval.source", cfg.eval.source)]
+    if d.source not in ("stdlib", "python") and d.format != "hf":  # "hf": a builder's name, not a path
+        fields.append(("data.source", d.source))
+    if d.tokenizer != "bytes":
+        fields.append(("data.tokenizer", d.tokenizer))
+    for field, path in fields:
+        rel = job_relative(path, field, working_dir) if path else path
+        if rel != path:
+            sets.append(f"{field}={json.dumps(rel)}")
+    files = [job_relative(f, "data.data_files", working_dir) for f in d.data_files]
+    if files != list(d.data_files):
+        sets.append(f"data.data_files={json.dumps(files)}")
+    return sets
 
 
 def _report(final: dict) -> int:
@@ -394,13 +458,19 @@ def _report(final: dict) -> int:
 
 
 def cmd_resume(args) -> int:
-    from ..driver.run import launch, prepare_resume
+    from ..driver.run import prepare_resume
+    from ..store import user_runs as registry
 
+    if args.detach and args.submit:
+        raise ConfigError("--detach and --submit both given: --submit runs the resumed run as a Ray job already; "
+                          "give one")
+    if args.detach:
+        return _detach(args)
     url = store_url(args)
     if args.submit:
+        from ..driver.run import submit_job
         from ..service import auth
         from ..store import liveness
-        from ..driver.run import submit_job
         from ..store.run_store import open_store
 
         store = open_store(url)
@@ -417,8 +487,10 @@ def cmd_resume(args) -> int:
         return 0
     spec, store = prepare_resume(args.run, url, args.workers, token=args.token,
                                  grant=os.environ.pop("ETRAIN_RESUME_GRANT", None))
+    # Recorded where this user's control commands (and `etrain resume --detach`, waiting for it) find the run.
+    registry.record(spec.run_id, store.url, token=registry.token_of(spec.run_id))
     print(f"etrain: resuming run {spec.run_id!r} on {spec.workers} workers; store {redact(store.url)}", flush=True)
-    return _report(launch(spec, store, address=args.address, progress=not args.no_progress))
+    return _report(_launch(spec, store, args, by="etrain resume"))
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,

@@ -4,7 +4,7 @@
     lookup("tiny")                                # "file:///home/me/proj/runs", or None
     token_of("tiny")                              # the run's token, if this user started it (orchestrator.service.auth)
     runs_dir()                                    # $ETRAIN_HOME/runs, else ~/.etrain/runs
-    pid, log = start_detached(["run", "tiny.toml"], "tiny")   # etrain run --detach: the driver in the background
+    pid, log, code = start_detached(["run", "tiny.toml"], "tiny")   # etrain run/resume --detach: in the background
     print_log("tiny", follow=True)                # etrain logs tiny -f
     statuses(["file:///home/me/proj/runs"])       # etrain status: every registered run, in its store
 
@@ -29,7 +29,8 @@ so, not marked: :mod:`orchestrator.store.liveness`).
 
 ``etrain run --detach`` runs the same ``etrain run`` as a process of its own
 session, its output in ``<home>/logs/<run_id>.log`` and its pid beside it
-(``<run_id>.pid``); ``etrain logs RUN [-f]`` prints (and follows) that log.
+(``<run_id>.pid``); ``etrain resume --detach`` does the same for ``etrain resume``,
+appending to the run's log; ``etrain logs RUN [-f]`` prints (and follows) that log.
 """
 
 from __future__ import annotations
@@ -194,9 +195,12 @@ def pid_path(run_id: str) -> str:
     return os.path.join(etrain_home(), "logs", f"{validate_run_id(run_id, 'run_id')}.pid")
 
 
-def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tuple[int, str, int | None]:
-    """``etrain ARGV`` in a session of its own, its output appended to :func:`log_path`. Waits until the
-    run is recorded (it started) or the process ended; returns (pid, log, exit status or None if running)."""
+def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0,
+                   env: dict[str, str] | None = None) -> tuple[int, str, int | None]:
+    """``etrain ARGV`` (``run ...`` or ``resume RUN ...``) in a session of its own, with ``env`` added to this
+    process's environment, its output appended to :func:`log_path`. Waits until the run is recorded in this
+    registry (``etrain run`` records a run it is about to launch; ``etrain resume``, one it marked to
+    continue) or the process ended; returns (pid, log, exit status or None if running)."""
     log = log_path(run_id)
     os.makedirs(os.path.dirname(log), exist_ok=True)
     started = time.time()
@@ -204,8 +208,8 @@ def start_detached(argv: list[str], run_id: str, *, wait_s: float = 120.0) -> tu
         out.write(f"--- etrain {' '.join(argv)}  ({time.strftime('%Y-%m-%d %H:%M:%S')})\n")
         out.flush()
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *argv], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ,
-                                                                                       "PYTHONUNBUFFERED": "1"})
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     with open(pid_path(run_id), "w") as f:
         f.write(str(proc.pid))
     deadline = time.monotonic() + wait_s
