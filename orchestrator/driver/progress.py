@@ -5,7 +5,7 @@
 
 On a terminal the bar shows step, loss, eval loss, tokens/s, world size, phase, time elapsed and
 ``ETA`` (none once the run is ending); in a pipe or a log (``ray job logs``, CI) it prints one plain
-line every few seconds instead, with steps/s and the ETA. Events the user wants to see (failures,
+line every few seconds instead, with steps/s (over the steps since the line before) and the ETA. Events the user wants to see (failures,
 recoveries, resizes, evaluations: ``[eval] step 40 eval loss 4.1230``, the memory tier turning off or
 falling back to the checkpoint) are lines of their own in both.
 
@@ -198,6 +198,7 @@ class Follower:
                                  console=self.console, transient=False) if self.live else None
         self.task = None
         self._rate_from: tuple[float, int] | None = None  # (time, step) of the first step seen, for the ETA
+        self._window: tuple[float, int] = (0.0, 0)  # (time, step) of the line before, for the steps/s shown
 
     def __enter__(self) -> Follower:
         if self.progress is not None:
@@ -230,18 +231,23 @@ class Follower:
             self.console.print(printable(f"{self.run_id} step {step}/{snap.get('total_steps')}  {info}"
                                          f"{self._eta(now, snap)}"),
                                markup=False, highlight=False, soft_wrap=True)  # a log line is never wrapped
+            self._window = (now, step)
 
     def _eta(self, now: float, snap: dict) -> str:
-        """``  2.10 steps/s  ETA 1:05`` from the steps seen so far (restarts included); "" once every step is
-        done or the run is ending or has ended (stopped or suspended early)."""
+        """``  2.10 steps/s  ETA 1:05``: steps/s over the steps since the line before (as tokens/s is recent,
+        the last step's), the ETA from the steps seen so far (restarts included); "" once every step is done or
+        the run is ending or has ended (stopped or suspended early)."""
         if self._rate_from is None or not snap.get("total_steps") or (snap.get("step") or 0) >= snap["total_steps"] \
                 or Phase.of(snap) in ENDING:
             return ""
+        step = snap.get("step") or 0
         t, s = self._rate_from
-        rate = ((snap.get("step") or 0) - s) / (now - t) if now > t else 0.0
+        rate = (step - s) / (now - t) if now > t else 0.0
         if rate <= 0:
             return ""
-        return f"  {rate:.2f} steps/s  ETA {clock((snap['total_steps'] - snap['step']) / rate)}"
+        wt, ws = max(self._window, self._rate_from)  # the later of the line before and the first step seen
+        recent = (step - ws) / (now - wt) if now > wt and step > ws else rate
+        return f"  {recent:.2f} steps/s  ETA {clock((snap['total_steps'] - step) / rate)}"
 
 
 def info_line(snap: dict) -> str:

@@ -273,6 +273,30 @@ def test_plain_progress_lines_are_whole_and_carry_an_eta():
     assert not any("ETA" in line for line in lines[4:])  # ending, ended early, or done: no time left
 
 
+def test_plain_progress_lines_show_the_steps_per_second_since_the_line_before(monkeypatch):
+    """As tokens/s (the last step's), steps/s is recent: over the steps since the line before, not since the start
+    (the ETA stays on the whole run's rate)."""
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.driver import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    f = progress.Follower("r", 100, live=False, console=Console(file=out, width=200), every_s=5.0)
+    snap = {"total_steps": 100, "loss": 3.0, "tokens_per_s": 5280.0, "world_size": 2, "phase": "RUNNING"}
+    with f:
+        for t, step in ((0.0, 10), (10.0, 20), (20.0, 60)):
+            now[0] = t
+            f.update({**snap, "step": step}, [])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert "  1.00 steps/s  ETA 1:20" in lines[1]  # 10 steps in 10 s; 80 left at 1.0 steps/s
+    assert "  4.00 steps/s  ETA 16.0 s" in lines[2], lines[2]  # 40 steps in the last 10 s; 40 left at 2.5 steps/s
+
+
 # --- 6. logs, submit (the detached run itself: tried by hand, it needs Ray) ------------------------------
 
 
