@@ -31,7 +31,7 @@ from checkpointing.errors import CheckpointError, ConfigError, EtrainError, Stor
 from checkpointing.export.weights import ModelSource
 
 from .export.convert import model_config, refuse_incomplete_export, run_config, tokenizer_files
-from .models.hf.hf_dir import open_weights, read_config, refuse_nonfinite
+from .models.hf.hf_dir import open_weights, read_config, refuse_nonfinite, require_hf
 from .models import spec_for
 from .models.brought import hf_max_positions, plain_forward
 from .models.hf.spec import hf_forward
@@ -76,6 +76,7 @@ def load(source: str, device: str | torch.device = "cpu", *, trust_code: bool = 
 
 def _load_export(path: str, device: torch.device) -> Loaded:
     """A transformers directory, validated (:mod:`trainer.models.hf.hf_dir`) before transformers reads it."""
+    require_hf(f"etrain generate of the transformers directory {path}")
     config = read_config(path, path)
     weights = open_weights(path, path)  # headers, index, a .bin only through torch.load(weights_only=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

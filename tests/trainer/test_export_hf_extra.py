@@ -93,6 +93,16 @@ def test_init_from_a_transformers_directory_without_safetensors_exits_2(work, tm
     assert "Traceback" not in res.stderr and "step 1/" not in res.stdout, res.stdout + res.stderr
 
 
+def test_generate_from_an_export_without_transformers_exits_2(work, tmp_path):
+    out = tmp_path / "tiny-hf"
+    assert etrain(["ckpt", "export", f"file://{work}/runs/tiny", str(out)], work, tmp_path).returncode == 0
+    res = etrain_without("transformers", ["generate", str(out), "--prompt", "def ", "--max-new-tokens", "2"], work,
+                         tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert 'pip install "etrain[hf]"' in res.stderr and "etrain generate" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
 def test_an_hf_model_without_transformers_exits_2_before_training(tmp_path):
     res = etrain_without("transformers", ["train", "examples/llama-small.toml", "--set", "train.steps=1", "--set",
                                           f'checkpoint.url="file://{tmp_path}/runs"'], ROOT, tmp_path)
