@@ -382,7 +382,8 @@ def cmd_submit(args) -> int:
     from trainer.config.load import config_from_dict, load_raw
 
     from ..config import elastic_from_raw
-    from ..driver.run import default_root, job_url, store_url_for, submit_job
+    from ..driver.job_paths import job_data_paths, job_url
+    from ..driver.run import default_root, store_url_for, submit_job
     from ..service import auth
     from ..store import user_runs as registry
 
@@ -412,7 +413,7 @@ def cmd_submit(args) -> int:
     for flag, v in (("--workers", args.workers), ("--min-workers", args.min_workers),
                     ("--max-workers", args.max_workers)):
         entry += [flag, str(v)] if v is not None else []
-    sets = [*args.set, *_job_data_paths(cfg, args.working_dir)]
+    sets = [*args.set, *job_data_paths(cfg, args.working_dir)]
     if ckpt and ckpt != cfg.checkpoint.url:
         sets.append(f"checkpoint.url={json.dumps(ckpt)}")  # a TOML string; last, so it wins
     entry += [a for o in sets for a in ("--set", o)]
@@ -423,27 +424,6 @@ def cmd_submit(args) -> int:
           f"  `etrain status {run_id}` shows where it is, `ray job logs {job} --address {redact(address)} -f` "
           "follows its output")
     return 0
-
-
-def _job_data_paths(cfg, working_dir: str) -> list[str]:
-    """``--set`` overrides that give the job the run's relative local data paths relative to its working
-    directory (``working_dir`` uploaded) as this directory names them; ConfigError for one outside it."""
-    from ..driver.run import job_relative
-
-    d, sets = cfg.data, []
-    fields = [("eval.source", cfg.eval.source)]
-    if d.source not in ("stdlib", "python") and d.format != "hf":  # "hf": a builder's name, not a path
-        fields.append(("data.source", d.source))
-    if d.tokenizer != "bytes":
-        fields.append(("data.tokenizer", d.tokenizer))
-    for field, path in fields:
-        rel = job_relative(path, field, working_dir) if path else path
-        if rel != path:
-            sets.append(f"{field}={json.dumps(rel)}")
-    files = [job_relative(f, "data.data_files", working_dir) for f in d.data_files]
-    if files != list(d.data_files):
-        sets.append(f"data.data_files={json.dumps(files)}")
-    return sets
 
 
 def _report(final: dict) -> int:

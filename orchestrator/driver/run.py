@@ -50,6 +50,8 @@ from ..controller.run_policy import FailurePolicy
 from ..store.cluster_names import controller_name
 from ..store.documents import writing
 from ..store.run_store import RunSpec, RunStore, UnknownRun, open_store
+from .cluster import TOKEN_HELP, connect, use_ray_token
+from .cluster import first_line as _first_line
 from .progress import Follower
 
 log = logging.getLogger("etrain")
@@ -68,72 +70,6 @@ def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, check
         if url:
             return check_url(url, source)
     return default_root()
-
-
-# --- paths a submitted run names ---------------------------------------------------------
-
-# Directories mounted at the same path on this machine and every machine of the cluster (an NFS or Lustre
-# mount), separated by ":": a local path under one of them is one the cluster reaches (etrain submit).
-SHARED_PATHS = "ETRAIN_SHARED_PATHS"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def local_path(url: str) -> str | None:
-    """The path on this machine's filesystem that ``url`` names (a plain path or a ``file://`` URL, as fsspec
-    reads them: ``file://runs`` is relative), else None."""
-    if "::" in url:  # an fsspec chain (simplecache::s3://...): not a plain local path
-        return None
-    scheme, sep, rest = url.partition("://")
-    return url if not sep else rest if scheme == "file" else None
-
-
-def cluster_is_local(address: str) -> bool:
-    """Whether the Ray cluster at ``address`` (a dashboard URL or host:port) is on this machine's loopback."""
-    from urllib.parse import urlsplit
-
-    host = urlsplit(address if "://" in address else f"//{address}").hostname or ""
-    return host.lower() in LOOPBACK or host.startswith("127.")
-
-
-def shared_root(path: str) -> str | None:
-    """The directory of ``$ETRAIN_SHARED_PATHS`` that holds the absolute ``path``, or None."""
-    for root in filter(None, os.environ.get(SHARED_PATHS, "").split(":")):
-        root = os.path.abspath(root)
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            return root
-    return None
-
-
-def job_url(url: str, field: str, address: str, need: str = "a run store") -> str:
-    """``url`` as a job on the cluster at ``address`` must be given it: a local path made an absolute
-    ``file://`` URL (resolved against this directory), when the cluster reaches it: the cluster is on this
-    machine (``address`` on loopback), or the path is under a directory of ``$ETRAIN_SHARED_PATHS``.
-    Other URLs (``s3://``, ``etcd://``, ...) as they are. ConfigError, naming ``field`` and the fix, else."""
-    path = local_path(url)
-    if path is None:
-        return url
-    path = os.path.abspath(path)
-    if cluster_is_local(address) or shared_root(path):
-        return f"file://{path}"
-    raise ConfigError(f"a submitted run needs {need} that the cluster and this machine both reach: {field} is "
-                      f"{path}, a path on this machine, which the cluster at {redact(address)} does not reach (a "
-                      "job runs in a temporary directory on the cluster's machines); use shared storage such as "
-                      "s3://bucket/runs" + (", or --store etcd://HOST:2379/etrain" if need == "a run store" else "") +
-                      f", or a shared filesystem mounted at the same path on every machine and named in "
-                      f"${SHARED_PATHS} (e.g. {SHARED_PATHS}=/nfs)")
-
-
-def job_relative(path: str, field: str, working_dir: str) -> str:
-    """A relative local ``path`` of the run (relative to this directory) as the job finds it: relative to its
-    working directory, which is ``working_dir`` uploaded. ConfigError if ``path`` lies outside it."""
-    if local_path(path) != path or os.path.isabs(path):
-        return path
-    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(working_dir))
-    if rel == ".." or rel.startswith("../"):
-        raise ConfigError(f"{field}={path!r} is outside --working-dir {working_dir}, which is all the job gets; "
-                          "move it there, or name it by an absolute path that every machine of the cluster has, "
-                          "or by a URL such as s3://bucket/data")
-    return rel
 
 
 def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
@@ -256,98 +192,6 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None, *, token: s
 
 
 # --- Ray ---------------------------------------------------------------------------
-
-
-def connect(address: str | None, num_cpus: int) -> bool:
-    """Join the cluster at ``address`` / $RAY_ADDRESS, or start a local Ray on 127.0.0.1. True if local."""
-    address = address or os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not address:
-        # A local Ray stays on loopback. Without this Ray names the node by the machine's routable
-        # address even when told 127.0.0.1, and the workers' rendezvous would follow it there. Ray
-        # reads it when imported (hence before the import below) and its processes inherit it.
-        os.environ.setdefault(_LOCAL_ONLY, "0")
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address:
-        use_ray_token()
-        check_token_accepted(address)  # a refused token is said at once, not after 20 s of Ray's retries
-        try:
-            ray.init(address=address, namespace="etrain", log_to_driver=False, logging_level="warning")
-        except (ConnectionError, RuntimeError, ValueError) as e:  # their text repeats the address
-            raise EtrainError(f"cannot join the Ray cluster at {redact(address)} (--address / $RAY_ADDRESS): "
-                              f"{_first_line(redact_text(str(e), address))}") from None
-        return False
-    from ray._private import ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ[_LOCAL_ONLY] != "0"  # in case Ray was imported earlier
-    # Ray turns token authentication on for a new local cluster and warns about it on every start; this
-    # one listens on loopback only, so the warning is noise in etrain's output (docs/operations.md).
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    # address="local": a new instance, even when another Ray runs on this machine (ray.init() would join it).
-    # Its processes, the workers among them, inherit this environment: without the shell's tokens.
-    with auth.secrets_withheld():
-        ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 namespace="etrain", log_to_driver=False, logging_level="warning")
-    return True
-
-
-_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-# How Ray's clients find the token of a cluster with token authentication (RAY_AUTH_MODE=token on its head).
-TOKEN_HELP = ("set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file holding it, or put "
-              "it in ~/.ray/auth_token (`ray get-auth-token` on the head node prints it)")
-
-
-def use_ray_token() -> bool:
-    """Send this user's Ray token to the cluster about to be joined, as the ``ray`` CLI does: when
-    ``RAY_AUTH_MODE`` is unset and Ray finds a token (``$RAY_AUTH_TOKEN``, the file ``$RAY_AUTH_TOKEN_PATH``
-    names, else ``~/.ray/auth_token``), token mode is turned on for this process (and what it starts).
-    ``RAY_AUTH_MODE`` set is left as it is. Whether token mode is on."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return False
-    # Ray's "token authentication is enabled" notice: the cluster's setting, not news to its users.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def check_token_accepted(address: str, timeout_s: float = 5.0) -> None:
-    """EtrainError at once, naming the variables to set, when the cluster at ``address`` (its GCS, host:port)
-    refuses the token this process would send (or its absence). Ray itself would retry for 20 s, logging a line
-    each time. Anything else (an address of another form, a GCS that does not answer) is left to ``ray.init``."""
-    if "://" in address or ":" not in address:  # ray://..., "auto": not a GCS to ask
-        return
-    try:
-        import grpc
-        from ray._raylet import AuthenticationTokenLoader
-        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-    except ImportError:
-        return
-    loader = AuthenticationTokenLoader.instance()
-    header = loader.get_token_for_http_header() if loader.has_token() else {}  # what Ray will send
-    try:
-        with grpc.insecure_channel(address) as channel:
-            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=list(header.items()))
-        return
-    except grpc.RpcError as e:
-        if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-            return
-    mode = os.environ.get("RAY_AUTH_MODE", "")
-    if header:
-        why = "refuses the token this machine has (from $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
-    elif mode and mode.lower() != "token":
-        why = f"needs a token and RAY_AUTH_MODE={mode} sends none; set RAY_AUTH_MODE=token and"
-    else:
-        why = "needs a token (Ray token authentication) and this machine has none"
-    raise EtrainError(f"cannot join the Ray cluster at {redact(address)} (--address / $RAY_ADDRESS): it {why}; "
-                      f"{TOKEN_HELP}")
 
 
 def controller_options(e: ElasticConfig) -> ControllerOptions:
@@ -627,7 +471,3 @@ def submit_job(address: str, entrypoint: list[str], working_dir: str = ".", env:
         hint = f"; {TOKEN_HELP}" if "Authentication" in text else ""
         raise EtrainError(f"cannot submit to the Ray dashboard at {redact(address)}: {_first_line(text)}{hint}") \
             from None
-
-
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]

@@ -105,7 +105,7 @@ def test_relative_data_paths_are_given_relative_to_the_jobs_working_directory(su
 
 
 def test_what_is_local_and_what_is_a_local_path():
-    from orchestrator.driver.run import cluster_is_local, local_path
+    from orchestrator.driver.job_paths import cluster_is_local, local_path
 
     assert [cluster_is_local(a) for a in ("http://127.0.0.1:8265", "127.0.0.1:6379", "localhost:6379",
                                           "http://[::1]:8265", "http://10.0.0.5:8265", "head:6379")] == \
