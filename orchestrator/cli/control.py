@@ -30,10 +30,11 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def store_url(args) -> str:
-    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs. Without
-    :mod:`orchestrator.driver.run` (its ``store_url_for`` and ``default_root`` say the same), which loads
-    the controller, torch and Ray: a control command needs none of them."""
+    """--store, then $ETRAIN_STORE, then the run registry's entry for the run, then ./runs
+    (:func:`orchestrator.store.urls.default_root`), without the driver, the controller, torch or Ray."""
     from checkpointing.names import check_url
+
+    from ..store.urls import default_root
 
     for url, source in ((args.store, "--store"), (os.environ.get("ETRAIN_STORE"), "$ETRAIN_STORE")):
         if url:
@@ -44,7 +45,7 @@ def store_url(args) -> str:
         found = registry.lookup(args.run)
         if found:
             return check_url(found, f"the run registry entry {registry.runs_dir()}/{args.run}.json")
-    return f"file://{os.path.abspath('runs')}"
+    return default_root()
 
 
 def looked_where(args) -> str:

@@ -32,7 +32,8 @@ from checkpointing.cli_args import ArgumentParser
 
 from ..phase import Phase
 from ..driver.progress import from_tier
-from ..driver.run import BackgroundRun, connect, default_root, prepare_resume, prepare_run
+from ..driver.run import BackgroundRun, connect, prepare_resume, prepare_run
+from ..store.urls import default_root
 
 console = Console()
 

@@ -383,9 +383,10 @@ def cmd_submit(args) -> int:
 
     from ..config import elastic_from_raw
     from ..driver.job_paths import job_data_paths, job_url
-    from ..driver.run import default_root, store_url_for, submit_job
+    from ..driver.run import submit_job
     from ..service import auth
     from ..store import user_runs as registry
+    from ..store.urls import default_root, store_url_for
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:

@@ -50,26 +50,12 @@ from ..controller.run_policy import FailurePolicy
 from ..store.cluster_names import controller_name
 from ..store.documents import writing
 from ..store.run_store import RunSpec, RunStore, UnknownRun, open_store
+from ..store.urls import default_root, store_url_for
 from .cluster import TOKEN_HELP, connect, use_ray_token
 from .cluster import first_line as _first_line
 from .progress import Follower
 
 log = logging.getLogger("etrain")
-
-
-def default_root() -> str:
-    """Where runs keep checkpoints and control documents when nothing else is said."""
-    return f"file://{os.path.abspath('runs')}"
-
-
-def store_url_for(explicit: str | None, ecfg: ElasticConfig | None = None, checkpoint_url: str = "") -> str:
-    """--store, then $ETRAIN_STORE, then [elastic].store, then the checkpoint root, then ./runs.
-    ConfigError, naming where it came from, if that URL carries credentials."""
-    for url, source in ((explicit, "--store"), (os.environ.get("ETRAIN_STORE"), "$ETRAIN_STORE"),
-                        (ecfg.store if ecfg else "", "elastic.store"), (checkpoint_url, "checkpoint.url")):
-        if url:
-            return check_url(url, source)
-    return default_root()
 
 
 def prepare_run(config_path: str, overrides: list[str], *, workers: int | None = None,
