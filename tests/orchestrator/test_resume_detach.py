@@ -21,8 +21,11 @@ from tests.harness import ROOT
 pytestmark = pytest.mark.ray
 
 
-def test_a_run_whose_start_failed_resumes_in_the_background(ray_cluster, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("by_token", [False, True], ids=["registry", "token"])
+def test_a_run_whose_start_failed_resumes_in_the_background(ray_cluster, tmp_path, monkeypatch, capsys, by_token):
+    """``by_token``: this user's registry no longer holds the run's token; ``--token`` hands it over."""
     import orchestrator.driver.run
+    from orchestrator.store import user_runs as registry
     from orchestrator.store.run_store import open_store
 
     monkeypatch.chdir(ROOT)
@@ -39,8 +42,15 @@ def test_a_run_whose_start_failed_resumes_in_the_background(ray_cluster, tmp_pat
     assert store.get_status(run_id)["phase"] == "FAILED"
     capsys.readouterr()
 
+    token = []
+    if by_token:
+        token = ["--token", registry.token_of(run_id)]
+        registry.record(run_id, root)  # the entry without its token
+        assert registry.token_of(run_id) is None
+
     started = time.monotonic()
-    assert etrain(["resume", run_id, "--detach", "--address", ray_cluster.cluster.address, "--store", root]) == 0
+    assert etrain(["resume", run_id, "--detach", "--address", ray_cluster.cluster.address, "--store", root,
+                   *token]) == 0
     out = capsys.readouterr().out
     assert "runs in the background" in out and f"etrain logs {run_id} -f" in out, out
     deadline = started + 300
@@ -51,4 +61,5 @@ def test_a_run_whose_start_failed_resumes_in_the_background(ray_cluster, tmp_pat
     log = capsys.readouterr().out
     assert f"--- etrain resume {run_id} --address" in log and "--no-progress" in log, log
     assert f"resuming run {run_id!r} on 1 workers" in log and f"run {run_id!r} FINISHED at step 6/6" in log, log
+    assert not token or token[1] not in log, "the token was written into the run's log"  # it went in the env
     assert store.get_status(run_id)["phase"] == "FINISHED"
