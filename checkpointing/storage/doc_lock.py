@@ -184,8 +184,9 @@ def _proc_text(path: str) -> str:
         return ""
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` of this machine has ended (a zombie, not yet reaped, has)."""
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` (> 0) of this machine has ended (a zombie, not yet reaped, has; another user's
+    live process has not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -273,7 +274,7 @@ class OwnerDir:
     def _dead(self, holder: dict) -> bool:
         same_machine = all(holder.get(k) == self.me[k] for k in ("host", "boot", "pidns"))
         pid = holder.get("pid")
-        return same_machine and isinstance(pid, int) and pid > 0 and pid != os.getpid() and _gone(pid)
+        return same_machine and isinstance(pid, int) and pid > 0 and pid != os.getpid() and process_gone(pid)
 
     def _break(self, holder_id: str) -> None:
         try:

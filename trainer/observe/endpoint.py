@@ -20,16 +20,18 @@ no longer answers.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import re
 import socket
-import stat
 import uuid
 
 from prometheus_client import CollectorRegistry, start_http_server
+
+from checkpointing.storage.backend import DocumentRefused
+from checkpointing.storage.doc_lock import process_gone
+from checkpointing.storage.local import read_regular
 
 from .metrics import RunMetrics
 
@@ -75,33 +77,17 @@ def stale_target(path: str, pid: int) -> bool:
     """Whether the target file ``path`` of process ``pid`` is stale: that process is not alive here, and each
     of its targets is an address of this machine on which nothing listens. A target elsewhere (a shared
     directory: another node's run) is never judged stale from here, nor is a file that is not a target file."""
-    if pid == os.getpid() or _pid_alive(pid):
+    if pid == os.getpid() or (pid > 0 and not process_gone(pid)):
         return False
     targets = _targets(path)
     return bool(targets) and all(_local(host) and not _answers(host, port) for host, port in targets)
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this machine (another user's too: signalling it is refused, not unknown)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
-
-
 def _targets(path: str) -> list[tuple[str, int]]:
     """The ``host:port`` targets of a file_sd file (a plain file of at most 64 KiB); [] when it is not one."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return []
-            data = f.read(_MAX_TARGET_FILE + 1)
-        groups = json.loads(data) if len(data) <= _MAX_TARGET_FILE else None
-    except (OSError, ValueError):
+        groups = json.loads(read_regular(path, os.path.basename(path), _MAX_TARGET_FILE))
+    except (OSError, DocumentRefused, ValueError):  # gone, not a regular file, over the cap, not JSON
         return []
     out = []
     for group in groups if isinstance(groups, list) else []:
