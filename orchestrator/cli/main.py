@@ -11,6 +11,7 @@
     etrain quota [TEAM] [--max-workers N | --remove] [--json]   (teams' quotas on a shared cluster; setting: admin)
     etrain service {init,show} [--store URL] [--address GCS]    (a shared cluster's service store)
     etrain grant OWNER [--max-priority N] [--teams a,b] [--nonpreemptible] [--revoke] | --list   (admin)
+    etrain nodes [--json] | nodes release NODE|--all | nodes limits   (the cluster's nodes, quarantine; admin)
     etrain top RUN [--once]               (live metrics: loss, throughput, communication, memory, recovery)
     etrain chaos RUN --plan chaos.toml [--reference] [--plot F.png] [--token TOKEN]   (faults, then the oracle)
     etrain plot RUN [-o run.png]          (loss, eval loss, throughput, world size; failures, resizes marked)
@@ -70,6 +71,7 @@ from .control import (
     looked_where,
     store_url,
 )
+from .nodes import add_nodes_parser, cmd_nodes
 from .queue import cmd_queue
 from .service import add_service_parsers, cmd_grant, cmd_quota, cmd_service
 
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(p)
 
     add_service_parsers(sub, _add_store, _add_token)
+    add_nodes_parser(sub)
 
     p = sub.add_parser("plot", help="draw a run, live or finished: loss, eval loss, throughput and world size over "
                                     "steps and time, every failure, recovery, resize, suspend and resume marked")
@@ -477,7 +480,7 @@ def cmd_resume(args) -> int:
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "status": cmd_status, "events": cmd_events, "admin-token": cmd_admin,
             "suspend": cmd_suspend, "stop": cmd_stop, "resize": cmd_resize, "top": cmd_top,
             "chaos": cmd_chaos, "data": cmd_data, "plot": cmd_plot, "logs": cmd_logs, "submit": cmd_submit,
-            "quota": cmd_quota, "queue": cmd_queue, "service": cmd_service, "grant": cmd_grant}
+            "quota": cmd_quota, "queue": cmd_queue, "service": cmd_service, "grant": cmd_grant, "nodes": cmd_nodes}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ cluster should have, and writes it into each run's spec for its controller to fo
 
 Every ``interval_s`` the allocator reads each registered run's spec, status, history and events from
 the run's own store (:mod:`orchestrator.service.demand`), the cluster's capacity in workers (alive
-nodes, draining ones left out) and the teams' quotas, asks its policy
+nodes, draining and quarantined ones left out: :mod:`orchestrator.service.capacity`), the quarantined
+nodes (:mod:`orchestrator.service.quarantine`, which it also writes to Ray's GCS for placement to read)
+and the teams' quotas, asks its policy
 (:mod:`orchestrator.service.policy`; by default today's rules, :mod:`orchestrator.service.rules`;
 ``ETRAIN_SCHEDULING_POLICY`` names another) and writes what changed, each as a compare-and-swap on
 the spec it read (a user's resize in between wins; the next decision reads it):
@@ -55,11 +57,13 @@ from ..store import liveness
 from ..store.cluster_names import cluster_key, controller_name
 from ..store.documents import RunSpec, SpecConflict, StoreUnavailable, UnknownRun, is_run_id
 from ..store.run_store import RunStore, open_store
+from .capacity import ray_capacity
 from .demand import demand_of, desired
 from .docs import QUOTAS_DOC, STATE_DOC, dict_field, quotas, read_doc, set_quota, update_doc  # noqa: F401
 from .grants import clamp, grants_of, service_url
 from .metrics import ClusterMetrics
 from .policy import MAX_WORKERS, Admit, ClusterView, Plan, Restore, SchedulingPolicy, SetTarget, Suspend, policy_named
+from .quarantine import publish, quarantined_nodes
 from .rules import default_policy
 
 log = logging.getLogger("etrain")
@@ -102,12 +106,15 @@ class SkipRun(Exception):
 class AllocatorCore:
     """The allocator's logic, without Ray: ``capacity(cpus_per_worker, gpus_per_worker)`` says how many
     workers the cluster holds now (or, as :func:`ray_capacity`, that and how many fit in what is free);
-    ``opener`` opens a run's store from its URL; ``policy`` decides (the default rules without one)."""
+    ``opener`` opens a run's store from its URL; ``policy`` decides (the default rules without one);
+    ``publish`` gets the quarantined nodes at every decision (the actor's writes them to Ray's GCS)."""
 
     def __init__(self, state: RunStore, capacity: Callable[[float, float], int | tuple[int, int]], *, clock=time.time,
                  opener: Callable[[str], RunStore] = open_store, policy: SchedulingPolicy | None = None,
-                 read_budget_s: float = READ_BUDGET_S, alive: Callable[[str, str], bool] = lambda run_id, url: False):
+                 read_budget_s: float = READ_BUDGET_S, alive: Callable[[str, str], bool] = lambda run_id, url: False,
+                 publish: Callable[[dict], object] = lambda quarantined: None):
         self.state = state
+        self.publish = publish  # where the quarantined nodes go for placement to read (quarantine.publish on Ray)
         self.alive = alive  # whether the run's controller is live (a resumed run's status may still say SUSPENDED)
         self.policy = policy or default_policy()
         self.capacity = capacity
@@ -123,6 +130,8 @@ class AllocatorCore:
         self.skipped: dict[str, str] = {}  # cluster key -> why the run was left out of the last decision
         self.cuts: dict[str, str] = {}  # cluster key -> what its owner's grant cut of its claims, last decision
         self.grants = None  # the owners' grants of the service store (None: claims taken as written)
+        self.quarantined: dict[str, dict] = {}  # node id -> its entry, as last read (kept when a read fails)
+        self._quarantine_error = ""
         # Reads of a run's documents run here, each bounded by read_budget_s: one run's store cannot stall a round.
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="allocator-read")
         self._pending: dict[str, Future] = {}
@@ -268,6 +277,7 @@ class AllocatorCore:
                 self.grants = grants_of(self.state)
             except Exception as e:  # the service store away: the grants of the last round stand
                 log.warning("allocator: the grants could not be read (%s); the last ones apply", e)
+            self._read_quarantine()  # before the capacity: it leaves these nodes out
             demands, specs, gone, pw = self.gather()
             self._forget(gone)
             cap = self.capacity(pw["cpus"] or 1.0, pw["gpus"])
@@ -275,15 +285,34 @@ class AllocatorCore:
                 total, free = cap
                 cap = min(total, sum(d.allocated for d in demands) + free)
             now = self.clock()
-            plan = self.policy.decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state)), now)
+            held = {n: e["reason"] for n, e in self.quarantined.items()}
+            plan = self.policy.decide(demands, ClusterView(capacity=cap, quotas=quotas(self.state), quarantined=held),
+                                      now)
             applied = [a for d in plan.decisions if (a := self._apply(d, *specs[d.run_id]))]
             self.metrics.observe(demands, plan, self.phases, applied, time.perf_counter() - started, cap, now)
+            self.metrics.quarantine(len(held))
             self.last = {"decided_unix": time.time(), "capacity": cap, "targets": plan.targets,
                          "waiting": plan.waiting, "teams": {d.run_id: d.team for d in demands},
                          "priorities": {d.run_id: d.priority for d in demands},
-                         "skipped": self.skipped, "applied": applied}
+                         "skipped": self.skipped, "applied": applied, "quarantined": sorted(held)}
             update_doc(self.state, STATE_DOC, lambda doc: {**doc, **self.last})
             return plan
+
+    def _read_quarantine(self) -> None:
+        """The quarantined nodes of the state store, published to Ray's GCS (every decision: a release made
+        without Ray, or a GCS restarted, is caught up within one); a document that cannot be read or is not
+        etrain's leaves the last set standing, said once per new error."""
+        try:
+            self.quarantined, self._quarantine_error = quarantined_nodes(self.state), ""
+        except Exception as e:
+            if str(e) != self._quarantine_error:
+                log.warning("allocator: the quarantined nodes could not be read (%s); the %d read last stand", e,
+                            len(self.quarantined))
+            self._quarantine_error = str(e)
+        try:
+            self.publish(self.quarantined)
+        except Exception as e:  # the GCS away for a moment: written again at the next decision
+            log.info("allocator: the quarantined nodes were not published: %s", e)
 
     def _apply(self, d, store: RunStore, spec: RunSpec) -> dict | None:
         if isinstance(d, SetTarget) and d.cause in ("capacity", "valid") and "QUEUED" not in self.phases.values():
@@ -317,33 +346,6 @@ class AllocatorCore:
         return {"run_id": spec.run_id, **event}
 
 
-def ray_capacity(cpus_per_worker: float, gpus_per_worker: float,
-                 draining: frozenset[str] | None = None) -> tuple[int, int]:
-    """(workers the live Ray cluster holds, workers that fit in what is free now): each alive node's CPUs
-    (GPUs, when workers take GPUs) over what one worker takes, the draining nodes (``draining``, node
-    ids; by default Ray's, :func:`orchestrator.service.drains.ray_draining_nodes`) left out. The allocator counts
-    as capacity what its runs were granted plus what is free, never more than the cluster holds: what
-    others hold (standby spares, other jobs) is not the runs' to share."""
-    import ray
-
-    if draining is None:
-        from .drains import ray_draining_nodes
-
-        try:
-            draining = frozenset(ray_draining_nodes())
-        except Exception:  # the drain state unreadable this round: count every alive node
-            draining = frozenset()
-    key, per = ("GPU", gpus_per_worker) if gpus_per_worker > 0 else ("CPU", max(cpus_per_worker, 1e-6))
-    total = 0
-    for n in ray.nodes():
-        if not n.get("Alive") or n.get("NodeID") in draining:
-            continue
-        total += int(n.get("Resources", {}).get(key, 0) // per)
-    available = ray.available_resources().get(key, 0)
-    free = int(available // per)
-    return total, min(free, total)
-
-
 def controller_alive(run_id: str, store_url: str) -> bool:
     """Whether the run's controller actor lives on the connected cluster (a run being resumed, or one that
     has not written its status since its driver registered it)."""
@@ -366,7 +368,7 @@ class Allocator:
         policy = policy_named(os.environ.get(POLICY_VAR) or "default")  # the cluster's environment names it
         log.info("allocator: scheduling policy %r", policy.name)
         self.core = AllocatorCore(open_store(service_url() or state_url), ray_capacity, policy=policy,
-                                  alive=controller_alive)
+                                  alive=controller_alive, publish=publish)
         self.interval_s = interval_s
         self.endpoint = start_endpoint(self.core.metrics)
         threading.Thread(target=self._loop, name="allocator", daemon=True).start()
@@ -397,7 +399,8 @@ class Allocator:
         return self.state_url
 
     def state(self) -> dict:
-        return {"state_url": self.state_url, "runs": registry_doc(self.core.runs()), **self.core.last, "metrics_url": self.endpoint.url if self.endpoint else None}
+        return {"state_url": self.state_url, "runs": registry_doc(self.core.runs()), **self.core.last,
+                "metrics_url": self.endpoint.url if self.endpoint else None}
 
     def tick(self) -> dict:
         self._follow_service()

@@ -36,6 +36,12 @@ class ClusterMetrics:
         self.decision_count = 0
         self.decision_last = 0.0
         self.skipped: dict[str, int] = {}
+        self.quarantined = 0
+
+    def quarantine(self, nodes: int) -> None:
+        """How many nodes are quarantined (orchestrator.service.quarantine), at the last decision."""
+        with self._lock:
+            self.quarantined = nodes
 
     def skip(self, kind: str) -> None:
         """A run left out of a decision: its documents ``unreadable``, ``invalid`` or ``slow`` to read."""
@@ -50,8 +56,9 @@ class ClusterMetrics:
             for phase in phases.values():
                 self.phases[phase] = self.phases.get(phase, 0) + 1
             self.waiting = len(plan.waiting)
-            self.runs = {d.run_id: {"name": d.name, "allocated": plan.targets.get(d.run_id, 0), "requested": d.max_workers,
-                                    "minimum": d.min_workers, "priority": d.priority, "team": d.team,
+            self.runs = {d.run_id: {"name": d.name, "allocated": plan.targets.get(d.run_id, 0),
+                                    "requested": d.max_workers, "minimum": d.min_workers, "priority": d.priority,
+                                    "team": d.team,
                                     "queue_wait": max(0.0, now - d.queued_since) if d.run_id in plan.waiting
                                     else 0.0} for d in demands}
             for a in applied:
@@ -73,6 +80,8 @@ class ClusterMetrics:
         yield _gauge("etrain_cluster_runs", "registered runs by phase", [([p], n) for p, n in self.phases.items()],
                      ["phase"])
         yield _gauge("etrain_cluster_queue_length", "runs waiting for their minimum", [([], self.waiting)])
+        yield _gauge("etrain_quarantined_nodes", "nodes kept out of the cluster until an admin releases them "
+                     "(etrain nodes)", [([], self.quarantined)])
         for name, key, doc in (("etrain_cluster_allocated_workers", "allocated", "workers the allocator gives the run"),
                                ("etrain_cluster_requested_workers", "requested", "the most workers the run may use "
                                 "(max_workers)"),

@@ -127,8 +127,9 @@ def demand_problem(d: RunDemand) -> str | None:
 
 @dataclass(frozen=True)
 class ClusterView:
-    capacity: int  # workers the cluster holds now, draining nodes left out
+    capacity: int  # workers the cluster holds now, draining and quarantined nodes left out
     quotas: Mapping[str, int] = field(default_factory=dict)  # team -> most workers its runs may hold together
+    quarantined: Mapping[str, str] = field(default_factory=dict)  # node id -> why (orchestrator.service.quarantine)
 
 
 @dataclass(frozen=True)
