@@ -19,7 +19,9 @@ workers: each worker, the minimum, the elastic part above it and the
 standbys alike, gets a one-bundle placement group ({"CPU": 1}, or one GPU
 on GPU clusters) reserved before the actor starts, so a worker that cannot be placed stays *pending* instead of failing:
 when a node joins, pending workers come up by themselves, and the controller
-grows the group. Every worker is
+grows the group. Every placement group keeps off the cluster's quarantined
+nodes (``orchestrator.service.quarantine``), and a worker still waiting is
+placed again when they change. Every worker is
 built from the run's parsed config (``trainer.config.RunConfig``), which the
 driver parsed once and which pickles through Ray.
 """
@@ -35,6 +37,8 @@ from typing import Any, Protocol
 
 from checkpointing.errors import EtrainError
 from trainer.config import RunConfig
+
+from ..service.quarantine import avoiding, placement_exclusions
 
 
 class WorkerLost(EtrainError):
@@ -63,6 +67,7 @@ class _Worker:
     info: dict | None = None
     bundle: int | None = None  # its bundle in the run's gang; None: a placement group of its own
     labeled: bool = False  # placed by the minimum's label selector ([elastic] min_node_labels)
+    avoid: frozenset = frozenset()  # the quarantined nodes its placement group was made to keep off
 
 
 @dataclass
@@ -182,22 +187,33 @@ class RayWorkerGroup(WorkerGroup):
         self.gang: Any = None  # the gang placement group (reserve_gang), its size and its ready ref
         self.gang_size = 0
         self.gang_ref: Any = None
+        self.gang_avoid: frozenset = frozenset()  # the quarantined nodes the gang was made to keep off
 
     def reserve_gang(self, n: int) -> None:
         from ray.util.placement_group import placement_group
 
         if self.gang is None:
             # PACK is a preference: the bundles spread over nodes when no one node holds them all.
+            self.gang_avoid = placement_exclusions()  # the quarantined nodes (orchestrator.service.quarantine)
             self.gang = placement_group([dict(self.resources)] * n, strategy="PACK",
                                         name=f"etrain-{self.run_id}-gang-{uuid.uuid4().hex[:4]}",
-                                        **_selector(self.gang_labels, n))
+                                        **_selector(self.gang_labels, n, self.gang_avoid))
             self.gang_size, self.gang_ref = n, self.gang.ready()
 
     def gang_ready(self, timeout: float) -> bool:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         if self.gang is None:
             return False
+        if not ray.wait([self.gang_ref], timeout=0)[0] and self.gang_avoid != placement_exclusions():
+            # The quarantine changed while the gang waits: made again to keep off (or to use) those nodes.
+            gang, n, self.gang = self.gang, self.gang_size, None
+            try:
+                remove_placement_group(gang)
+            except Exception:  # removed already
+                pass
+            self.reserve_gang(n)
         done, _ = ray.wait([self.gang_ref], timeout=timeout)
         return bool(done)
 
@@ -226,40 +242,69 @@ class RayWorkerGroup(WorkerGroup):
         return next((b for b in range(self.gang_size) if b not in held), None) if self.gang is not None else None
 
     def start(self, n: int) -> list[str]:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        actor_cls = _remote_worker_class()
         self._hand_over_gang()
+        avoid = placement_exclusions()  # the quarantined nodes (orchestrator.service.quarantine)
         out = []
         for _ in range(n):
             wid = f"w{next(self._counter)}-{uuid.uuid4().hex[:4]}"
             bundle = self._free_bundle()
-            if bundle is not None:  # a gang member
-                pg, index, pg_ref = self.gang, bundle, self.gang_ref
-            else:
-                labels = self._labels_for_next()
-                pg = placement_group([dict(self.resources)], strategy="PACK", name=f"etrain-{self.run_id}-{wid}",
-                                     **_selector(labels, 1))
-                index, pg_ref = 0, pg.ready()
-            opts = {
-                "num_cpus": self.resources.get("CPU", 1), "num_gpus": self.resources.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                "max_restarts": 0, "max_task_retries": 0, "name": f"etrain-{self.run_id}-{wid}",
-            }
-            if self.env:
-                opts["runtime_env"] = {"env_vars": dict(self.env)}
-            actor = actor_cls.options(**opts).remote(self.config, wid, self.store_url, self.pg_timeout_s)
-            self.workers[wid] = _Worker(wid, actor, pg, actor.info.remote(), pg_ref, bundle=bundle,
-                                        labeled=bundle is None and bool(labels) and labels == self.gang_labels)
+            self.workers[wid] = self._place(wid, bundle, None if bundle is not None else self._labels_for_next(),
+                                            avoid, f"etrain-{self.run_id}-{wid}")
             out.append(wid)
         return out
+
+    def _place(self, wid: str, bundle: int | None, labels: dict | None, avoid: frozenset, name: str) -> _Worker:
+        """The worker's actor, in the gang's ``bundle``, or in a placement group of its own on a node with
+        ``labels`` and none of ``avoid``."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if bundle is not None:  # a gang member
+            pg, index, pg_ref = self.gang, bundle, self.gang_ref
+        else:
+            pg = placement_group([dict(self.resources)], strategy="PACK", name=name, **_selector(labels, 1, avoid))
+            index, pg_ref = 0, pg.ready()
+        opts = {
+            "num_cpus": self.resources.get("CPU", 1), "num_gpus": self.resources.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            "max_restarts": 0, "max_task_retries": 0, "name": name,
+        }
+        if self.env:
+            opts["runtime_env"] = {"env_vars": dict(self.env)}
+        actor = _remote_worker_class().options(**opts).remote(self.config, wid, self.store_url, self.pg_timeout_s)
+        return _Worker(wid, actor, pg, actor.info.remote(), pg_ref, bundle=bundle, avoid=avoid,
+                       labeled=bundle is None and bool(labels) and labels == self.gang_labels)
+
+    def _place_again_if_stale(self, wids: list[str]) -> None:
+        """Workers still waiting for a placement group of their own, made before the quarantined nodes last
+        changed, are placed again with the current ones: one made before a quarantine would take the node
+        once it frees up, one made during it would never take the node once it is released."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        waiting = [w for w in map(self.workers.get, wids) if w and w.bundle is None and w.info is None]
+        avoid = placement_exclusions() if waiting else frozenset()  # one read of Ray's GCS, while any wait
+        stale = [w for w in waiting if w.avoid != avoid]
+        placed = ray.wait([w.pg_ref for w in stale], num_returns=len(stale), timeout=0)[0] if stale else []
+        for w in stale:
+            if w.pg_ref in placed:  # it holds its node already: it stays there (its run moves it, if it must)
+                w.avoid = avoid
+                continue
+            for undo in (lambda: ray.kill(w.actor, no_restart=True), lambda: remove_placement_group(w.pg)):
+                try:
+                    undo()
+                except Exception:  # gone already
+                    pass
+            labels = self.gang_labels if w.labeled else self.elastic_labels
+            self.workers[w.wid] = self._place(w.wid, None, labels, avoid,
+                                              f"etrain-{self.run_id}-{w.wid}-{uuid.uuid4().hex[:4]}")
 
     def ready(self, wids: list[str], timeout: float) -> list[str]:
         """Those of ``wids`` whose actor is up (waits up to ``timeout`` for all of them); one whose
         first call failed (it died while starting) is killed, which drops it from ``workers``."""
         import ray
 
+        self._place_again_if_stale(wids)
         pending = {self.workers[w].info_ref: w for w in wids if w in self.workers and self.workers[w].info is None}
         if pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
@@ -275,6 +320,7 @@ class RayWorkerGroup(WorkerGroup):
         """Those of ``wids`` that hold their resources: up, or booting and soon up (never blocks)."""
         import ray
 
+        self._place_again_if_stale(wids)
         waiting = {self.workers[w].pg_ref: w for w in wids if w in self.workers and self.workers[w].info is None}
         done, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0) if waiting else ([], [])
         booting = {waiting[r] for r in done}
@@ -344,9 +390,11 @@ class RayWorkerGroup(WorkerGroup):
             self.gang, self.gang_size, self.gang_ref = None, 0, None
 
 
-def _selector(labels: dict[str, str], bundles: int) -> dict:
-    """Ray's ``bundle_label_selector`` argument for ``bundles`` bundles on nodes with ``labels`` ({}: none)."""
-    return {"bundle_label_selector": [dict(labels) for _ in range(bundles)]} if labels else {}
+def _selector(labels: dict[str, str], bundles: int, avoid: frozenset = frozenset()) -> dict:
+    """Ray's ``bundle_label_selector`` argument for ``bundles`` bundles on nodes with ``labels`` and none of
+    ``avoid`` (the quarantined nodes) ({}: any node)."""
+    selector = avoiding(labels, avoid)
+    return {"bundle_label_selector": [dict(selector) for _ in range(bundles)]} if selector else {}
 
 
 def remove_orphaned_placement_groups(run_id: str) -> int:
