@@ -28,7 +28,8 @@ from checkpointing.errors import ConfigError
 from ..phase import Phase
 from ..store.run_store import RunStore
 from .injector import Chaos
-from .oracle import final_trajectory, loss_rel_diff, oracle, stale_commits, verify_committed
+from .oracle import (checkpoint_skipped, final_trajectory, loss_rel_diff, loss_steps, oracle, replayed_steps,
+                     skipped_ranges, stale_commits, verify_committed)
 from .plan import ChaosPlan, load_plan
 from .plot import plot
 from .report import assess, format_report, report
@@ -36,9 +37,11 @@ from .report import assess, format_report, report
 log = logging.getLogger("etrain")
 
 
-def reference_run(spec, store: RunStore, ref_id: str, address: str | None) -> dict:
+def reference_run(spec, store: RunStore, ref_id: str, address: str | None, skip_ranges: list | None = None) -> dict:
     """The failure-free reference: reuse ``ref_id`` when it FINISHED, else run the same config
-    under that id (same workers, same checkpoint root) to the end."""
+    under that id (same workers, same checkpoint root) to the end. ``skip_ranges``: the samples the run
+    skipped as the data's ([health]), which a new reference skips too (``data.skip_ranges``), so that the
+    loss compares at every step after them."""
     from ..driver.run import launch
     from ..store.run_store import RunSpec, UnknownRun
 
@@ -53,6 +56,8 @@ def reference_run(spec, store: RunStore, ref_id: str, address: str | None) -> di
         pass
     config = json.loads(json.dumps(spec.config))
     config["run_id"] = ref_id
+    if skip_ranges:
+        config.setdefault("data", {})["skip_ranges"] = [list(r) for r in skip_ranges]
     ref = RunSpec(run_id=ref_id, config=config, workers=spec.workers, min_workers=spec.min_workers,
                   max_workers=spec.max_workers)
     store.create_run(ref)
@@ -68,18 +73,29 @@ def judge(run_id: str, store: RunStore, plan: ChaosPlan, chaos: Chaos | None, fi
     cfg = parse_spec(store.get_spec(run_id))[0]
     history = store.get_history(run_id)
     ref = None
+    ref_skipped: list = []
     if ref_id is not None:
         ref = {"status": store.get_status(ref_id) or {}, "history": store.get_history(ref_id)}
+        ref_skipped = parse_spec(store.get_spec(ref_id))[0].data.skip_ranges
     problems, cursor = verify_committed(cfg.checkpoint.url, run_id)
     events = store.events(run_id)
     restored = max((e.get("restored_from") or 0 for e in events if e.get("kind") == "formed"), default=0)
+    skipped, replayed = skipped_ranges(events, cfg.data.skip_ranges), replayed_steps(events, history)
     reasons = oracle({"status": final, "history": history}, ref, total_steps=cfg.train.steps,
                      global_batch=cfg.train.global_batch, rtol=plan.loss_rtol, atol=plan.loss_atol,
-                     verify_problems=problems, final_cursor=cursor, restored_up_to=restored)
+                     verify_problems=problems, final_cursor=cursor, restored_up_to=restored, skipped=skipped,
+                     checkpoint_skipped=checkpoint_skipped(cfg.checkpoint.url, run_id), ref_skipped=ref_skipped,
+                     replayed=replayed)
     reasons += stale_commits(cfg.checkpoint.url, run_id, events)
     rows = assess(chaos.injections if chaos else [], events, history)
-    diff = loss_rel_diff(history, ref["history"]) if ref else None
+    diff, note = None, None
+    if ref:
+        steps, note = loss_steps(final_trajectory(history), final_trajectory(ref["history"]),
+                                 global_batch=cfg.train.global_batch, skipped=skipped, ref_skipped=ref_skipped,
+                                 replayed=replayed)
+        diff = loss_rel_diff(history, ref["history"], set(steps))
     out = report(run_id, plan, rows, final, reasons, ref_id, diff)
+    out.update(skipped_ranges=skipped, loss_note=note)
     out["checkpoints_verified"] = len(problems)
     out["steps_without_history"] = sum(1 for s in range(1, cfg.train.steps + 1)
                                        if s not in final_trajectory(history))
@@ -97,6 +113,8 @@ def main(args, store: RunStore) -> int:
     """``etrain chaos``: exit 0 when the run passed, 1 when it failed the oracle, 2 for a bad plan."""
     import ray
 
+    from ..driver.run import parse_spec
+
     plan = load_plan(args.plan, args.fault)
     spec = store.get_spec(args.run)  # UnknownRun names the fix
     if not ray.is_initialized():
@@ -108,7 +126,8 @@ def main(args, store: RunStore) -> int:
     ref_id = None
     if args.reference is not None:
         ref_id = args.reference or f"{args.run}-reference"
-        reference_run(spec, store, ref_id, args.address)
+        cfg = parse_spec(spec)[0]
+        reference_run(spec, store, ref_id, args.address, skipped_ranges(store.events(args.run), cfg.data.skip_ranges))
     result = judge(args.run, store, plan, chaos, final, ref_id)
     if args.plot:
         draw_plot(args.plot, store, args.run, result, ref_id)

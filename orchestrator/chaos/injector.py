@@ -5,6 +5,8 @@
     chaos.injections                                        # [Injection]: what, when, on whom, errors
 
 Faults fire only while the run is RUNNING (an ``after_fault`` one fires on time, whatever the phase).
+Faults inside the trainer (``bitflip``, ``poison_batch``) are handed to the worker of a rank through the
+run's controller (``set_health_faults``) and fire a few steps after the one the run is at (:meth:`Chaos.lead`).
 Worker processes are found from the run's last ``formed`` event; signals reach other nodes through a Ray
 task pinned to the node (:func:`on_node`). A fault that cannot be injected is recorded with its error
 (it fails the verdict), never raised. Window faults (storage, etcd_outage, partition_node) are lifted
@@ -15,6 +17,7 @@ stays cut and no etcd stopped.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -29,6 +32,10 @@ from .etcd import EtcdControl
 from .plan import ChaosPlan, FaultSpec
 
 log = logging.getLogger("etrain")
+
+# A fault inside the trainer fires at a step still to come: this many seconds of steps, past the two the run
+# may be at already (:meth:`Chaos.lead`), cover the controller's progress poll and the calls that deliver it.
+LEAD_S = 0.5
 
 
 @dataclass
@@ -117,6 +124,8 @@ class Chaos:
         self.etcd: EtcdControl | None = None
         self.next_node_check = 0.0
         self.started = time.time()
+        self.health_faults: dict[str, list[dict]] = {}  # worker id -> the [health] faults given to it
+        self.step_marks: list[tuple[float, int]] = []  # (unix, step) as the status moved: the run's pace
 
     # --- the loop ---
 
@@ -132,6 +141,7 @@ class Chaos:
                 now = time.time()
                 if Phase.of(self.status).terminal:
                     break
+                self._mark_step(now)
                 self._close_windows(now)
                 self._watch_partitions(now)
                 for i, spec in enumerate(self.plan.faults):
@@ -207,6 +217,24 @@ class Chaos:
         for inj in open_cuts:
             if not alive.get(inj.target["node"], False):
                 inj.target["node_dead_after_s"] = round(now - inj.time, 2)
+
+    def _mark_step(self, now: float) -> None:
+        step = int(self.status.get("step") or 0)
+        if Phase.of(self.status) != Phase.RUNNING:
+            self.step_marks = []  # a recovery's pause is not the run's pace
+        elif not self.step_marks or step > self.step_marks[-1][1]:
+            self.step_marks = [m for m in self.step_marks if m[0] >= now - 10.0] + [(now, step)]
+
+    def lead(self) -> int:
+        """How many steps ahead of the controller's step a fault inside the trainer is set to fire. The
+        controller's step is rank 0's last completed one, polled every 0.1 s: by the time the fault reaches
+        the worker, the step after it may be computing already (its boundary, where param and optimizer flips
+        land, passed), so the one after that is the first that surely has not begun when a step outlasts
+        the poll and the calls; a faster run gets the steps it makes in ``LEAD_S`` on top (its pace over the
+        last 10 s of status). A fault set for a step already begun would never fire."""
+        (t0, s0), (t1, s1) = (self.step_marks[0], self.step_marks[-1]) if self.step_marks else ((0, 0), (0, 0))
+        pace = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return 2 + math.ceil(pace * LEAD_S)
 
     # --- targets ---
 
@@ -301,6 +329,50 @@ class Chaos:
         self.etcd.stop(spec.mode)
         inj.target = {"port": self.etcd.port, "pid": self.etcd.pid, "mode": spec.mode}
         self.open_windows.append((inj, spec))
+
+    # --- faults inside the trainer ([health]: trainer/health/faults.py) ---
+
+    def _inject_bitflip(self, inj: Injection, spec: FaultSpec) -> None:
+        world, step = self._live()
+        rank = spec.rank if spec.rank is not None else self.rng.randrange(max(world, 1))
+        if not 0 <= rank < world:
+            raise RuntimeError(f"rank {rank} is not in the group (world size {world})")
+        entry = spec.health_fault(step + self.lead(), self.plan.seed + inj.fault)
+        wid = self._give_health_fault(entry, rank)
+        inj.target = {"rank": rank, "worker": wid, "fires_at_step": entry["step"],
+                      **{k: v for k, v in entry.items() if k not in ("kind", "step")}}
+
+    def _inject_poison_batch(self, inj: Injection, spec: FaultSpec) -> None:
+        """Every rank's share of the step's batch: each rank's own Faults poisons its targets, so each gets it."""
+        world, step = self._live()
+        if world < 1:
+            raise RuntimeError("the run has no group now")
+        entry = spec.health_fault(step + self.lead(), self.plan.seed + inj.fault)
+        inj.target = {"fires_at_step": entry["step"], "ranks": world,
+                      "workers": [self._give_health_fault(entry, r) for r in range(world)]}
+
+    def _live(self) -> tuple[int, int]:
+        """(world size, step) as the controller holds them now: the store's status is written about once a
+        second, the controller's step is at most one progress poll old."""
+        import ray
+
+        snap = ray.get(self._controller().snapshot.remote(), timeout=30)
+        return int(snap.get("world_size") or 0), int(snap.get("step") or 0)
+
+    def _give_health_fault(self, entry: dict, rank: int) -> str:
+        """Hand ``entry`` to the worker that is rank ``rank`` now; its id. A worker's faults are replaced
+        whole, so one given faults before gets them again with the new one."""
+        import ray
+
+        ctl = self._controller()
+        wid = ray.get(ctl.set_health_faults.remote([entry], rank), timeout=30)
+        if wid is None:
+            raise RuntimeError(f"rank {rank} is not in the group now")
+        given = self.health_faults.setdefault(wid, [])
+        given.append(entry)
+        if len(given) > 1:
+            ray.get(ctl.set_health_faults.remote(list(given), rank), timeout=30)
+        return wid
 
     def _controller(self):
         from ..driver.run import controller_actor

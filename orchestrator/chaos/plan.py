@@ -57,9 +57,22 @@ A plan is a list of faults, each with a schedule::
     delay_s = 10
     cpus = 1
 
+    [[fault]]
+    kind = "bitflip"          # a silent fault inside the trainer ([health]): one bit of one element flipped
+    at_step = 20              # (the fault fires a few steps later: the injector's lead)
+    target = "param"          # "param" (default), "grad", "optimizer" or "activation"
+    rank = 1                  # default: a random one
+    bit = 30                  # default: the sign or a top exponent bit, drawn from the plan's seed
+    persistent = false        # true: every step from then on, replays included (a bad device)
+
+    [[fault]]
+    kind = "poison_batch"     # a step's targets shifted by half the vocabulary on every rank: the loss spikes
+    at_step = 35
+
 Invariants: a plan that loads is valid (each fault has exactly one schedule, a known kind, a positive
-window; ``after_fault`` names an earlier fault); every problem is a ConfigError that names the fault and
-the field. Tables are built and type-checked by the run config's own section builder
+window; ``after_fault`` names an earlier fault; a fault inside the trainer, ``bitflip`` or
+``poison_batch``, is scheduled by ``at_step`` or ``after_fault``); every problem is a ConfigError that
+names the fault and the field. Tables are built and type-checked by the run config's own section builder
 (``trainer.config.load.build_section``), and ``--fault`` values parse as ``--set`` values do.
 """
 
@@ -72,11 +85,14 @@ from checkpointing.errors import ConfigError
 from trainer.config.load import build_section, parse_value
 
 KINDS = ("kill_worker", "kill_node", "hang_rank", "storage", "etcd_outage", "partition_node", "drain_node",
-         "add_node")
+         "add_node", "bitflip", "poison_batch")
 # The cluster changing under the run (orchestrator/controller/drain.py): a resize, never a failure.
 CLUSTER_KINDS = ("drain_node", "add_node")
 # Faults that take a member out of the group: the controller must see a failure and re-form without it.
 PROCESS_KINDS = ("kill_worker", "kill_node", "hang_rank", "partition_node")
+# Silent faults inside the trainer ([health], trainer/health/faults.py): they fire at a step, so only the
+# schedules that name one (at_step, after_fault: a step or two after the fault it follows).
+IN_PROCESS_KINDS = ("bitflip", "poison_batch")
 WINDOW_S = {"partition_node": 20.0}  # duration_s when the plan leaves it out; 10 s for the other kinds
 
 
@@ -100,6 +116,11 @@ class FaultSpec:
     mode: str = "stop"
     deadline_s: float = 60.0  # drain_node: the drain's deadline
     cpus: int = 1  # add_node: the new node's CPUs
+    # bitflip: what is flipped ("param" when left out), which bit (None: drawn from the plan's seed), and
+    # whether it comes back at every later step on that rank
+    target: str | None = None
+    bit: int | None = None
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         where = f"fault kind={self.kind!r}"
@@ -128,6 +149,39 @@ class FaultSpec:
             raise ConfigError(f"{where}: cpus={self.cpus} must be >= 1 (the added node's CPUs)")
         if self.kind == "storage" and not (self.error_rate or self.truncate_rate or self.delay_s):
             raise ConfigError(f"{where}: set at least one of error_rate, truncate_rate, delay_s")
+        self._check_in_process(where)
+
+    def _check_in_process(self, where: str) -> None:
+        """bitflip and poison_batch: a schedule that names a step, and bitflip's own fields."""
+        if self.kind != "bitflip" and (self.target is not None or self.bit is not None or self.persistent):
+            raise ConfigError(f"{where}: target, bit and persistent are bitflip's fields")
+        if self.kind not in IN_PROCESS_KINDS:
+            return
+        for name, on in (("every_s", self.every_s is not None), ("random", self.random)):
+            if on:
+                raise ConfigError(f"{where}: {name} is no schedule for a fault inside the trainer (it fires at a "
+                                  "step); use at_step = N or after_fault = I")
+        if self.kind == "poison_batch" and self.rank is not None:
+            raise ConfigError(f"{where}: rank={self.rank}: a poisoned batch is the data's, every rank trains on it; "
+                              "leave rank out")
+        if self.rank is not None and self.rank < 0:
+            raise ConfigError(f"{where}: rank={self.rank} must be >= 0")
+        if self.kind == "bitflip":
+            from trainer.config.health import BITFLIP_TARGETS
+
+            self.target = "param" if self.target is None else self.target
+            if self.target not in BITFLIP_TARGETS:
+                raise ConfigError(f"{where}: target={self.target!r}; use one of {', '.join(BITFLIP_TARGETS)}")
+            if self.bit is not None and not 0 <= self.bit <= 63:
+                raise ConfigError(f"{where}: bit={self.bit} must be a bit of the element: 0-31 for fp32, 0-15 for "
+                                  "bf16 (a higher one is the element's top bit)")
+
+    def health_fault(self, step: int, seed: int) -> dict:
+        """The ``[health] faults`` entry the trainer gets (trainer/health/faults.py), firing at ``step``."""
+        if self.kind == "poison_batch":
+            return {"kind": "poison_batch", "step": step}
+        return {"kind": "bitflip", "step": step, "target": self.target, "persistent": self.persistent, "seed": seed,
+                **({"bit": self.bit} if self.bit is not None else {})}
 
     def storage_faults(self, seed: int) -> dict:
         return {"error_rate": self.error_rate, "truncate_rate": self.truncate_rate, "delay_s": self.delay_s,

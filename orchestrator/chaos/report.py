@@ -10,15 +10,16 @@ faults; the run's two goodput figures as the controller reported them in its sta
 here): ``goodput``, effective training time (the steps the final model holds) over wall time, and
 ``step_time_ratio``, every trained step's time (redone ones too) over wall time; and the
 oracle's reasons (``orchestrator.chaos.oracle``). A run passes when the oracle found nothing and every
-fault was injected, detected and recovered without losing a committed step. Nothing here reads the
-store or the cluster: the rows are computed from the events and history handed in.
+fault was injected, detected and recovered without losing a committed step; a fault inside the trainer
+(``bitflip``, ``poison_batch``) must also get the verdict its kind calls for (:func:`expected_verdict`).
+Nothing here reads the store or the cluster: the rows are computed from the events and history handed in.
 """
 
 from __future__ import annotations
 
 from ..store.run_store import HistoryRow
 from .injector import Injection
-from .plan import CLUSTER_KINDS, PROCESS_KINDS, ChaosPlan
+from .plan import CLUSTER_KINDS, IN_PROCESS_KINDS, PROCESS_KINDS, ChaosPlan
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -41,6 +42,7 @@ def assess(injections: list[Injection], events: list[dict], history: list) -> li
     # trained through when the run finished.
     finished = any(e.get("kind") == "finished" for e in events)
     used: set[int] = set()
+    used_sdc: set[int] = set()
     out = []
     for inj in injections:
         row = {"fault": inj.fault, "kind": inj.kind, "step": inj.step, "injected_unix": inj.time,
@@ -92,6 +94,8 @@ def assess(injections: list[Injection], events: list[dict], history: list) -> li
                            committed_steps_lost=0)
         elif inj.kind in CLUSTER_KINDS and not inj.error:
             row.update(cluster_change(inj, events))
+        elif inj.kind in IN_PROCESS_KINDS and not inj.error:
+            row.update(silent_fault(inj, events, history, used_sdc))
         out.append(row)
     return out
 
@@ -127,6 +131,63 @@ def cluster_change(inj: Injection, events: list[dict]) -> dict:
     return out
 
 
+def expected_verdict(inj: Injection) -> str | None:
+    """The verdict the trainer must reach: a poisoned batch is the data's; a transient flip is found and
+    replayed clean; a persistent flip of the state (param, optimizer) comes back on its rank. A persistent
+    flip of a gradient or an activation leaves no trace in the state, and the trainer may judge it the data's
+    (it never evicts a rank on a loss alone): no expectation."""
+    if inj.kind == "poison_batch":
+        return "data"
+    if not inj.target.get("persistent"):
+        return "transient"
+    return "persistent" if inj.target.get("target") in ("param", "optimizer") else None
+
+
+def silent_fault(inj: Injection, events: list[dict], history: list[HistoryRow], used: set[int]) -> dict:
+    """A fault inside the trainer: detected by the run's ``sdc`` event at or after the step it fires at (its
+    verdict and step; ``steps_to_detect`` from the fault's step), recovered by the ``rollback`` just before it
+    (its ``seconds``, the restore and the replay, are the time to recover; its ``steps_reworked`` the steps
+    lost). A persistent one is recovered by the eviction: the first step after the resize without the rank.
+    Time to detect: from the end of the step before the fault's to the rollback's start."""
+    at = int(inj.target.get("fires_at_step") or inj.step)
+    out: dict = {"fires_at_step": at, "expected_verdict": expected_verdict(inj)}
+    sdc = [k for k, e in enumerate(events) if e.get("kind") == "sdc" and k not in used
+           and e.get("time", 0.0) >= inj.time - 0.5 and int(e.get("step") or 0) >= at]
+    if inj.kind == "poison_batch":  # the data's verdict at the poisoned step, when there is one
+        sdc = sorted(sdc, key=lambda k: (events[k].get("verdict") != "data", events[k].get("step") != at))
+    if not sdc:
+        return out
+    k = sdc[0]
+    used.add(k)
+    e = events[k]
+    out.update(detected=True, verdict=e.get("verdict"), detected_at_step=e.get("step"),
+               steps_to_detect=int(e.get("step") or 0) - at, sdc_rank=e.get("rank"), sdc_node=e.get("node"),
+               sdc_target=e.get("target"))
+    if e.get("samples") is not None:
+        out["samples"] = e["samples"]
+    rb = next((r for r in reversed(events[:k]) if r.get("kind") == "rollback" and r.get("step") == e.get("step")), None)
+    fired = next((h.unix for h in history if h.step == at - 1 and h.unix >= inj.time), inj.time)
+    detected_unix = e["time"] - (rb["seconds"] if rb else 0.0)
+    out["time_to_detect_s"] = max(0.0, detected_unix - fired)
+    if rb is not None:
+        out["rollback"] = {key: rb.get(key) for key in ("from_step", "to_step", "seconds", "steps_reworked")}
+    if e.get("verdict") in ("transient", "data") and rb is not None:
+        out.update(recovered=True, time_to_recover_s=rb["seconds"], steps_lost=rb.get("steps_reworked"),
+                   committed_steps_lost=0)
+    elif e.get("verdict") == "persistent":
+        act = next((h for h in events if h.get("kind") == "health" and h.get("action")
+                    and h.get("time", 0.0) >= inj.time), None)
+        out["action"] = act.get("action") if act else None
+        resized = next((r for r in events if r.get("kind") == "resized" and act and r.get("first_step_unix")
+                        and r["time"] >= act["time"]), None)
+        if out["action"] == "evict" and resized is not None:
+            out.update(recovered=True, time_to_recover_s=resized["first_step_unix"] - detected_unix, steps_lost=0,
+                       committed_steps_lost=0, evicted_rank=act.get("rank"))
+        elif out["action"] == "stop":
+            out["note"] = "the run suspended at its verified step (health.on_persistent = \"stop\")"
+    return out
+
+
 def report(run_id: str, plan: ChaosPlan, rows: list[dict], status: dict, reasons: list[str],
            ref_id: str | None, loss_diff: float | None) -> dict:
     ttd = [r["time_to_detect_s"] for r in rows if r["time_to_detect_s"] is not None and r["kind"] in PROCESS_KINDS]
@@ -140,6 +201,9 @@ def report(run_id: str, plan: ChaosPlan, rows: list[dict], status: dict, reasons
                             + ("detected but not recovered" if r["detected"] else "never detected"))
         elif r.get("committed_steps_lost"):
             problems.append(f"fault {r['fault']} ({r['kind']}): {r['committed_steps_lost']} committed steps lost")
+        if r["detected"] and r.get("expected_verdict") and r.get("verdict") != r["expected_verdict"]:
+            problems.append(f"fault {r['fault']} ({r['kind']}) at step {r['fires_at_step']} was judged "
+                            f"{r.get('verdict')!r}, not {r['expected_verdict']!r}")
     return {
         "run_id": run_id, "reference": ref_id, "passed": not problems, "reasons": problems,
         "faults_injected": sum(1 for r in rows if not r["error"]),
@@ -176,11 +240,15 @@ def format_report(r: dict) -> str:
     if r["max_loss_rel_diff"] is not None:
         lines.append(f"  loss vs reference: max relative difference {r['max_loss_rel_diff']:.3g} "
                      f"(tolerance {r['loss_rtol']:g})")
+    if r.get("skipped_ranges"):
+        lines.append(f"  samples skipped as the data's: {r['skipped_ranges']}")
+    if r.get("loss_note"):
+        lines.append(f"  loss compared: {r['loss_note']}")
     for f in r["faults"]:
         lines.append(f"  - fault {f['fault']} {f['kind']} at step {f['step']}: "
                      + (f"not injected ({f['error']})" if f["error"] else
                         f"detected {s(f['time_to_detect_s'])}, recovered {s(f['time_to_recover_s'])}, "
-                        f"steps lost {f['steps_lost']}" + _partition_note(f)))
+                        f"steps lost {f['steps_lost']}" + _partition_note(f) + _silent_note(f)))
     lines.append("  PASS" if r["passed"] else "  FAIL: " + "; ".join(r["reasons"]))
     return "\n".join(lines)
 
@@ -192,3 +260,16 @@ def _partition_note(f: dict) -> str:
     ray_view = "the node still alive for Ray when healed" if dead is None else f"node declared dead after {dead:.2f} s"
     t = f["target"]
     return f"; link {t.get('link')} ({t.get('netns')}) cut for {_fmt(f.get('partition_s'))}, {ray_view}"
+
+
+def _silent_note(f: dict) -> str:
+    if f["kind"] not in IN_PROCESS_KINDS or f["error"]:
+        return ""
+    if not f["detected"]:
+        return f"; fired at step {f.get('fires_at_step')}, no sdc event after it"
+    rb = f.get("rollback") or {}
+    where = f" on rank {f['sdc_rank']}" if f.get("sdc_rank") is not None else ""
+    return (f"; fired at step {f['fires_at_step']}, {f['verdict']}{where} at step {f['detected_at_step']}"
+            + (f", rolled back to step {rb['to_step']}" if rb.get("to_step") is not None else "")
+            + (f", samples {f['samples']} skipped" if f.get("samples") else "")
+            + (f", rank {f['evicted_rank']} evicted" if f.get("evicted_rank") is not None else ""))

@@ -158,6 +158,25 @@ def test_etcd_outage_passes_the_oracle(cluster, reference, tmp_path, etcd_server
     assert f["recovered"] and f["steps_during_outage"] > 0  # training went on without the store
 
 
+def test_a_flipped_bit_is_rolled_back_in_place_and_passes_the_oracle(cluster, reference, tmp_path):
+    """`etrain chaos`'s transient bitflip in a parameter of rank 1 (handed to its worker by the controller a few
+    steps ahead): the rank's seal finds it in the step it lands in, every rank rolls back to its newest
+    verified step and replays, in place: no failure, no re-formation, and the loss equals the reference's."""
+    # A replay reports no step until it is through: not a hang (this test is not about hangs).
+    run, st = start(f"file://{tmp_path}/runs", "elastic.hang_timeout_s=30")
+    plan, chaos, final = drive(run, st, '[[fault]]\nkind = "bitflip"\nat_step = 17\nrank = 1\n', tmp_path)
+    r = judge(run.spec.run_id, st, plan, chaos, final, use_reference(st, reference, f"{run.spec.run_id}-ref"))
+    assert r["passed"], json.dumps(r, indent=1, default=str)
+    f = r["faults"][0]
+    assert f["target"]["fires_at_step"] < STEPS and f["target"]["worker"]
+    assert (f["verdict"], f["sdc_rank"], f["sdc_target"], f["steps_to_detect"]) == ("transient", 1, "param", 0), f
+    assert f["rollback"]["to_step"] < f["fires_at_step"] and f["time_to_recover_s"] > 0
+    assert r["max_loss_rel_diff"] <= 1e-3 and r["committed_steps_lost"] == 0
+    events = st.events(run.spec.run_id)
+    assert [e["kind"] for e in events if e["kind"] in ("failure", "formed")] == ["formed"]  # in place
+    assert [e["rank"] for e in events if e["kind"] == "chaos_health"] == [1]
+
+
 def test_worker_killed_during_an_async_upload_never_commits_that_checkpoint(cluster, reference, tmp_path):
     """Slow storage keeps the step-8 upload in flight; a worker dies during it. Step 8 never appears
     committed (its manifest was never written); a later checkpoint does."""

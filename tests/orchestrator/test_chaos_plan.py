@@ -37,11 +37,142 @@ def test_partition_node_plans_load_with_their_own_default_window():
     ("kind=kill_worker,after_fault=0", "must name an earlier fault"),
     ("kind=etcd_outage,at_step=1,mode=pause", 'mode=\'pause\'; use "stop"'),
     ("at_step=1", "kind is missing"),
+    ("kind=bitflip,every_s=5", "every_s is no schedule for a fault inside the trainer"),
+    ("kind=poison_batch,random=true", "random is no schedule for a fault inside the trainer"),
+    ("kind=poison_batch,at_step=30,rank=1", "a poisoned batch is the data's, every rank trains on it"),
+    ('kind=bitflip,at_step=3,target="weights"', "target='weights'; use one of param, grad, optimizer, activation"),
+    ("kind=bitflip,at_step=3,bit=64", "bit=64 must be a bit of the element"),
+    ("kind=bitflip,at_step=3,rank=-1", "rank=-1 must be >= 0"),
+    ("kind=kill_worker,at_step=3,persistent=true", "target, bit and persistent are bitflip's fields"),
 ])
 def test_bad_plans_name_the_field(flag, message):
     with pytest.raises(ConfigError) as e:
         load_plan(None, [flag])
     assert message in str(e.value)
+
+
+def test_silent_fault_plans_load_with_their_defaults_and_give_the_trainer_valid_entries():
+    from trainer.config.health import check_fault
+
+    plan = load_plan(None, ["kind=bitflip,at_step=20", 'kind=bitflip,after_fault=0,target="optimizer",bit=3,'
+                            "persistent=true,rank=1", "kind=poison_batch,at_step=30"])
+    flip, stuck, poison = plan.faults
+    assert (flip.target, flip.bit, flip.persistent, flip.rank) == ("param", None, False, None)
+    assert (stuck.target, stuck.bit, stuck.persistent, stuck.rank) == ("optimizer", 3, True, 1)
+    entries = [f.health_fault(25, seed=7) for f in plan.faults]
+    assert entries == [{"kind": "bitflip", "step": 25, "target": "param", "persistent": False, "seed": 7},
+                       {"kind": "bitflip", "step": 25, "target": "optimizer", "persistent": True, "seed": 7, "bit": 3},
+                       {"kind": "poison_batch", "step": 25}]
+    for i, e in enumerate(entries):
+        check_fault(e, f"entry {i}")  # what the worker's trainer checks them with
+
+
+class FakeController:
+    """The run's controller actor as the injector calls it (``ray.get`` patched to return what it is given)."""
+
+    def __init__(self, world: int, step: int):
+        self.world, self.step, self.calls = world, step, []
+        me = self
+
+        class Method:
+            def __init__(self, fn):
+                self.remote = fn
+
+        self.snapshot = Method(lambda: {"world_size": me.world, "step": me.step})
+        self.set_health_faults = Method(lambda faults, rank: me.calls.append((rank, faults)) or f"w{rank}")
+
+
+def test_silent_faults_are_handed_to_the_ranks_workers_ahead_of_the_runs_step(monkeypatch):
+    import ray
+
+    from orchestrator.chaos.injector import Chaos
+
+    monkeypatch.setattr(ray, "get", lambda x, timeout=None: x)
+    plan = load_plan(None, ["kind=bitflip,at_step=5,rank=1,bit=30", "kind=poison_batch,at_step=9",
+                            "kind=bitflip,at_step=9"])
+    chaos = Chaos("r", None, plan)
+    ctl = FakeController(world=2, step=10)
+    monkeypatch.setattr(chaos, "_controller", lambda: ctl)
+    chaos.step_marks = [(100.0, 2), (102.0, 10)]  # 4 steps a second: 2 more steps of lead
+    assert chaos.lead() == 4
+    flip = chaos.inject(0, plan.faults[0])
+    assert flip.error is None and flip.target == {"rank": 1, "worker": "w1", "fires_at_step": 14, "target": "param",
+                                                  "persistent": False, "seed": 0, "bit": 30}
+    assert ctl.calls == [(1, [{"kind": "bitflip", "step": 14, "target": "param", "persistent": False, "seed": 0,
+                               "bit": 30}])]
+    ctl.calls.clear()
+    poison = chaos.inject(1, plan.faults[1])
+    assert poison.target == {"fires_at_step": 14, "ranks": 2, "workers": ["w0", "w1"]}
+    # every rank gets it; rank 1's worker keeps its bitflip (a worker's faults are replaced whole)
+    assert [r for r, _ in ctl.calls] == [0, 1, 1]
+    assert [f["kind"] for f in ctl.calls[-1][1]] == ["bitflip", "poison_batch"]
+    ctl.world = 1
+    assert chaos.inject(2, plan.faults[2]).target["rank"] == 0  # a random rank of the group now
+    bad = chaos.inject(0, load_plan(None, ["kind=bitflip,at_step=1,rank=3"]).faults[0])
+    assert bad.error == "RuntimeError: rank 3 is not in the group (world size 1)"
+
+
+def test_a_silent_fault_is_detected_by_its_sdc_event_and_recovered_by_its_rollback():
+    flip = Injection(0, "bitflip", 100.0, 10, {"rank": 1, "fires_at_step": 14, "target": "param",
+                                               "persistent": False})
+    poison = Injection(1, "poison_batch", 110.0, 30, {"fires_at_step": 34, "ranks": 2})
+    events = [{"kind": "chaos_health", "time": 100.1},
+              {"kind": "rollback", "time": 105.0, "step": 14, "from_step": 13, "to_step": 12, "seconds": 0.8,
+               "steps_reworked": 2},
+              {"kind": "sdc", "time": 105.0, "step": 14, "verdict": "transient", "rank": 1, "node": "h1",
+               "target": "param"},
+              {"kind": "rollback", "time": 120.0, "step": 34, "from_step": 33, "to_step": 32, "seconds": 1.5,
+               "steps_reworked": 2},
+              {"kind": "sdc", "time": 120.0, "step": 34, "verdict": "data", "rank": None, "samples": [132, 136]}]
+    history = rows(range(1, 41), t0=90.0)  # step 13 ends at 103.0, step 33 at 123.0
+    a, b = assess([flip, poison], events, history)
+    assert a["detected"] and a["recovered"] and a["verdict"] == a["expected_verdict"] == "transient"
+    assert a["time_to_detect_s"] == pytest.approx(1.2) and a["time_to_recover_s"] == 0.8 and a["steps_lost"] == 2
+    assert a["steps_to_detect"] == 0 and a["sdc_rank"] == 1 and a["committed_steps_lost"] == 0
+    assert b["verdict"] == "data" and b["samples"] == [132, 136] and b["recovered"]
+    r = report("run", load_plan(None, ["kind=bitflip,at_step=10"]), [a, b], {"phase": "FINISHED", "step": 40}, [],
+               None, None)
+    assert r["passed"], r["reasons"]
+    assert "fired at step 14, transient on rank 1 at step 14, rolled back to step 12" in format_report(r)
+    events[2]["verdict"] = "data"  # a transient flip taken for the data's: the trainer misjudged it
+    (a,) = assess([flip], events[:3], history)
+    r = report("run", load_plan(None, ["kind=bitflip,at_step=10"]), [a], {"phase": "FINISHED", "step": 40}, [],
+               None, None)
+    assert r["reasons"] == ["fault 0 (bitflip) at step 14 was judged 'data', not 'transient'"]
+    (a,) = assess([flip], [], history)
+    assert not a["detected"] and "no sdc event after it" in format_report(report(
+        "run", load_plan(None, ["kind=bitflip,at_step=10"]), [a], {"phase": "FINISHED", "step": 40}, [], None, None))
+
+
+def test_the_oracle_accepts_a_listed_skip_and_compares_the_loss_before_it_unless_the_reference_skipped_it():
+    from orchestrator.chaos.oracle import replayed_steps, skipped_ranges
+
+    hist = rows(range(1, 6))
+    hist[2][1] = 50.0  # step 3's batch was poisoned: its loss spiked, and it was skipped
+    ref = {"status": {"phase": "FINISHED", "step": 5}, "history": rows(range(1, 6))}
+    for row in ref["history"][2:]:
+        row[1] *= 1.5  # the reference trained on step 3's batch: from there on its model is another one
+    run = {"status": ref["status"], "history": hist}
+    events = [{"kind": "sdc", "verdict": "data", "step": 3, "samples": [8, 12]}]
+    skipped = skipped_ranges(events)
+    kw = dict(total_steps=5, global_batch=4, rtol=1e-3, atol=0.0, verify_problems={5: []}, final_cursor=20,
+              skipped=skipped, checkpoint_skipped=[[8, 12]])
+    assert skipped == [[8, 12]]
+    assert oracle(run, ref, **kw) == []  # the reference did not skip: only steps 1-2 compared ...
+    early = {**ref, "history": [list(r) for r in ref["history"]]}
+    early["history"][0][1] = 7.0
+    assert "loss at step 1" in oracle(run, early, **kw)[0]  # ... and they are
+    same = {**ref, "history": rows(range(1, 6))}
+    same["history"][2][1] = float("nan")  # the reference skipped step 3 too (data.skip_ranges): its loss is nan
+    assert oracle(run, same, **kw, ref_skipped=[[8, 12]]) == []
+    same["history"][4][1] = 9.0
+    assert "loss at step 5" in oracle(run, same, **kw, ref_skipped=[[8, 12]])[0]  # every other step compared
+    assert "a resume from it would not train" in oracle(run, None, **{**kw, "checkpoint_skipped": []})[0]
+    assert "are not whole steps" in oracle(run, None, **{**kw, "skipped": [[8, 10]], "checkpoint_skipped": None})[0]
+    # a rollback from step 4 to 1 reported step 4 again, not steps 2-3: their rows are the first pass's
+    rb = [{"kind": "rollback", "time": 200.0, "seconds": 1.0, "step": 4, "to_step": 1}]
+    assert replayed_steps(rb, rows(range(1, 6))) == {2, 3}
+    assert replayed_steps(rb, rows(range(1, 6)) + [[2, 0.5, 2, 8, 300.0, 0.1]]) == {3}  # step 2 trained again later
 
 
 def rows(steps, gb=4, loss=1.0, t0=100.0):
