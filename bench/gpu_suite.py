@@ -150,6 +150,7 @@ class Suite:
         self.row("memory", lambda: self.memory(cfg))
         self.row("checkpoint", lambda: self.checkpoint(trainer))
         self.row("tier", lambda: self.tier(trainer))
+        self.row("health", lambda: self.health(trainer))
         del trainer
         self.free()
         if self.smoke:  # inductor's first build takes minutes on a CPU: the compiled rows are GPU rows
@@ -172,7 +173,7 @@ class Suite:
             self.out["memory_ratio"] = round(peak / predicted, 3)
 
     def checkpoint(self, trainer) -> None:
-        from trainer.loop import checkpoint_manager
+        from trainer.checkpoints import checkpoint_manager
 
         manager = checkpoint_manager(self.cfg(f'checkpoint.url="file://{self.tmp}/ckpt"'), trainer.world)
 
@@ -239,6 +240,33 @@ class Suite:
         self.out["tier_step_ratio"] = round(on[0] / base, 4)
         self.out["tier_side_copy_step_ratio"] = round(side[0] / base, 4)
         self.out["tier_bytes"] = host.nbytes() // HostCopy.SLOTS if self.device.type == "cuda" else host.nbytes()
+
+    def health(self, trainer) -> None:
+        """[health]'s cost on this device, side by side: steps with the seal (two digests of the state per
+        step, on the device) and a check every 16 steps, and every step, over steps without."""
+        g = trainer.health
+
+        def checked(every: int):
+            def step():
+                trainer.train_step()
+                if trainer.step % every == 0:
+                    g.check()
+            return step
+
+        n = max(16, self.steps)
+        off = [self.time_steps(trainer.train_step, n)]
+        g.start()  # the seal on, the state verified once
+        t0 = time.perf_counter()
+        g.check()
+        self.sync()
+        self.out["health_check_s"] = round(time.perf_counter() - t0, 5)
+        on16, on1 = self.time_steps(checked(16), n), self.time_steps(checked(1), n)
+        g.active = False
+        off.append(self.time_steps(trainer.train_step, n))
+        base = statistics.mean(off)
+        self.out["health_overhead_ratio"] = round(on16 / base, 4)
+        self.out["health_overhead_ratio_every_step"] = round(on1 / base, 4)
+        self.out["health_ring_bytes"] = g.ring.nbytes
 
     def loop(self, name: str, recipe: str) -> None:
         """A hand-written loop over the built-in decoder: "hand" (etrain's math) or "torchtitan"."""

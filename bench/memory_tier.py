@@ -65,7 +65,8 @@ def worker(args) -> None:
 
     from checkpointing.recovery.tier import MemoryTier
     from trainer.config.load import load_config
-    from trainer.loop import Trainer, checkpoint_manager
+    from trainer.checkpoints import checkpoint_manager
+    from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

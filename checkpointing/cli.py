@@ -102,7 +102,10 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
             continue
         rows.append({"step": step, "committed": True, "epoch": m.epoch, "world_size": m.world_size,
                      "layout": m.layout, "bytes": m.total_bytes, "created_unix": m.created_unix,
-                     "samples_consumed": m.trainer_state.get("samples_consumed"), "manifest_sha256": m.digest})
+                     "samples_consumed": m.trainer_state.get("samples_consumed"), "manifest_sha256": m.digest,
+                     # [health]: the check this step passed; the sample ranges the run skipped up to it
+                     "verified": m.trainer_state.get("verified"),
+                     "skipped_ranges": m.trainer_state.get("skipped_ranges") or []})
     from .export.manifest import export_states
 
     exports = export_states(mgr.storage, mgr.run_id)  # [checkpoint] export_every: kept when checkpoints go
@@ -119,7 +122,8 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
     if not rows:
         print(f"no checkpoints under {redact(mgr.storage.join(mgr.prefix))}", file=sys.stderr)
         return 1
-    print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  created")
+    print(f"{'step':>10}  {'state':<11} {'epoch':>5} {'world':>5}  {'layout':<28} {'size':>10}  {'verified':<8}  "
+          "created")
     for r in rows:
         if r.get("checkpoint_gone"):
             continue  # in the exports' list below
@@ -129,14 +133,22 @@ def cmd_ls(mgr: CheckpointManager, as_json: bool) -> int:
         lay = r["layout"]
         desc = f"pp{lay.get('pp')} dp{lay.get('dp_replicate')}x{lay.get('dp_shard')} tp{lay.get('tp')} z{lay.get('zero_stage')}"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
+        verified = "yes" if r.get("verified") else "no"  # a run without [health] checks (or an older one): no
+        skipped = f"  skipped {_ranges(r['skipped_ranges'])}" if r.get("skipped_ranges") else ""
         print(f"{r['step']:>10}  {'committed':<11} {r['epoch']:>5} {r['world_size']:>5}  {desc:<28} "
-              f"{_size(r['bytes']):>10}  {when}")
+              f"{_size(r['bytes']):>10}  {verified:<8}  {when}{skipped}")
     if exports:
         print(f"exports under {redact(mgr.storage.join(mgr.run_id))}/exports (transformers directories), each with "
               "the checkpoint (manifest sha256) it was made from:")
         for step, st in exports.items():
             print(f"{step:>10}  {_export_line(mgr, step, st)}")
     return 0
+
+
+def _ranges(ranges: list) -> str:
+    """Sample ranges as ``[a, b)`` text, the first few."""
+    text = ", ".join(f"[{a}, {b})" for a, b in ranges[:3])
+    return text + (f" and {len(ranges) - 3} more" if len(ranges) > 3 else "")
 
 
 def _export_line(mgr: CheckpointManager, step: int, st) -> str:

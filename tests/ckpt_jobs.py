@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config.load import load_config
 from trainer.data.corpus import load_corpus
-from trainer.loop import Trainer, checkpoint_manager
+from trainer.checkpoints import checkpoint_manager
+from trainer.loop import Trainer
 from trainer.world import World, init_distributed, shutdown_distributed
 
 CPU = torch.device("cpu")

@@ -25,3 +25,5 @@ def test_gpu_suite_cpu_smoke_runs_every_row():
     assert out["tier_step_ratio"] > 0 and out["tier_side_copy_step_ratio"] > 0 and out["tier_bytes"] > 0
     assert isinstance(out["wheels_missing"], list) and isinstance(out["wheels_optional_missing"], list)
     assert out["mfu_eager_vs_hand"] > 0
+    assert out["health_overhead_ratio"] > 0 and out["health_overhead_ratio_every_step"] > 0
+    assert out["health_check_s"] > 0 and out["health_ring_bytes"] > 0

@@ -17,6 +17,12 @@ every ``interval_steps`` and at the last step (only the last without an
 interval). ``checkpoint.max_consecutive_failures`` failed saves in a row stop
 the run with exit 1, and so does a failed final save: a run whose work is not
 durable says so.
+
+``[health]`` (trainer.health): a silent fault found is rolled back in place and
+replayed from the process's own verified snapshots, each verdict and rollback on
+stderr (rank 0) and in its step's row of the log file; a fault that follows one rank stops the run
+with exit 3, naming the rank and its host (torchrun cannot evict a rank: resume
+without that host).
 """
 
 from __future__ import annotations
@@ -231,6 +237,22 @@ def _agree_on(verdict: str, world: World) -> str:
     return box[0]
 
 
+def say_health(events: list[dict], world: World, *, quiet: bool = False) -> None:
+    """[health] rollbacks and spikes, one line each on stderr (rank 0); the guard's own warning says each
+    verdict, and every event is also in its step's row of the log file (``health_events``)."""
+    if not world.is_main or quiet:
+        return
+    for e in events:
+        if e.get("kind") == "rollback":
+            what = (f"rolled back from step {e['from_step']} to verified step {e['to_step']} in {e['seconds']} s "
+                    f"({e['steps_reworked']} steps replayed)")
+        elif e.get("kind") == "spike":
+            what = f"{e.get('signal')} spike at step {e['step']} (robust z {e.get('zscore')})"
+        else:
+            continue
+        print(f"etrain: health: {what}", file=sys.stderr, flush=True)
+
+
 def say_tracker_notices(notices) -> None:
     """A tracker's change of health (stalled, dropping records, recovered, disabled, not flushed), on stderr."""
     for n in notices:
@@ -260,7 +282,8 @@ def summary_line(first_step: int, last_step: int, seconds: float, tokens_per_ste
 
 @dataclass
 class Outcome:
-    """How a run of :func:`train_config` ended: ``exit_code`` 0 done, 2 invalid config, 1 anything else."""
+    """How a run of :func:`train_config` ended: ``exit_code`` 0 done, 2 invalid config, 3 a persistent silent
+    fault on one rank ([health]: its host should leave), 1 anything else."""
 
     exit_code: int
     error: str = ""
@@ -283,7 +306,9 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
     """Train the config ``load()`` returns, as this process's rank (everything ``python -m trainer`` does)."""
     from .data.corpus import load_splits
     from .export.every import report_exports, wait_for_exports
-    from .loop import Trainer, checkpoint_manager, checkpoint_preflight
+    from .checkpoints import checkpoint_manager, checkpoint_preflight
+    from .health import PersistentFault
+    from .loop import Trainer
     from .observe.telemetry import comm_meter
     from .observe.trackers import Trackers, memory_values, open_trackers, step_values
     from .parallel.dims import resolve_device
@@ -363,6 +388,8 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
                 first = s
                 window.start(s.step)  # the rates leave the first step's warm-up out
             last = s
+            if s.health_events:
+                say_health(s.health_events, world, quiet=args.quiet)
             if log:
                 # This step's bytes per collective kind, from the comm meter (absent when it is off).
                 comm, comm_totals = meter.bytes_since(comm_totals)
@@ -421,6 +448,12 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         if world.is_main:
             print(f"etrain: invalid config: {e}", file=sys.stderr)
         return Outcome(2, str(e))
+    except PersistentFault as e:
+        say_health(trainer.health.take_events(), world, quiet=args.quiet)
+        if world.is_main:
+            print(f"etrain: error: {e}; the run stopped at its last verified step {e.verified_step}: resume it "
+                  f"(--set checkpoint.resume=true) without host {e.host}", file=sys.stderr)
+        return Outcome(3, str(e), step=trainer.step)
     except EtrainError as e:
         if world.is_main:
             print(f"etrain: error: {e}", file=sys.stderr)

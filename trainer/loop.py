@@ -33,16 +33,14 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from checkpointing.errors import CheckpointError, ConfigError, EtrainError, StorageError
+from checkpointing.errors import EtrainError
 from checkpointing.host_copy import fence_writes
 from checkpointing.manager import CheckpointManager, SaveResult
 from checkpointing.manifest import Manifest
-from checkpointing.storage.base import Storage
-from checkpointing.storage.faults import StorageFaults
-from checkpointing.storage.retry import RetryPolicy
 
 from .config import RunConfig
 from .data.corpus import Batcher, Corpus, check_vocab, load_splits
+from .health import HealthGuard
 from .models.moe import balance_step, load_router_bias, router_bias_state
 from .models.spec import fill_local
 from .observe import device_memory as memory
@@ -80,6 +78,12 @@ class StepStats:
     # routed slots per expert, by MoE layer (block index), over the data-parallel ranks; slots dropped by capacity
     moe_tokens_per_expert: dict[str, list[float]] | None = None
     moe_dropped: int | None = None
+    # [health]: this step's batch was not trained on (data.skip_ranges, or found to be the data's fault);
+    # the newest verified step; what the health checks did since the step before (events: sdc, spike, rollback)
+    skipped_batch: bool = False
+    verified_step: int | None = None
+    health_events: list[dict] | None = None
+    health_totals: dict | None = None  # checks, check_seconds, rollbacks, skipped_samples (this rank's)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,6 +151,7 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.parts = build_model_parts(cfg, self.dims, self.mesh, world.rank, self.device, draw=draw_weights)
         self.optimizer = build_optimizer(self.parts, cfg, self.dims, self.mesh, world.rank)
+        self.health = HealthGuard(self)  # [health]: checks, verified snapshots, rollback (collective: its group)
         self.mixed = resolve_precision(cfg.parallel, self.device) != torch.float32
         self.step = 0
         self.samples_consumed = 0
@@ -172,6 +177,9 @@ class Trainer:
             "epoch": self.batcher.order.epoch_of(self.samples_consumed),
             "corpus_digest": self.corpus.digest,
             **({"weights_from": self.weights_from} if self.weights_from else {}),
+            **({"skipped_ranges": [list(r) for r in self.health.skipped]} if self.health.skipped else {}),
+            **({"verified": {"step": self.step, "checks": list(self.health.verified_checks)}}
+               if self.health.verified_step == self.step and self.health.enabled else {}),
             **({"router_bias": bias} if (bias := self.pp_router_bias if self.dims.pp > 1
                                          else router_bias_state(self.parts.modules[0])) else {}),
         }
@@ -182,6 +190,7 @@ class Trainer:
         # The checkpoint's weights, never drawn ones or model.init_from over them.
         self._draw_pending = self._init_from_pending = False
         self.weights_from = state.get("weights_from") if isinstance(state.get("weights_from"), str) else None
+        self.health.load_skipped(state.get("skipped_ranges"))
         if self.cfg.model.is_moe:
             load_router_bias(self.parts.modules, state.get("router_bias") or {})
             self.pp_router_bias = state.get("router_bias") or {}
@@ -223,8 +232,10 @@ class Trainer:
                 "pp_stages_per_rank": self.cfg.parallel.pp_stages_per_rank}
 
     def save_checkpoint(self, manager: CheckpointManager) -> SaveResult | None:
-        """Checkpoint the current step (collective). Blocks only for staging when the manager is async."""
+        """Checkpoint the current step (collective). Blocks only for staging when the manager is async.
+        Under ``[health]`` an unverified step is checked first (and rolled back and replayed if it fails)."""
         self.initial_weights()
+        self.health.verify_now()
         return manager.save(self.step, self.optimizer.checkpoint_state(), layout=self.layout(),
                             config_hash=self.cfg.config_hash(), trainer_state=self.train_state(),
                             config=self.cfg.to_dict())
@@ -279,9 +290,15 @@ class Trainer:
         while the step computes still ends this step, not the next one."""
         self.initial_weights()
         cfg, t0 = self.cfg, time.monotonic()
+        health, n = self.health, self.step + 1
+        if health.is_skipped(self.samples_consumed):
+            return self._skip_batch(t0)
         lr = lr_at(cfg, self.step)
         positions = self.batcher.local_positions(self.samples_consumed)
         inputs, targets = self.batcher.tokens(positions)
+        health.before_step(n)
+        if health.faults is not None:
+            targets = health.faults.poison(n, targets, self.corpus.vocab_size)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         t_data = time.monotonic() - t0
@@ -311,17 +328,36 @@ class Trainer:
                 self.optimizer.after_backward(final=i == n_micro - 1)
 
         moe = self.parts.is_moe
-        norm_sq, loss, stop_votes, aux_mean = self._reduce_norm_and_loss(loss_sum, stop, aux_sum if moe else None)
+        health.after_backward(n)  # chaos: a gradient flip lands before the norms see the gradients
+        local_sq = self.optimizer.local_norm_sq().to(self.device)
+        flag = 0
+        if health.enabled or health.faults is not None:
+            local_loss = float(loss_sum) if self._counts_loss and loss_sum is not None else None
+            flag = health.before_reduce(n, local_loss, float(local_sq))
+        norm_sq, loss, stop_votes, aux_mean, flags = self._reduce_norm_and_loss(
+            loss_sum, stop, aux_sum if moe else None, local_sq, flag)
         if moe and self.parts.pipeline is not None:
             loss += aux_mean
         grad_norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        if health.after_reduce(n, loss, grad_norm, flags):  # a finding: this step's update is held
+            self.optimizer.zero_grad()
+            dt = time.monotonic() - t0
+            health.held.stats = StepStats(
+                step=n, loss=loss, lr=lr, grad_norm=grad_norm,
+                tokens_per_s=cfg.train.global_batch * cfg.data.seq_len / dt, step_seconds=dt, data_seconds=t_data,
+                world_size=self.world.size, samples_consumed=self.samples_consumed + cfg.train.global_batch,
+                stop=stop_votes > 0, skipped_nonfinite=self.skipped_nonfinite)
+            health.after_update(n, applied=False)
+            return None
+        applied = math.isfinite(loss) and math.isfinite(grad_norm)
+        if applied:
             clip = cfg.train.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             fence_writes()  # a device-to-host copy of the state still reading it on its side stream (CUDA)
             self.optimizer.step(lr, coef)
         else:  # every rank sees the same reduced values: all skip, or all stop, at this step
             self._nonfinite(loss, grad_norm)
+        health.after_update(n, applied=applied)
         # the ranks routing different tokens through one layer: data-parallel and cp; under pp, each stage's
         balance = balance_step(self.parts.modules, cfg.model.router_bias_update_rate,
                                self.dims.group(self.mesh, self.dims.loss_mesh),
@@ -344,6 +380,19 @@ class Trainer:
             moe_tokens_per_expert=balance.tokens_per_expert if balance else None,
             moe_dropped=balance.dropped if balance else None,
         )
+
+    def _skip_batch(self, t0: float) -> StepStats:
+        """A step whose batch lies in a skipped range (``data.skip_ranges``, or the run's own): no update, the
+        cursor moves past it; its loss is nan (nothing was computed)."""
+        cfg = self.cfg
+        lr = lr_at(cfg, self.step)
+        self.step += 1
+        self.samples_consumed += cfg.train.global_batch
+        self.health.after_update(self.step, applied=False)
+        dt = max(time.monotonic() - t0, 1e-9)
+        return StepStats(step=self.step, loss=math.nan, lr=lr, grad_norm=math.nan, tokens_per_s=0.0, step_seconds=dt,
+                         data_seconds=0.0, world_size=self.world.size, samples_consumed=self.samples_consumed,
+                         skipped_nonfinite=self.skipped_nonfinite, skipped_batch=True)
 
     def _nonfinite(self, loss: float, grad_norm: float) -> None:
         """A step whose loss or gradient norm is not finite: NonFiniteStep, or with
@@ -372,11 +421,16 @@ class Trainer:
         interval = self.cfg.checkpoint.interval_steps
         every = self.cfg.eval.every_steps
         prof = step_profiler(self.cfg, self.world, self.device, done=self.step, until=until)  # None unless [profile]
+        self.initial_weights()  # before the first check: the state it verifies is the one trained from
+        self.health.start()  # the state this loop starts from becomes the first verified snapshot
         try:
             while self.step < until:
                 if prof:
                     prof.before(self.step + 1)
-                s = self.train_step(stop=stop)
+                # a held step (a [health] finding) comes back from between_steps as the step it became
+                s = self.health.between_steps(self.train_step(stop=stop))
+                if s is None:
+                    continue
                 if prof:
                     prof.after(s.step)
                 if every and self.val_batcher is not None and (s.step % every == 0 or s.step == until):
@@ -384,6 +438,10 @@ class Trainer:
                 if ckpt is not None and (save_when_stopping or not s.stop) and save_due(
                         s.step, interval, until, final_by_caller=final_by_caller):
                     self.save_checkpoint(ckpt)
+                if self.health.enabled:
+                    s = dataclasses.replace(s, verified_step=self.health.verified_step,
+                                            health_events=self.health.take_events() or None,
+                                            health_totals=self.health.summary())
                 yield s
                 if s.stop:
                     return
@@ -391,43 +449,12 @@ class Trainer:
             if prof:
                 prof.close()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over ``eval.batches`` global batches of the validation split (collective).
+        """Mean loss over ``eval.batches`` global batches of the validation split (collective;
+        :func:`trainer.evaluation.evaluate`)."""
+        from .evaluation import evaluate
 
-        The same batches at every evaluation and every world size: positions ``[0, batches x global_batch)``
-        of the split's own sample order, each data-parallel rank taking its share as in training."""
-        self.initial_weights()
-        cfg, vb = self.cfg, self.val_batcher
-        n_batches = cfg.eval.batches
-        loss_sum, aux_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        self.parts.train(False)
-        try:
-            for b in range(n_batches):
-                inputs, targets = vb.tokens(vb.local_positions(b * cfg.train.global_batch))
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
-                if self.parts.pipeline is not None:
-                    stage_loss = self.parts.pipeline_step(inputs, targets, backward=False)
-                    if stage_loss is not None:
-                        loss_sum += stage_loss
-                    aux = self.parts.pipeline_aux()  # every stage's MoE layers' aux loss, as world 1's loss has it
-                    if aux is not None:
-                        aux_sum += aux.to(self.device)
-                    continue
-                mb = cfg.train.micro_batch
-                n_micro = len(inputs) // mb
-                for i in range(n_micro):
-                    logits = self.parts.forward(inputs[i * mb : (i + 1) * mb])
-                    loss_sum += self.parts.loss(logits, targets[i * mb : (i + 1) * mb]).float() / n_micro
-        finally:
-            self.parts.train(True)
-        total = loss_sum if self._counts_loss else torch.zeros((), device=self.device)
-        total = total + (aux_sum if self.coords[Axis.TP] == 0 else 0)
-        if self.world.size > 1:
-            dist.all_reduce(total)
-        value = total.item() / self.dims.grad_ranks / n_batches
-        self.last_eval = (self.step, value)
-        return value
+        return evaluate(self)
 
     @property
     def _counts_loss(self) -> bool:
@@ -442,8 +469,10 @@ class Trainer:
             torch.manual_seed(step_seed(self.cfg.train.seed, self.step, sample_index))
 
     def _reduce_norm_and_loss(self, loss_sum: torch.Tensor | None, stop: bool | Callable[[], bool],
-                              aux_sum: torch.Tensor | None = None) -> tuple[float, float, float, float]:
-        """One all-reduce for the global gradient norm, the mean loss and the stop votes.
+                              aux_sum: torch.Tensor | None = None, local_sq: torch.Tensor | None = None,
+                              flag: int = 0) -> tuple[float, float, float, float, float]:
+        """One all-reduce for the global gradient norm, the mean loss, the stop votes and the ranks with a
+        [health] finding of their own (their count).
 
         The loss is counted once per data-parallel rank: by the last pipeline
         stage's first tensor-parallel rank.
@@ -451,7 +480,9 @@ class Trainer:
         counts = self._counts_loss and loss_sum is not None
         contrib = loss_sum.float() if counts else torch.zeros((), device=self.device)
         vote = torch.full((), 1.0 if (stop() if callable(stop) else stop) else 0.0, device=self.device)
-        parts = [self.optimizer.local_norm_sq().to(self.device), contrib.to(self.device), vote]
+        if local_sq is None:
+            local_sq = self.optimizer.local_norm_sq().to(self.device)
+        parts = [local_sq, contrib.to(self.device), vote, torch.full((), float(flag), device=self.device)]
         if aux_sum is not None:  # a Mixture of Experts: its aux loss rides along (a dense model's stays 3 numbers)
             # counted once per data-parallel, cp and pipeline rank (each stage's MoE layers)
             mine = self.coords[Axis.TP] == 0
@@ -459,40 +490,5 @@ class Trainer:
         reduced = torch.stack(parts)
         if self.world.size > 1:
             dist.all_reduce(reduced)
-        norm_sq, loss, votes, *aux_total = reduced.tolist()
-        return norm_sq, loss / self.dims.grad_ranks, votes, sum(aux_total) / self.dims.grad_ranks
-
-
-def checkpoint_preflight(cfg: RunConfig, *, resume: bool, fix: str = "pass --resume to continue it") -> None:
-    """Before any process group starts: the checkpoint URL takes a write (a probe), and a run that
-    does not resume finds no committed checkpoints of its run id there. ConfigError otherwise (exit 2)."""
-    c = cfg.checkpoint
-    if not c.url:
-        return
-    storage = Storage(c.url, retry=RetryPolicy(attempts=3, deadline_s=min(30.0, c.timeout_s)))
-    mgr = CheckpointManager(c.url, cfg.run_id, storage=storage)
-    try:
-        mgr.probe()
-        if not resume:
-            mgr.check_fresh_start(fix)
-    except (CheckpointError, StorageError) as e:
-        raise ConfigError(str(e)) from None
-    finally:
-        storage.close()
-
-
-def checkpoint_manager(cfg: RunConfig, world: World, *, epoch: int = 0, fence=None) -> CheckpointManager | None:
-    """The run's checkpoint manager per ``[checkpoint]``, or None without a URL."""
-    c = cfg.checkpoint
-    if not c.url:
-        return None
-    faults = StorageFaults.from_dict(c.faults) if c.faults else None
-    storage = Storage(c.url, retry=RetryPolicy(deadline_s=c.timeout_s), concurrency=c.concurrency, faults=faults)
-    mgr = CheckpointManager(c.url, cfg.run_id, rank=world.rank, world_size=world.size, async_save=c.async_save,
-                            when_busy=c.when_busy, keep_last=c.keep_last, keep_every=c.keep_every, epoch=epoch,
-                            fence=fence, storage=storage, commit_timeout_s=c.timeout_s)
-    if c.export_every and world.rank == 0:  # rank 0 commits, and exports what it committed
-        from .export.every import attach_exports
-
-        attach_exports(mgr, cfg)
-    return mgr
+        norm_sq, loss, votes, flags, *aux_total = reduced.tolist()
+        return norm_sq, loss / self.dims.grad_ranks, votes, sum(aux_total) / self.dims.grad_ranks, flags

@@ -322,15 +322,16 @@ def _is_crc(v) -> bool:
 # --- the trainer state a snapshot carries ------------------------------------------------
 
 _TEXT_MAX = 4096
+_RANGES_MAX = 65536
 
 
 def check_trainer_state(state, step: int, where: str = "trainer_state", *, required: bool = False) -> dict:
     """``state`` (the trainer state of a snapshot of ``step``, JSON) if it has the schema a restore
     applies: ``step`` (equal to ``step``) and ``samples_consumed``, counts; ``epoch``, a count;
     ``corpus_digest`` and ``weights_from``, strings; ``history_row``, a list of up to 16 numbers or
-    nulls; any other key a finite number, string, bool or null. ``required``: ``step`` and
-    ``samples_consumed`` must be there (a restore needs them). ValueError or TypeError naming the key
-    otherwise."""
+    nulls; ``skipped_ranges``, [start, end) count pairs; ``verified``, ``{"step", "checks"}``; any other
+    key a finite number, string, bool or null. ``required``: ``step`` and ``samples_consumed`` must be
+    there (a restore needs them). ValueError or TypeError naming the key otherwise."""
     if not isinstance(state, dict):
         raise TypeError(f"{where} is a {type(state).__name__}, not a table")
     if required:
@@ -344,6 +345,14 @@ def check_trainer_state(state, step: int, where: str = "trainer_state", *, requi
             ok = type(value) is int and 0 <= value < _COUNT_MAX
         elif key in ("corpus_digest", "weights_from"):
             ok = isinstance(value, str) and len(value) <= _TEXT_MAX
+        elif key == "skipped_ranges":  # [health]: sample ranges [start, end) never trained on
+            ok = isinstance(value, list) and len(value) <= _RANGES_MAX and all(
+                isinstance(r, list) and len(r) == 2 and all(type(v) is int and 0 <= v < _COUNT_MAX for v in r)
+                for r in value)
+        elif key == "verified":  # [health]: the check this step passed
+            ok = (isinstance(value, dict) and set(value) <= {"step", "checks"} and type(value.get("step")) is int
+                  and isinstance(value.get("checks", []), list) and len(value.get("checks", [])) <= 16
+                  and all(isinstance(c, str) and len(c) <= 64 for c in value.get("checks", [])))
         elif key == "history_row":
             ok = isinstance(value, list) and len(value) <= 16 and all(
                 v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value)

@@ -65,18 +65,10 @@ from ..storage.retry import describe
 from ..host_copy import HostCopy, PlannedLayout, layout_fingerprint
 from .budget import state_bytes
 from .local_copy import Arena, Region, host_keys
+from .threads import lower_priority
 from ..transaction import group_rank_errors
 
 log = logging.getLogger("etrain")
-
-
-def _lower_priority(niceness: int = 10) -> None:
-    """Lower this thread's scheduling priority (Linux: a thread is a task of its own), best effort."""
-    import os
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
 
 
 class MemoryTier:
@@ -108,10 +100,10 @@ class MemoryTier:
         self.last_reason = ""
         self._lock = threading.Lock()
         # Background threads yield the CPU to training (on a host whose cores the ranks keep busy).
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier", initializer=_lower_priority)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="etrain-memtier", initializer=lower_priority)
         self._inflight: Future | None = None
         self._io = ThreadPoolExecutor(2, thread_name_prefix="etrain-memcopy",  # the writer's copy threads
-                                      initializer=_lower_priority)
+                                      initializer=lower_priority)
         self._token = uuid.uuid4().hex[:8]  # in every file name (each snapshot has a storage of its own)
         # The last planned snapshot of each of the last two layouts (the live state's, take; the host
         # copy's, take_async), reused while that layout holds.
@@ -391,6 +383,14 @@ class MemoryTier:
             return "", after
         return (f"rank {self.rank} would hold {after} bytes (its snapshot {new}, copies for peers {incoming}, "
                 f"kept {kept}), over memory_budget_bytes={self.memory_budget_bytes}"), after
+
+    def forget_after(self, step: int) -> None:  # a [health] rollback undid the steps after it; every rank at once
+        self.wait()
+        with self._lock:
+            self.snapshots = {s: v for s, v in self.snapshots.items() if s <= step}
+            self.copies = {s: v for s, v in self.copies.items() if s <= step}
+            self.restorable = self.restorable if self.restorable is not None and self.restorable <= step else None
+            self._arena.hold(set(self.snapshots))
 
     def _prune(self) -> None:
         """Keep only the restorable step (before a new snapshot, and once a newer one became restorable)."""

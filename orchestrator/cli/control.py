@@ -83,7 +83,7 @@ def cmd_logs(args) -> int:
 def cmd_status(args) -> int:
     """A run's status, or the runs of the store(s). A run whose documents are not etrain's is a row of its own
     (``unreadable``), its reason on stderr and exit 2; the runs beside it are shown as usual."""
-    from ..driver.progress import listing_console, printable, status_table, tier_status_line
+    from ..driver.progress import health_status_line, listing_console, printable, status_table, tier_status_line
     from ..store import user_runs as registry
 
     explicit = bool(args.store or os.environ.get("ETRAIN_STORE"))
@@ -107,6 +107,8 @@ def cmd_status(args) -> int:
             print(f"reason: {printable(rows[0]['reason'], multiline=True)}")
         if args.run and tier_status_line(rows[0]):
             print(tier_status_line(rows[0]))
+        if args.run and health_status_line(rows[0]):
+            print(health_status_line(rows[0]))
         for store, reason in dict.fromkeys((r["store"], r["reason"]) for r in rows
                                            if r.get("phase") in (registry.UNREACHABLE, registry.MISSING)):
             print(printable(f"{store}: {reason}"))

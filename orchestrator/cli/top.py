@@ -122,8 +122,8 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
     phase = next((dict(ls).get("phase", "?") for (n, ls), v in cur.items() if n == "etrain_phase" and v == 1), "?")
     run_id = next((dict(ls).get("run_id") for (n, ls) in cur if n == "etrain_step"), st.get("run_id", "?"))
     head = Table(title=cell(f"etrain top: {run_id}"), show_header=True, expand=False)
-    for col in ("phase", "step", "world", "epoch", "loss", "tokens/s", "lr", "grad norm", "step s (mean)",
-                "goodput", "MFU"):
+    for col in ("phase", "step", "verified", "world", "epoch", "loss", "tokens/s", "lr", "grad norm",
+                "step s (mean)", "goodput", "MFU"):
         head.add_column(col, justify="right")
     steps_rate = None
     if prev is not None:
@@ -134,6 +134,7 @@ def render(cur: Samples, prev: Samples | None, dt: float, status: dict | None = 
     total = st.get("total_steps")
     step = _get(cur, "etrain_step")
     head.add_row(cell(phase), f"{_fmt(step, '.0f')}" + (f"/{total}" if total else ""),
+                 _fmt(_get(cur, "etrain_verified_step"), ".0f"),  # [health]: the newest verified step
                  _fmt(_get(cur, "etrain_world_size"), ".0f"),
                  _fmt(_get(cur, "etrain_epoch"), ".0f"), _fmt(_get(cur, "etrain_loss")),
                  _si(_get(cur, "etrain_tokens_per_second")), _fmt(_get(cur, "etrain_learning_rate"), ".2e"),

@@ -19,6 +19,7 @@ evaluation becomes an ``eval`` event (:class:`orchestrator.controller.observers.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from trainer.config import RunConfig
 from trainer.heap import freeze_boot_heap
@@ -27,7 +28,9 @@ from ..service.auth import job_env
 from .autoscale import AutoscaleObserver, DemandBoard
 from .controller import Controller, ControllerOptions
 from ..service.drains import ray_draining_nodes
+from ..service.nodes import quarantine_on_cluster
 from .drain import DrainWatch
+from .health import FaultWatch
 from .observers import ControllerObserver, EvalEvents, MetricsObserver, TrackerObserver
 from ..store.run_store import RunSpec, open_store
 
@@ -47,7 +50,8 @@ class ControllerActor:
         self.endpoint, observers = start_metrics(spec.run_id, config)
         observers = [*observers, EvalEvents(), *start_trackers(spec.run_id, config), AutoscaleObserver(DemandBoard())]
         self.ctl = Controller(spec, store, group, opts, config=config, observers=observers,
-                              drains=DrainWatch(source=ray_draining_nodes))
+                              drains=DrainWatch(source=ray_draining_nodes),
+                              faults=FaultWatch(quarantine=partial(quarantine_on_cluster, store_url=store_url)))
         freeze_boot_heap()  # no 150 ms garbage collection while it notices a failure
 
     def run(self) -> dict:
@@ -71,6 +75,10 @@ class ControllerActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def set_health_faults(self, faults: list | None, rank: int) -> str | None:
+        """Chaos: bitflip / poison_batch faults in the worker that is rank ``rank`` now; its id."""
+        return self.ctl.set_health_faults(faults, rank)
 
     def set_storage_faults(self, faults: dict | None) -> int:
         """Chaos: storage faults on every started worker (members and spares); returns how many."""

@@ -48,6 +48,7 @@ from trainer.parallel.dims import valid_world_sizes
 
 from ..config import recovery_from_raw
 from .drain import DrainWatch
+from .health import FaultWatch
 from .membership import Membership
 from .observers import ControllerObserver, Goodput, LeaseKeeper, Observers
 from .pending import PendingRecovery, PendingResize
@@ -75,7 +76,8 @@ class Controller(Membership):
 
     def __init__(self, spec: RunSpec, store: RunStore, group: WorkerGroup, opts: ControllerOptions | None = None,
                  *, config: RunConfig | None = None, clock=time.monotonic, controller_id: str | None = None,
-                 sleep=time.sleep, observers: Iterable[ControllerObserver] = (), drains: DrainWatch | None = None):
+                 sleep=time.sleep, observers: Iterable[ControllerObserver] = (), drains: DrainWatch | None = None,
+                 faults: FaultWatch | None = None):
         self.spec = spec
         self.run_id = spec.run_id
         self.store = store
@@ -92,6 +94,8 @@ class Controller(Membership):
         self.valid_sizes = tuple(valid_world_sizes(self.cfg, spec.max_workers))
         self.failures = FailureLog()
         self.drains = drains or DrainWatch()  # draining nodes the run shrinks off (none watched without a source)
+        self.faults = faults or FaultWatch()  # [health]: a rank whose silent fault persists (evict or suspend)
+        self.skipped_ranges: list[list[int]] = []  # [health]: samples skipped as the data's fault
         self.state: State = Initializing()
         self.lease = None
         self.fenced: str | None = None  # why this controller may no longer write (another one leads)
@@ -259,6 +263,17 @@ class Controller(Membership):
         self.event("chaos_storage", faults=faults)
         return len(wids)
 
+    def set_health_faults(self, faults: list | None, rank: int) -> str | None:
+        """Chaos: in-process faults (``[health] faults`` entries: bitflip, poison_batch) in the worker that is
+        rank ``rank`` now; they stay with that worker (a bad device goes where its process goes). The worker's
+        id, None when there is no such rank."""
+        if not 0 <= rank < len(self.members):
+            return None
+        wid = self.members[rank]
+        self.group.wait([self.group.submit(wid, "set_health_faults", faults)], timeout=10.0)
+        self.event("chaos_health", faults=faults, rank=rank, worker=wid)
+        return wid
+
     # --- group calls -----------------------------------------------------------------------
 
     def until_store(self, fn, what: str):
@@ -367,6 +382,11 @@ class Controller(Membership):
         self.observers.on_history(self, p.pop("history", None) or [])
         for e in p.pop("memory_tier", None) or []:  # the tier turned itself off (rank 0 tells)
             self.event("memory_tier", **e)
+        for e in p.pop("health", None) or []:  # [health]: sdc verdicts, spikes, rollbacks (rank 0 tells)
+            e = dict(e)
+            if e.get("kind") == "sdc" and e.get("verdict") == "data" and e.get("samples"):
+                self.skipped_ranges.append(list(e["samples"]))
+            self.event(str(e.pop("kind", "health")), **e)
         if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
             self.progress = p
             self.progress_at = self.clock()
@@ -427,6 +447,7 @@ class Controller(Membership):
             "standby_ready": self.standby_ready,
             "total_steps": self.total_steps, "epoch": self.epoch, "loss": p.get("loss"), "lr": p.get("lr"),
             "eval_loss": p.get("eval_loss"), "eval_step": p.get("eval_step"),
+            "verified_step": p.get("verified_step"), "skipped_ranges": self.skipped_ranges[-64:] or None,
             "tokens_per_s": p.get("tokens_per_s"), "latest_checkpoint": self.committed_step,
             "controller_id": self.controller_id, "failures": len(self.failures.records),
             "queue_reason": self.queue_reason, "queue_wait_s": round(self.queue_wait(), 3),

@@ -329,6 +329,8 @@ class MetricsObserver(ControllerObserver):
     def on_event(self, ctl, event):
         if event["kind"] == "preempted":
             self.metrics.observe_preemption(event.get("action", ""), event.get("reason", ""))
+        elif event["kind"] == "sdc":
+            self.metrics.observe_health_event(event)
 
     def on_resize(self, ctl):
         self.metrics.observe_resize()

@@ -100,6 +100,12 @@ class Drains(Protocol):
     def check(self, ctl: DrainContext) -> Any: ...
 
 
+class Faults(Protocol):
+    """The run's answer to a silent fault that follows one rank (``orchestrator.controller.health.FaultWatch``)."""
+
+    def respond(self, ctl: Any, rest: list, results: dict) -> Any: ...
+
+
 class StateHooks(Protocol):
     """The observers as the states tell them."""
 
@@ -122,6 +128,7 @@ class StateContext(DrainContext, Protocol):
     controller_id: str
     observers: StateHooks
     drains: Drains
+    faults: Faults
     failures: FailureLog
     train_calls: dict[str, Any]
     form_phases: dict[str, float]

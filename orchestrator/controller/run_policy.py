@@ -54,12 +54,13 @@ class Wait:
 
 
 # Failure kinds a recovery cannot fix (it trains the same steps from the same state to the same values).
-NOT_RETRIED = {"nonfinite": "a recovery would meet the same nan/inf values again"}
+NOT_RETRIED = {"nonfinite": "a recovery would meet the same nan/inf values again",
+               "health": "[health] stopped it: a recovery would meet the same data again"}
 
 
 @dataclass(frozen=True)
 class FailureRecord:
-    kind: str  # "actor_died", "collective_failed", "hang", "error", "nonfinite"
+    kind: str  # "actor_died", "collective_failed", "hang", "error", "nonfinite", "health"
     step: int
     message: str
     time: float

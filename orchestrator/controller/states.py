@@ -394,6 +394,8 @@ def check_training(c: StateContext) -> State | None:
         ranks = ",".join(str(c.members.index(w)) for w, _ in lost if w in c.members)
         log.warning("workers lost: %s", "; ".join(m for _, m in lost))
         return Recovering.now(c, "actor_died", f"worker died: rank {ranks}", tuple(w for w, _ in lost))
+    if any(r.status == "faulty" for r in results.values()):  # [health]: a fault that follows one rank
+        return c.faults.respond(c, [call for call in calls if call not in done], results)
     failed = {w: r for w, r in results.items() if r.failed}
     if failed:
         # The cause before its echoes: peers of a failing rank only see their collective fail.

@@ -134,6 +134,18 @@ def tier_status_line(status: dict) -> str | None:
     return printable(line)
 
 
+def health_status_line(status: dict) -> str | None:
+    """``etrain status RUN``'s line on [health]: the newest verified step and the samples skipped; None without."""
+    v, skipped = status.get("verified_step"), status.get("skipped_ranges")
+    if v is None and not skipped:
+        return None
+    line = f"health: last verified step {v}" if v is not None else "health: no verified step yet"
+    if isinstance(skipped, list) and skipped:
+        shown = ", ".join(f"[{r[0]}, {r[1]})" for r in skipped[:4] if isinstance(r, list) and len(r) == 2)
+        line += f"; samples skipped as the data's fault: {shown}{' ...' if len(skipped) > 4 else ''}"
+    return printable(line)
+
+
 def describe_event(e: dict) -> str | None:
     """One line for the events a user wants to see as they happen; None for the rest."""
     k = e.get("kind")
@@ -162,6 +174,17 @@ def describe_event(e: dict) -> str | None:
             return f"[tracker] {TrackerNotice(**fields).text()}"
         except (TypeError, ValueError, OverflowError):  # a field of the wrong type: the plain event line
             return None
+    if k == "sdc":  # [health] (docs/operations.md#silent-faults)
+        where = f" on rank {e.get('rank')} ({e.get('node')})" if e.get("rank") is not None else ""
+        skipped = f": samples [{e['samples'][0]}, {e['samples'][1]}) skipped" if isinstance(e.get("samples"), list) \
+            and len(e["samples"]) == 2 else ""
+        return f"[sdc] {e.get('verdict')} fault at step {e.get('step')}{where}{skipped}"
+    if k == "rollback":
+        return (f"[rollback] from step {e.get('from_step')} to verified step {e.get('to_step')} in "
+                f"{e.get('seconds')} s ({e.get('steps_reworked')} steps replayed)")
+    if k == "quarantine":
+        refused = f"; refused: {e['refused']}" if e.get("refused") else ""
+        return f"[quarantine] node {short_ids(e.get('node'))} ({e.get('reason')}){refused}"
     if k == "metrics":
         where = f" (Prometheus target file {e['file_sd']})" if e.get("file_sd") else ""
         return f"[metrics] {e.get('url')}{where}"

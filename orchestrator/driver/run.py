@@ -105,7 +105,7 @@ def prepare_run_doc(raw: dict, *, workers: int | None = None, min_workers: int |
     try:
         st.get_spec(cfg.run_id)  # a run the store knows: create_run says how to continue it
     except UnknownRun:
-        from trainer.loop import checkpoint_preflight  # torch: only when a run really starts
+        from trainer.checkpoints import checkpoint_preflight  # torch: only when a run really starts
 
         checkpoint_preflight(cfg, resume=False, fix="they were written by another run of that id")
     if join is not None:  # the cluster joined last: a job's driver imports nothing of etrain's after ray.init
@@ -169,7 +169,7 @@ def prepare_resume(run_id: str, store_url: str, workers: int | None, *, token: s
                                      max_workers=max(spec.max_workers, workers))
             check_sizes(cfg, ecfg)
             out.update(workers=workers, min_workers=ecfg.min_workers, max_workers=ecfg.max_workers)
-        from trainer.loop import checkpoint_preflight  # torch: only when a run really resumes
+        from trainer.checkpoints import checkpoint_preflight  # torch: only when a run really resumes
 
         checkpoint_preflight(parse_spec(spec)[0], resume=True)  # its checkpoints must still be writable
         return out

@@ -133,8 +133,10 @@ STATUS_FIELDS: dict[str, Any] = {
     "queue_reason": (str,), "controller_id": (str,), "memory_tier": (dict,), "requeue": (bool,),
     "preemptible": (bool,), "priority": _SIGNED, "loss": _FINITE, "eval_loss": _FINITE, "goodput": _FINITE,
     "tokens_per_s": _FINITE, "updated_unix": _TIME, "queued_unix": _TIME, "queue_wait_s": _TIME,
+    "skipped_ranges": (list,),
     **{k: _COUNT for k in ("step", "total_steps", "world_size", "epoch", "latest_checkpoint", "recoveries",
-                           "steps_lost", "min_workers", "max_workers", "target", "failures", "resizes")}}
+                           "verified_step", "steps_lost", "min_workers", "max_workers", "target", "failures",
+                           "resizes")}}
 
 
 def finite(value: Any) -> bool:

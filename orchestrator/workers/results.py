@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-TrainStatus = Literal["done", "stopped", "failed"]
+TrainStatus = Literal["done", "stopped", "failed", "faulty"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class TrainResult:
     step: int
     error: str = ""
     kind: str = "error"
+    # "faulty": [health] found a fault that follows one rank (``rank``, ``host``, ``step``, ``verified_step``);
+    # every rank is back at its verified step and the group is intact
+    evidence: dict | None = None
 
     @property
     def failed(self) -> bool:
@@ -71,3 +74,23 @@ def refused_event(res, action: str) -> dict:
     held, budget = res.over_budget[rank]
     return {"action": action, "step": res.step, "rank": rank, "bytes": held, "budget_bytes": budget,
             "ranks": sorted(res.over_budget), "reason": res.reason}
+
+
+def failure_kind(e: BaseException) -> str:
+    """nonfinite (the loss or init_from's weights hold nan/inf: not retried), health ([health] stopped the run:
+    too many batches skipped, or a fault no snapshot explains: not retried), collective_failed (a peer
+    vanished), hang (a collective timed out) or error (anything else)."""
+    from trainer.health import HealthStop
+    from trainer.loop import NonFiniteStep
+    from trainer.models.hf.hf_dir import NonFiniteWeights
+
+    if isinstance(e, (NonFiniteStep, NonFiniteWeights)):
+        return "nonfinite"
+    if isinstance(e, HealthStop):
+        return "health"
+    text = f"{type(e).__name__}: {e}".lower()
+    if "timeout" in text or "timed out" in text:
+        return "hang"
+    if any(w in text for w in ("connection", "peer", "closed", "reset", "broken pipe", "gloo", "nccl")):
+        return "collective_failed"
+    return "error"

@@ -48,18 +48,19 @@ from trainer.config import RunConfig
 from trainer.config.load import config_from_dict
 from trainer.data.corpus import load_splits
 from trainer.heap import freeze_boot_heap
-from trainer.models.hf.hf_dir import NonFiniteWeights
-from trainer.loop import NonFiniteStep, Trainer, checkpoint_manager, snapshot_due
+from trainer.checkpoints import checkpoint_manager
+from trainer.health import PersistentFault
+from trainer.loop import Trainer, snapshot_due
 from trainer.parallel.dims import resolve_device
 from trainer.observe.telemetry import StepMeter, comm_meter, mfu, rank_telemetry
-from trainer.world import (World, abort_groups, init_distributed, listening_store, shutdown_distributed,
-                           visible_device_index)
+from trainer.world import World, abort_groups, init_distributed, listening_store, shutdown_distributed
 
 from ..config import GroupTier
 from ..store.run_store import HistoryRow
 from .tier_fetch import MemoryRestore, ask_header, everyone, restore_from_memory
 from .tier_fetch import warm_up as warm_up_memory_tier
-from .results import Formed, Restored, TrainResult, refused_event
+from .devices import ray_device_index
+from .results import Formed, Restored, TrainResult, failure_kind, refused_event
 
 log = logging.getLogger("etrain")
 
@@ -67,16 +68,6 @@ log = logging.getLogger("etrain")
 # The actor's concurrency: ``torch`` is the one thread every call that touches torch runs on.
 CONCURRENCY = {"max_concurrency": 4, "concurrency_groups": {"torch": 1}}
 on_torch_thread = ray.method(concurrency_group="torch")
-
-
-def ray_device_index() -> int:
-    """This actor's GPU as a local device index: 0 where Ray narrowed ``CUDA_VISIBLE_DEVICES`` to the GPU it
-    assigned (its default), else that GPU's place among the visible ones (Ray leaves them as they are when
-    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is "1" or "true", as Ray reads it); 0 without a GPU."""
-    ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    if not ids or os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() not in ("1", "true"):
-        return 0
-    return visible_device_index(str(ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 class TrainWorker:
@@ -103,6 +94,8 @@ class TrainWorker:
         self._committed: list[dict] = []
         self.steps = StepMeter()
         self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
+        self._health_faults: list | None = None  # bitflip / poison_batch by `etrain chaos` (None: the config's)
+        self._health_events: list[dict] = []  # [health] events (rank 0), for the controller (progress)
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[HistoryRow] = []
         self.tier = None  # this group's checkpointing.recovery.tier.MemoryTier ([recovery])
@@ -225,6 +218,9 @@ class TrainWorker:
             # the last epoch's (the same run store, an older epoch) at once.
             self.ckpt.take_writer_lock(owner=self.store_url or f"orchestrator:{self.cfg.run_id}")
         self._apply_storage_faults()
+        self._apply_health_faults()
+        # A rollback makes the tier's snapshots of the steps it undid wrong: they are forgotten.
+        self.trainer.health.on_rollback.append(lambda step: self.tier is not None and self.tier.forget_after(step))
         self.epoch, self.rank = epoch, rank
         t_tier = time.monotonic()
         self._start_tier(recovery, rank, world_size)
@@ -383,9 +379,13 @@ class TrainWorker:
                     self._stop.clear()
                     return TrainResult("stopped", tr.step)
             return TrainResult("done", tr.step)
+        except PersistentFault as e:  # every rank, at its verified step, the group intact: the controller decides
+            self._health_events.extend(tr.health.take_events() if self.rank == 0 else [])
+            return TrainResult("faulty", tr.step, str(e), "sdc",
+                               {"rank": e.rank, "host": e.host, "step": e.step, "verified_step": e.verified_step})
         except Exception as e:  # a vanished peer, a timeout, a bug: the controller decides
             log.debug("train failed: %s", traceback.format_exc())
-            failed = TrainResult("failed", tr.step, describe(e), _failure_kind(e))
+            failed = TrainResult("failed", tr.step, describe(e), failure_kind(e))
             # Leave the group now: closing this rank's connections fails the peers still blocked on
             # it at once, instead of at the collective timeout. The process stays for the next epoch.
             self._teardown()
@@ -398,6 +398,8 @@ class TrainWorker:
         with self._lock:
             self._last = {**stats.to_dict(), "time": time.time(), "epoch": self.epoch, "rank": self.rank,
                           "mfu": util}
+            events = self._last.pop("health_events", None) or []  # kept apart, every one (progress: "health")
+            self._health_events.extend(events if self.rank == 0 else [])
             if self.trainer.last_eval is not None:  # the newest held-out loss stays in view between evaluations
                 self._last["eval_step"], self._last["eval_loss"] = self.trainer.last_eval
             row = HistoryRow(stats.step, stats.loss, stats.world_size, stats.samples_consumed, self._last["time"],
@@ -430,6 +432,18 @@ class TrainWorker:
         self._storage_faults = faults
         self._apply_storage_faults()
 
+    def set_health_faults(self, faults: list | None) -> None:
+        """Chaos: ``[health] faults`` entries in this worker from now on, at its rank; None: the config's."""
+        self._health_faults = faults
+        self._apply_health_faults()
+
+    def _apply_health_faults(self) -> None:
+        if self.trainer is not None and self._health_faults is not None:  # injected here: at the rank held now
+            self.trainer.health.set_faults([{**f, "rank": self.trainer.world.rank} if f.get("kind") == "bitflip"
+                                            else f for f in self._health_faults])
+        elif self.trainer is not None:
+            self.trainer.health.set_faults(self.cfg.health.faults)
+
     def _apply_storage_faults(self) -> None:
         if self.ckpt is None:
             return
@@ -448,7 +462,8 @@ class TrainWorker:
             saves, self._committed = self._committed, []
             history, self._history = self._history, []
             tier_events, self._tier_events = self._tier_events, []
-            return {**self._last, "saves": saves, "history": history, "memory_tier": tier_events}
+            health, self._health_events = self._health_events, []
+            return {**self._last, "saves": saves, "history": history, "memory_tier": tier_events, "health": health}
 
     def flush_saves(self) -> list[dict]:
         """Wait for the save in flight (if any); return the results not yet reported (rank 0's)."""
@@ -482,16 +497,3 @@ class TrainWorker:
         if tr is None or tr.memory_measured is None:
             return {}
         return {"measured": tr.memory_measured, "predicted": tr.memory_predicted()}
-
-
-def _failure_kind(e: BaseException) -> str:
-    """nonfinite (the loss or init_from's weights hold nan/inf: not retried), collective_failed (a peer
-    vanished), hang (a collective timed out) or error (anything else)."""
-    if isinstance(e, (NonFiniteStep, NonFiniteWeights)):
-        return "nonfinite"
-    text = f"{type(e).__name__}: {e}".lower()
-    if "timeout" in text or "timed out" in text:
-        return "hang"
-    if any(w in text for w in ("connection", "peer", "closed", "reset", "broken pipe", "gloo", "nccl")):
-        return "collective_failed"
-    return "error"

@@ -206,7 +206,8 @@ def repeated_saves(payload: dict) -> dict:
     from tests.ckpt_jobs import full_state
     from trainer.config.load import load_config
     from trainer.data.corpus import load_corpus
-    from trainer.loop import Trainer, checkpoint_manager
+    from trainer.checkpoints import checkpoint_manager
+    from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

@@ -61,7 +61,8 @@ def resume_job(payload: dict) -> dict:
     for what rank 0's exports did."""
     from tests.ckpt_jobs import CPU
     from trainer.export.every import wait_for_exports
-    from trainer.loop import Trainer, checkpoint_manager
+    from trainer.checkpoints import checkpoint_manager
+    from trainer.loop import Trainer
     from trainer.world import World, init_distributed, shutdown_distributed
 
     world = World.from_env()

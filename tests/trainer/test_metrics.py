@@ -56,8 +56,8 @@ def test_fsdp_bytes_match_the_analytic_volume():
         # nccl-tests bus bytes at n=2: (n-1)/n of the size; every call timed
         assert ag["bus_bytes"] == pytest.approx(ag["bytes"] / 2)
         assert ag["seconds"] > 0 and rs["seconds"] > 0
-        # the loss / norm / stop-vote reduction: 3 fp32 values over the whole world, once per step
-        assert per_step["all_reduce/world"] == pytest.approx({"bytes": 12, "calls": 1, "bus_bytes": 12,
+        # the loss / norm / stop-vote / [health] flag reduction: 4 fp32 values over the whole world, once per step
+        assert per_step["all_reduce/world"] == pytest.approx({"bytes": 16, "calls": 1, "bus_bytes": 16,
                                                               "seconds": per_step["all_reduce/world"]["seconds"]})
 
 

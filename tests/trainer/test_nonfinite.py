@@ -70,7 +70,7 @@ def test_every_rank_skips_the_same_step_and_nothing_changes():
 
 
 def test_a_nonfinite_failure_is_not_retried():
-    from orchestrator.workers.worker import _failure_kind
+    from orchestrator.workers.results import failure_kind as _failure_kind
     from trainer.models.hf.hf_dir import NonFiniteWeights
     from trainer.loop import NonFiniteStep
 

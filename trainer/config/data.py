@@ -38,8 +38,13 @@ class DataConfig:
     # Where tokenized text is cached ("" = $ETRAIN_CACHE_DIR, else ~/.cache/etrain/tokens); a local
     # filesystem, since ranks memory-map it.
     cache_dir: str = ""
+    # Sample ranges [start, end) of the global order never trained on: each a whole step's global batch,
+    # as a run records the batches it skipped ([health]; `etrain status` lists them). A step whose batch
+    # lies in a range makes no update; the data cursor moves past it.
+    skip_ranges: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_skip_ranges(self.skip_ranges, "data.skip_ranges")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len={self.seq_len} must be >= 2")
         check_range("data", "seq_len", self.seq_len, 2, MAX_TOKENS, "tokens")
@@ -56,6 +61,20 @@ class DataConfig:
         if not self.tokenizer:
             raise ConfigError('data.tokenizer is empty; use "bytes" or a tokenizer.json file / directory')
 
+
+def check_skip_ranges(ranges, where: str) -> None:
+    """[start, end) pairs of sample positions, start < end, sorted and apart; ConfigError naming ``where``."""
+    if not isinstance(ranges, list):
+        raise ConfigError(f"{where} must be a list of [start, end) sample ranges, e.g. [[640, 672]]")
+    prev = -1
+    for r in ranges:
+        if (not isinstance(r, (list, tuple)) or len(r) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in r)):
+            raise ConfigError(f"{where} holds {r!r:.40}: each range is [start, end), two sample positions >= 0")
+        if r[0] >= r[1] or r[0] < prev:
+            raise ConfigError(f"{where}: {list(r)} must have start < end and follow the range before it; sort "
+                              "the ranges and merge the ones that overlap")
+        prev = r[1]
 
 
 @dataclass(kw_only=True)

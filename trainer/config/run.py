@@ -14,6 +14,7 @@ from checkpointing.names import validate_run_id
 from .checkpoint import CheckpointConfig
 from .checks import check_text, divisors, fmt_list, or_join
 from .data import DataConfig, EvalConfig
+from .health import HealthConfig
 from .model import ModelConfig
 from .observe import LoggingConfig, MetricsConfig
 from .parallel import ParallelConfig, check_ep
@@ -35,6 +36,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         for name in SECTIONS:  # what the loader refuses, refused of sections built in Python too
@@ -67,6 +69,11 @@ class RunConfig:
                 f"train.micro_batch={t.micro_batch} does not divide train.global_batch={t.global_batch}; "
                 f"use one of {fmt_list(divisors(t.global_batch))}"
             )
+        for start, end in d.skip_ranges:
+            if start % t.global_batch or end % t.global_batch:
+                raise ConfigError(f"data.skip_ranges: [{start}, {end}) is not whole steps of train.global_batch="
+                                  f"{t.global_batch}; use multiples of it, e.g. [{start - start % t.global_batch}, "
+                                  f"{start - start % t.global_batch + t.global_batch}]")
         validate_run_id(self.run_id, "run_id")
 
     def _check_layout_fits_builtin(self) -> None:
@@ -112,6 +119,7 @@ class RunConfig:
         d.pop("logging")
         d.pop("eval")
         d.pop("profile")  # what is traced, not what is trained
+        d.pop("health")  # what is checked, not what is trained (a skipped range is data.skip_ranges)
         d.pop("run_id")
         d["train"].pop("log_every")
         d["train"].pop("skip_nonfinite_steps")  # what a diverged step does, not the training math
@@ -129,7 +137,7 @@ class RunConfig:
 _HASHED_WHEN_SET = {
     "model": ("source", "hf_config", "factory", "loss", "block_class", "pp_split_points", "tp_plan", "args",
               "init_from"),
-    "data": ("tokenizer", "text_field", "data_files", "factory"),
+    "data": ("tokenizer", "text_field", "data_files", "factory", "skip_ranges"),
     "train": ("lr_schedule", "decay_ratio", "decay_steps", "decay_type"),
 }
 
@@ -143,6 +151,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "eval": EvalConfig,
     "profile": ProfileConfig,
+    "health": HealthConfig,
 }
 TOP_LEVEL = {"run_id": str}
 # Sections owned by other components of a run (the orchestrator's [elastic] and [recovery]);

@@ -26,7 +26,8 @@ import threading
 import time
 from array import array
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    SummaryMetricFamily)
 
 from .telemetry import SECONDS_BUCKETS, STEP_BUCKETS
 
@@ -113,6 +114,10 @@ class RunMetrics:
         self.epoch = 0
         self.phase = "INITIALIZING"
         self.queue_wait_s = 0.0
+        # [health]: the checks (rank 0's totals), silent faults by verdict, samples skipped as the data's fault
+        self.health: dict = {}
+        self.sdc: dict[str, int] = {}
+        self.skipped_samples_total = 0
         self.goodput = 0.0
         self.step_time_ratio = 0.0
 
@@ -124,6 +129,10 @@ class RunMetrics:
         with self._lock:
             prev = self.last_step.get("step")
             self.last_step = dict(s)
+            if s.get("health_totals"):
+                self.health = dict(s["health_totals"])
+            for e in s.get("health_events") or []:  # under torchrun (the Ray controller: observe_health_event)
+                self._health_event(e)
             if s.get("eval_loss") is not None:
                 self.eval_loss = s["eval_loss"]
             if prev is not None and s.get("step", 0) > prev:
@@ -238,6 +247,17 @@ class RunMetrics:
             self.steps_lost_per_failure.observe(steps_lost)
             self.time_to_recover.observe(seconds)
 
+    def observe_health_event(self, e: dict) -> None:
+        with self._lock:
+            self._health_event(e)
+
+    def _health_event(self, e: dict) -> None:
+        if e.get("kind") == "sdc":
+            v = str(e.get("verdict"))
+            self.sdc[v] = self.sdc.get(v, 0) + 1
+            if v == "data" and isinstance(e.get("samples"), list) and len(e["samples"]) == 2:
+                self.skipped_samples_total += int(e["samples"][1]) - int(e["samples"][0])
+
     def observe_preemption(self, action: str, reason: str) -> None:
         with self._lock:
             self.preemptions[(action, reason)] = self.preemptions.get((action, reason), 0) + 1
@@ -315,6 +335,21 @@ class RunMetrics:
                       self.data_wait_seconds_total)
         if self.mfu is not None:
             yield gauge("etrain_mfu_ratio", "Model FLOPs utilization of the last step (GPU)", self.mfu)
+        if self.health:  # [health] (docs/operations.md#silent-faults)
+            yield counter("etrain_health_checks", "Digest checks of the state ([health])", self.health.get("checks", 0))
+            checked = SummaryMetricFamily("etrain_health_check_seconds", "Seconds spent in the digest checks "
+                                          "(rank 0)", labels=["run_id"])
+            checked.add_metric([rid], count_value=self.health.get("checks", 0),
+                               sum_value=self.health.get("check_seconds", 0.0))
+            yield checked
+            yield gauge("etrain_verified_step", "Newest step the health checks verified", s.get("verified_step"))
+        sdc = CounterMetricFamily("etrain_sdc", "Silent faults found, by verdict (transient, persistent, data)",
+                                  labels=["run_id", "kind"])
+        for kind, n in sorted(self.sdc.items()):
+            sdc.add_metric([rid, kind], n)
+        yield sdc
+        yield counter("etrain_skipped_samples", "Samples skipped as the data's fault ([health])",
+                      self.skipped_samples_total)
 
         # communication, per rank
         labels = ["run_id", "rank", "kind", "axis"]
