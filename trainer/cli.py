@@ -450,9 +450,18 @@ def train_config(load: Callable[[], RunConfig], *, log_file: str | None = None, 
         return Outcome(2, str(e))
     except PersistentFault as e:
         say_health(trainer.health.take_events(), world, quiet=args.quiet)
+        saved = ""
+        if ckpt is not None:  # every rank is back at the verified step: make it durable (collective)
+            try:
+                trainer.save_checkpoint(ckpt)
+                ckpt.wait()
+                saved = f", checkpoint committed at step {trainer.step}" if not ckpt.failed_in_a_row else ""
+            except EtrainError as save_error:
+                saved = f" (its checkpoint failed: {save_error})"
         if world.is_main:
-            print(f"etrain: error: {e}; the run stopped at its last verified step {e.verified_step}: resume it "
-                  f"(--set checkpoint.resume=true) without host {e.host}", file=sys.stderr)
+            where = f"without host {e.host}" if e.host else "once its hosts are checked"
+            print(f"etrain: error: {e}; the run stopped at its last verified step {e.verified_step}{saved}: "
+                  f"resume it (--set checkpoint.resume=true) {where}", file=sys.stderr)
         return Outcome(3, str(e), step=trainer.step)
     except EtrainError as e:
         if world.is_main:

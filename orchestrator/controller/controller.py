@@ -387,6 +387,8 @@ class Controller(Membership):
             if e.get("kind") == "sdc" and e.get("verdict") == "data" and e.get("samples"):
                 self.skipped_ranges.append(list(e["samples"]))
             self.event(str(e.pop("kind", "health")), **e)
+        if p.get("replayed") and p.get("time") != self.progress.get("time"):  # [health]: a rollback's replay
+            self.progress_at = self.clock()  # behind the step seen, but alive: no hang
         if p.get("step") is not None and p.get("step", -1) > self.progress.get("step", -1):
             self.progress = p
             self.progress_at = self.clock()

@@ -60,6 +60,7 @@ from ..store.run_store import HistoryRow
 from .tier_fetch import MemoryRestore, ask_header, everyone, restore_from_memory
 from .tier_fetch import warm_up as warm_up_memory_tier
 from .devices import ray_device_index
+from .health_hooks import HealthHooks
 from .results import Formed, Restored, TrainResult, failure_kind, refused_event
 
 log = logging.getLogger("etrain")
@@ -70,7 +71,7 @@ CONCURRENCY = {"max_concurrency": 4, "concurrency_groups": {"torch": 1}}
 on_torch_thread = ray.method(concurrency_group="torch")
 
 
-class TrainWorker:
+class TrainWorker(HealthHooks):
     """Wrapped with ``ray.remote(**CONCURRENCY)`` by the worker group."""
 
     def __init__(self, config: RunConfig | dict, worker_id: str, store_url: str = "", pg_timeout_s: float = 120.0):
@@ -95,6 +96,7 @@ class TrainWorker:
         self.steps = StepMeter()
         self._storage_faults: dict | None = None  # injected by `etrain chaos` (None: the config's)
         self._health_faults: list | None = None  # bitflip / poison_batch by `etrain chaos` (None: the config's)
+        self._fired: set = set()  # the transient ones that fired in this process (they do not fire again)
         self._health_events: list[dict] = []  # [health] events (rank 0), for the controller (progress)
         # [step, loss, world size, samples consumed, unix time, step seconds], rank 0 only
         self._history: list[HistoryRow] = []
@@ -218,9 +220,7 @@ class TrainWorker:
             # the last epoch's (the same run store, an older epoch) at once.
             self.ckpt.take_writer_lock(owner=self.store_url or f"orchestrator:{self.cfg.run_id}")
         self._apply_storage_faults()
-        self._apply_health_faults()
-        # A rollback makes the tier's snapshots of the steps it undid wrong: they are forgotten.
-        self.trainer.health.on_rollback.append(lambda step: self.tier is not None and self.tier.forget_after(step))
+        self.attach_health()
         self.epoch, self.rank = epoch, rank
         t_tier = time.monotonic()
         self._start_tier(recovery, rank, world_size)
@@ -431,18 +431,6 @@ class TrainWorker:
         fields), from now on and in later epochs; None goes back to the config's ``checkpoint.faults``."""
         self._storage_faults = faults
         self._apply_storage_faults()
-
-    def set_health_faults(self, faults: list | None) -> None:
-        """Chaos: ``[health] faults`` entries in this worker from now on, at its rank; None: the config's."""
-        self._health_faults = faults
-        self._apply_health_faults()
-
-    def _apply_health_faults(self) -> None:
-        if self.trainer is not None and self._health_faults is not None:  # injected here: at the rank held now
-            self.trainer.health.set_faults([{**f, "rank": self.trainer.world.rank} if f.get("kind") == "bitflip"
-                                            else f for f in self._health_faults])
-        elif self.trainer is not None:
-            self.trainer.health.set_faults(self.cfg.health.faults)
 
     def _apply_storage_faults(self) -> None:
         if self.ckpt is None:

@@ -95,6 +95,23 @@ def test_a_digest_sees_one_bit():
     assert digest(t) == d
 
 
+def test_a_transient_fault_fires_once_per_process_even_across_trainers():
+    from trainer.health.faults import Faults
+
+    fired: set = set()
+    spec = {"kind": "bitflip", "step": 3, "rank": 1, "target": "param", "element": 2, "bit": 31}
+    t = torch.ones(4)
+    Faults([spec], 1, seed=0, fired=fired).at_boundary(3, [("model.w", t)])
+    assert t.tolist() == [1.0, 1.0, -1.0, 1.0]
+    # the worker re-formed at rank 0 (its process keeps what fired): the same fault does not fire again
+    Faults([{**spec, "rank": 0}], 0, seed=0, fired=fired).at_boundary(3, [("model.w", t)])
+    assert t.tolist() == [1.0, 1.0, -1.0, 1.0]
+    persistent = Faults([{**spec, "persistent": True}], 1, seed=0)
+    for step in (2, 3, 4):
+        persistent.at_boundary(step, [("model.w", t)])
+    assert t.tolist() == [1.0, 1.0, -1.0, 1.0]  # flipped at steps 3 and 4: twice
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("check_every_steps", -1, "health.check_every_steps=-1"),
     ("spike_zscore", 1.0, "health.spike_zscore=1.0 must be in [2, 1e6]"),
@@ -110,6 +127,7 @@ def test_bad_health_values_name_the_field(field, value, message):
         HealthConfig(**{field: value})
 
 
+@pytest.mark.slow  # two processes that import torch: the ConfigErrors above are the fast tier's
 def test_bad_health_values_exit_2_before_training():
     r = run_trainer(["--config", "examples/tiny.toml", "--set", "health.on_persistent=reboot"], timeout=60)
     assert r.returncode == 2, r.stderr
@@ -139,11 +157,11 @@ def _verdicts(res) -> list[tuple]:
     ("adamw state", ["parallel.zero_stage=1"],
      {"kind": "bitflip", "step": 11, "rank": 3, "target": "optimizer"}, 11),
     # a reduced gradient on one HSDP rank, exponent's top bit: the norm is not finite at that step
-    ("hsdp grad", ["parallel.zero_stage=3", "parallel.dp_replicate=2"],
-     {"kind": "bitflip", "step": 13, "rank": 1, "target": "grad", "bit": 30}, 13),
+    pytest.param("hsdp grad", ["parallel.zero_stage=3", "parallel.dp_replicate=2"],
+                 {"kind": "bitflip", "step": 13, "rank": 1, "target": "grad", "bit": 30}, 13, marks=pytest.mark.slow),
     # a gradient's sign on one DDP replica: nothing spikes; the replicas' digests differ at the next check
-    ("replica sign", ["parallel.zero_stage=0"],
-     {"kind": "bitflip", "step": 13, "rank": 1, "target": "grad", "bit": 31}, 16),
+    pytest.param("replica sign", ["parallel.zero_stage=0"],
+                 {"kind": "bitflip", "step": 13, "rank": 1, "target": "grad", "bit": 31}, 16, marks=pytest.mark.slow),
 ])
 def test_a_flipped_bit_is_caught_rolled_back_in_place_and_the_run_ends_bitwise_equal(name, layout, fault, caught_at):
     res = _faulty(layout, fault)
@@ -181,10 +199,10 @@ def test_a_poisoned_batch_is_skipped_listed_and_the_run_equals_one_that_skips_it
 
 def test_clean_runs_find_nothing_in_bf16_either():
     res = run_ranks("tests.health_jobs:clean_only", 4,
-                    {"base": BASE + ["train.steps=64", "parallel.zero_stage=3", "parallel.dp_replicate=2",
+                    {"base": BASE + ["train.steps=48", "parallel.zero_stage=3", "parallel.dp_replicate=2",
                                      "parallel.mixed_precision=bf16", "health.check_every_steps=4"]}, timeout=300)
-    assert [(r["error"], r["events"], r["step"]) for r in res] == [(None, [], 64)] * 4
-    assert res[0]["checks"] >= 16
+    assert [(r["error"], r["events"], r["step"]) for r in res] == [(None, [], 48)] * 4
+    assert res[0]["checks"] >= 12
 
 
 # --- python -m trainer under torchrun ---------------------------------------------------------------
@@ -201,6 +219,7 @@ def _torchrun(tmp_path, faults: str, *extra: str):
     return r, [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+@pytest.mark.slow  # a torchrun launch: about 15 s
 def test_under_torchrun_a_flip_is_rolled_back_and_the_run_goes_on(tmp_path):
     r, rows = _torchrun(tmp_path, '{kind="bitflip", step=11, rank=1, target="optimizer"}')
     assert r.returncode == 0, r.stderr[-3000:]
@@ -212,6 +231,7 @@ def test_under_torchrun_a_flip_is_rolled_back_and_the_run_goes_on(tmp_path):
     assert [row["verified_step"] for row in rows][7:9] == [8, 8]
 
 
+@pytest.mark.slow  # a torchrun launch: about 15 s
 def test_under_torchrun_a_persistent_flip_exits_3_naming_the_rank_and_host(tmp_path):
     r, _ = _torchrun(tmp_path, '{kind="bitflip", step=11, rank=1, target="param", persistent=true}')
     assert r.returncode != 0
@@ -219,12 +239,19 @@ def test_under_torchrun_a_persistent_flip_exits_3_naming_the_rank_and_host(tmp_p
     assert "exitcode  : 3" in r.stderr or "exit code 3" in r.stderr or "exitcode: 3" in r.stderr, r.stderr[-2000:]
 
 
-def test_python_m_trainer_alone_exits_3(tmp_path):
-    """One process (no torchrun): the exit status itself is 3."""
+def test_python_m_trainer_alone_exits_3_with_the_verified_step_committed(tmp_path):
+    """One process (no torchrun): the exit status itself is 3, and the verified step is made durable."""
+    from checkpointing.manager import CheckpointManager
+
+    url = f"file://{tmp_path}/ckpt"
     r = subprocess.run([PY, "-m", "trainer", "--config", "examples/tiny.toml", "--set", "train.steps=16",
                         "--set", "data.max_bytes=200000", "--set", "health.check_every_steps=4", "--set",
+                        f'checkpoint.url="{url}"', "--set",
                         'health.faults=[{kind="bitflip", step=6, rank=0, target="param", persistent=true}]'],
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 3, r.stderr[-3000:]
-    assert "a fault on rank 0" in r.stderr and "the run stopped at its last verified step 4" in r.stderr
+    assert "a fault on rank 0" in r.stderr and "the run stopped at its last verified step 4, checkpoint " \
+        "committed at step 4" in r.stderr, r.stderr[-2000:]
+    mgr = CheckpointManager(url, "tiny")
+    assert mgr.steps() == [4] and mgr.read_manifest(4).trainer_state["verified"]["step"] == 4

@@ -43,12 +43,18 @@ def default_bit(rng: random.Random, element_size: int) -> int:
     return rng.choice([width - 1] + [width - 2 - i for i in range(4) if width - 2 - i >= mantissa])
 
 
+def _key(spec: dict) -> tuple:
+    """A fault's identity whatever rank its process holds now."""
+    return tuple(sorted((k, str(v)) for k, v in spec.items() if k != "rank"))
+
+
 class Faults:
-    def __init__(self, specs: list[dict], rank: int, seed: int):
+    def __init__(self, specs: list[dict], rank: int, seed: int, fired: set | None = None):
         self.rank = rank
         self.seed = seed
         self.specs = [dict(s) for s in specs]
-        self.fired: set[int] = set()
+        # the transient faults that fired, by their content (a set the caller may keep across trainers)
+        self.fired: set = fired if fired is not None else set()
         self.log: list[dict] = []  # what fired: kind, target, step, leaf, element, bit
 
     def _due(self, i: int, spec: dict, step: int, kind: str, target: str | None = None) -> bool:
@@ -58,7 +64,7 @@ class Faults:
             return False
         if spec.get("persistent"):
             return step >= spec["step"]
-        return step == spec["step"] and i not in self.fired
+        return step == spec["step"] and _key(spec) not in self.fired
 
     def _rng(self, spec: dict, step: int) -> random.Random:
         return random.Random(f"{spec.get('seed', self.seed)}:{spec['step']}:{self.rank}:{spec.get('target')}")
@@ -74,7 +80,7 @@ class Faults:
         bit = spec.get("bit")
         bit = default_bit(rng, t.element_size()) if bit is None else min(bit, t.element_size() * 8 - 1)
         flip_bit(t, element, bit)
-        self.fired.add(i)
+        self.fired.add(_key(spec))
         self.log.append({"kind": "bitflip", "target": target, "step": step, "rank": self.rank, "leaf": key,
                          "element": element, "bit": bit})
         log.warning("chaos: flipped bit %d of element %d of %s (%s) on rank %d at step %d", bit, element, key,

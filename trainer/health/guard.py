@@ -82,6 +82,7 @@ class HealthGuard(Response):
         self._local_flags: list[dict] = []
         self._hook = None
         self.on_rollback: list = []  # called with the step rolled back to (the launcher's own copies of later steps)
+        self.on_replay: list = []  # called with each replayed step's stats (the launcher's history of it)
         self.nonfinite_known: set[int] = set()  # cursors of batches whose every replay was non-finite
         self._step_local: tuple = (None, 0.0)
 
@@ -281,13 +282,14 @@ class HealthGuard(Response):
         out, self.events = self.events, []
         return out
 
-    def set_faults(self, specs: list | None) -> None:
-        """Chaos faults from now on (``[health] faults`` entries, checked as the config checks them)."""
+    def set_faults(self, specs: list | None, fired: set | None = None) -> None:
+        """Chaos faults from now on (``[health] faults`` entries, checked as the config checks them); ``fired``:
+        the transient faults that fired already (shared, so that a new trainer does not fire them again)."""
         from ..config.health import check_fault
 
         for i, f in enumerate(specs or []):
             check_fault(f, f"health.faults[{i}]")
-        self.faults = Faults(list(specs), self.rank, self.tr.cfg.train.seed) if specs else None
+        self.faults = Faults(list(specs), self.rank, self.tr.cfg.train.seed, fired=fired) if specs else None
 
     def load_skipped(self, ranges) -> None:
         """A checkpoint's skipped ranges (its data state), with ``data.skip_ranges``: merged, sorted."""

@@ -64,7 +64,7 @@ class Response:
         before = self._gather_records()
         tried = 0
         for snap in self.ring.newest_first():
-            if not snap.intact():
+            if not all(self._all_gather(snap.intact())):  # every rank takes the same snapshot, or none
                 self._event("health", note=f"verified snapshot of step {snap.step} failed its digest check in "
                                            "host memory; trying an older one")
                 continue
@@ -92,6 +92,12 @@ class Response:
                         f"a fault on rank {rank} ({self._host_of(rank)}) came back at step {n} after a rollback to "
                         f"verified step {snap.step}: {self._describe(new.findings)}", rank, self._host_of(rank), n,
                         snap.step)
+                if any(f.kind in ("seal", "replica") for f in new.findings):  # the state's, on no one rank
+                    self._verdict("persistent", new, None)
+                    self._restore(snap)
+                    raise PersistentFault(f"a fault in the state came back at step {n} after a rollback to verified "
+                                          f"step {snap.step}, on no one rank ({self._describe(new.findings)})",
+                                          None, "", n, snap.step)
                 if any(f.kind == "nonfinite" for f in new.findings):
                     return self._nonfinite_again(new)
                 return self._skip(new)
@@ -111,6 +117,9 @@ class Response:
                 if self.held is not None:
                     new, self.held = self.held, None
                     return new, None
+                if self.tr.step < n:
+                    for hook in self.on_replay:
+                        hook(stats)
             if any(f.kind == "replica" for f in held.findings) and self.tr.step == n:
                 findings = self.check()
                 if findings:
