@@ -166,7 +166,9 @@ def _tls_refused(url: str) -> bool:
             return False
         with socket.create_connection((parts.hostname, parts.port or 2379), timeout=1):
             return True
-    except (OSError, ValueError, ConfigError):
+    except (ConnectionResetError, ConnectionAbortedError):  # it answered, then reset us before connect returned
+        return True
+    except (OSError, ValueError, ConfigError):  # nobody listens (refused), no route, a bad URL
         return False
 
 
