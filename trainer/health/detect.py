@@ -75,6 +75,12 @@ def target_of(key: str) -> str:
     return "optimizer" if key.startswith("optim.") else "param"
 
 
+def target_of_all(keys) -> str | None:
+    """The state every one of ``keys`` names, None when they name both."""
+    targets = {target_of(k) for k in keys}
+    return targets.pop() if len(targets) == 1 else None
+
+
 def replica_findings(step: int, holdings: Mapping[int, Mapping[tuple, int]]) -> list[Finding]:
     """Leaves whose holders disagree, from every rank's ``{identity: digest}``. The ranks outside a strict
     majority are named; with no strict majority (two replicas that differ) ``rank`` is None and the
@@ -97,8 +103,7 @@ def replica_findings(step: int, holdings: Mapping[int, Mapping[tuple, int]]) -> 
     out = []
     for r, ev in sorted(bad.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         leaves = ev["leaves"]
-        target = target_of(leaves[0]) if len({target_of(k) for k in leaves}) == 1 else None
-        out.append(Finding("replica", step, r, target, {"leaves": leaves[:8], "n_leaves": len(leaves),
+        out.append(Finding("replica", step, r, target_of_all(leaves), {"leaves": leaves[:8], "n_leaves": len(leaves),
                                                          "holders": ev["holders"]}))
     return out
 

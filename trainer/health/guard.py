@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 
-from .detect import Finding, SpikeWindow, replica_findings, target_of
+from .detect import Finding, SpikeWindow, replica_findings, target_of_all
 from .digest import combine, digest, identity, local, state_leaves
 from .faults import Faults
 from .response import Held, Response
@@ -63,8 +63,9 @@ class HealthGuard(Response):
         self.rank, self.world_size = tr.world.rank, tr.world.size
         self.faults = Faults(self.cfg.faults, self.rank, tr.cfg.train.seed) if self.cfg.faults else None
         w, z = self.cfg.spike_window, self.cfg.spike_zscore
-        self.windows = {"loss": SpikeWindow(w, z), "grad_norm": SpikeWindow(w, z),
-                        "local_loss": SpikeWindow(w, z), "local_grad": SpikeWindow(w, z)}
+        # the reduced loss and gradient norm, and this rank's own loss (its gradient share has no window: a
+        # shard's norm wanders with its shard; only a non-finite one is a finding of its own)
+        self.windows = {"loss": SpikeWindow(w, z), "grad_norm": SpikeWindow(w, z), "local_loss": SpikeWindow(w, z)}
         self.ring = VerifiedRing(self.cfg.rollback_depth, self.cfg.check_every_steps)
         self.group = dist.new_group(backend="gloo") if self.enabled and self.world_size > 1 else None
         self.host = socket.gethostname()
@@ -76,7 +77,7 @@ class HealthGuard(Response):
         self.replaying = False
         self.skipped: list[list[int]] = [list(r) for r in tr.cfg.data.skip_ranges]
         self.events: list[dict] = []  # since the launcher last took them (take_events)
-        self.totals = {"checks": 0, "check_seconds": 0.0, "sdc": {}, "skipped_samples": 0, "rollbacks": 0}
+        self.totals = {"checks": 0, "check_seconds": 0.0, "skipped_samples": 0, "rollbacks": 0}
         self._leaves: list | None = None
         self._ids: list | None = None
         self._local_flags: list[dict] = []
@@ -96,6 +97,12 @@ class HealthGuard(Response):
 
     def digests(self) -> list[int]:
         return [digest(local(t)) for _, t in self.leaves()]
+
+    def seal_breaks(self, now: list[int]) -> list[str]:
+        """The leaves whose digests ``now`` differ from the seal (changed since this rank's last update)."""
+        if self.seal is None:
+            return []
+        return [k for (k, _), a, b in zip(self.leaves(), self.seal, now) if a != b]
 
     def extra_state(self) -> dict:
         """What a rollback restores besides the tensors: the trainer's cursor and the windows."""
@@ -134,21 +141,18 @@ class HealthGuard(Response):
         self._step_local = (local_loss, local_norm_sq)
         if not self.active:
             return 0
-        if self.seal is not None:
-            now = self.digests()
-            bad = [k for (k, _), a, b in zip(self.leaves(), self.seal, now) if a != b]
-            if bad:
-                kinds = {target_of(k) for k in bad}
-                self._local_flags.append({"kind": "seal", "rank": self.rank, "leaves": bad[:8], "n_leaves": len(bad),
-                                          "target": kinds.pop() if len(kinds) == 1 else None})
+        bad = self.seal_breaks(self.digests()) if self.seal is not None else []
+        if bad:
+            self._local_flags.append({"kind": "seal", "rank": self.rank, "leaves": bad[:8], "n_leaves": len(bad),
+                                      "target": target_of_all(bad)})
         for name, v in (("local_loss", local_loss), ("local_grad", local_norm_sq)):
             if v is None:
                 continue
             if not math.isfinite(v):
                 self._local_flags.append({"kind": "local", "rank": self.rank, "signal": name, "value": v})
                 continue
-            if name == "local_grad":
-                continue  # a shard's norm wanders with its shard: only a non-finite one is a finding of its own
+            if name not in self.windows:
+                continue
             spike, z = self.windows[name].is_spike(v)
             if spike:
                 self._local_flags.append({"kind": "local", "rank": self.rank, "signal": name, "value": v,
@@ -177,10 +181,8 @@ class HealthGuard(Response):
         if not findings:
             self.windows["loss"].accept(loss)
             self.windows["grad_norm"].accept(grad_norm)
-            ll, lg = self._step_local
-            if ll is not None:
-                self.windows["local_loss"].accept(ll)
-            self.windows["local_grad"].accept(lg)
+            if self._step_local[0] is not None:
+                self.windows["local_loss"].accept(self._step_local[0])
             return False
         self.held = Held(n, findings)
         return True
@@ -220,14 +222,13 @@ class HealthGuard(Response):
         t0 = time.monotonic()
         step = self.tr.step
         now = self.digests()
-        sealed_bad = [] if self.seal is None else [k for (k, _), a, b in zip(self.leaves(), self.seal, now) if a != b]
+        sealed_bad = self.seal_breaks(now)
         every = self._all_gather({"digests": dict(zip(self._ids, now)), "seal": sealed_bad[:8],
                                   "n_seal": len(sealed_bad)})
         findings = replica_findings(step, {r: e["digests"] for r, e in enumerate(every)})
         for r, e in enumerate(every):
             if e["n_seal"]:
-                kinds = {target_of(k) for k in e["seal"]}
-                findings.append(Finding("seal", step, r, kinds.pop() if len(kinds) == 1 else None,
+                findings.append(Finding("seal", step, r, target_of_all(e["seal"]),
                                         {"leaves": e["seal"], "n_leaves": e["n_seal"]}))
         self.totals["checks"] += 1
         if not findings:

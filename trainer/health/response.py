@@ -218,7 +218,6 @@ class Response:
         if self.faults is not None and target is None:
             fired = [e for e in self.faults.log if e.get("rank") == rank]
             target = fired[-1]["target"] if fired and "target" in fired[-1] else None
-        self.totals["sdc"][verdict] = self.totals["sdc"].get(verdict, 0) + 1
         self._event("sdc", verdict=verdict, rank=rank, node=self._host_of(rank) if rank is not None else None,
                     step=held.step, target=target, localized_by=how,
                     evidence=[x.to_dict() for x in held.findings][:6], **extra)
